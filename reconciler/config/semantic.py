@@ -1,0 +1,168 @@
+"""Rules that relate one part of the file to another (GITOPS-2).
+
+Called by the loader on a schema-valid ``Cluster``. Each rule yields a
+``Diagnostic`` positioned at the place the operator has to edit; when two
+places collide, the message names the other one too.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterator
+
+from reconciler.config.diagnostics import Diagnostic, SourceMap, at
+from reconciler.model import Cluster
+
+
+def _did_you_mean(value: str, options: list[str]) -> str | None:
+    close = difflib.get_close_matches(value, options, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {close[0]!r}?"
+    if options:
+        return f"known: {', '.join(options[:12])}{' …' if len(options) > 12 else ''}"
+    return None
+
+
+def check(cluster: Cluster, source: SourceMap) -> list[Diagnostic]:
+    return list(_errors(cluster, source)) + list(_warnings(cluster, source))
+
+
+def _duplicates(items: list[str], what: str, section: str, field: str, source: SourceMap) -> Iterator[Diagnostic]:
+    first: dict[str, int] = {}
+    for i, value in enumerate(items):
+        if value in first:
+            other = source.value((section, first[value], field))
+            yield at("error", source.value((section, i, field)), f"duplicate {what} {value!r} (first at {other})",
+                     f"{what}s must be unique; rename one of them", "duplicate")
+        else:
+            first[value] = i
+
+
+def _errors(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
+    yield from _duplicates([s.name for s in cluster.servers], "server name", "servers", "name", source)
+    yield from _duplicates([r.id for r in cluster.routes], "route id", "routes", "id", source)
+    yield from _duplicates([u.name for u in cluster.users], "user name", "users", "name", source)
+
+    # Inbound ids are unique across the whole file, not only per server.
+    seen: dict[str, tuple[int, int]] = {}
+    for si, server in enumerate(cluster.servers):
+        for ii, inbound in enumerate(server.inbounds):
+            here = ("servers", si, "inbounds", ii, "id")
+            if inbound.id in seen:
+                other = source.value(("servers", *seen[inbound.id][:1], "inbounds", seen[inbound.id][1], "id"))
+                yield at("error", source.value(here), f"duplicate inbound id {inbound.id!r} (first at {other})",
+                         "inbound ids must be unique in the whole file; rename one", "duplicate")
+            else:
+                seen[inbound.id] = (si, ii)
+
+    # Two listeners on one server cannot share a port on the same transport.
+    for si, server in enumerate(cluster.servers):
+        taken: dict[tuple[int, str], int] = {}
+        for ii, inbound in enumerate(server.inbounds):
+            for transport in sorted(inbound.transports):
+                key = (inbound.port, transport)
+                if key in taken:
+                    other = server.inbounds[taken[key]]
+                    yield at("error", source.value(("servers", si, "inbounds", ii, "port")),
+                             f"port {inbound.port}/{transport} on server {server.name!r} is already used by inbound "
+                             f"{other.id!r} ({source.value(('servers', si, 'inbounds', taken[key], 'port'))})",
+                             "choose another port; TCP and UDP listeners may share a number", "port")
+                    break
+                taken[key] = ii
+
+    routes = {r.id: r for r in cluster.routes}
+    route_ids = list(routes)
+    for si, server in enumerate(cluster.servers):
+        for ii, inbound in enumerate(server.inbounds):
+            base = ("servers", si, "inbounds", ii)
+            if inbound.route is not None and inbound.route not in routes:
+                hint = _did_you_mean(inbound.route, route_ids)
+                if not routes:
+                    hint = f"this file declares no routes: add one under `routes:` with `id: {inbound.route}`"
+                yield at("error", source.value(base + ("route",)), f"inbound {inbound.id!r} names unknown route {inbound.route!r}",
+                         hint, "reference")
+                continue
+            route = routes.get(inbound.route) if inbound.route else None
+            if inbound.pool is not None:
+                if route is None:
+                    yield at("error", source.value(base + ("pool",)), f"inbound {inbound.id!r} has a pool but no route",
+                             "set `route:` too, or remove `pool:`", "reference")
+                elif not route.pools:
+                    yield at("error", source.value(base + ("pool",)),
+                             f"inbound {inbound.id!r} names pool {inbound.pool!r}, but route {route.id!r} has no pools",
+                             f"declare `pools: [{inbound.pool}]` on route {route.id!r}, or remove `pool:`", "reference")
+                elif inbound.pool not in route.pools:
+                    yield at("error", source.value(base + ("pool",)),
+                             f"inbound {inbound.id!r} names pool {inbound.pool!r}, which route {route.id!r} does not declare",
+                             _did_you_mean(inbound.pool, route.pools), "reference")
+            elif route is not None and route.pools:
+                yield at("error", source.key(base + ("route",)),
+                         f"inbound {inbound.id!r} is in route {route.id!r}, which has pools, but names no pool",
+                         f"add `pool:` with one of: {', '.join(route.pools)}", "reference")
+
+    for ri, route in enumerate(cluster.routes):
+        base = ("routes", ri)
+        pools = route.pools or []
+        dup = {p for p in pools if pools.count(p) > 1}
+        for pool in sorted(dup):
+            yield at("error", source.value(base + ("pools",)), f"route {route.id!r} lists pool {pool!r} twice", None, "duplicate")
+        if route.fallback_pool is not None and route.fallback_pool not in pools:
+            hint = _did_you_mean(route.fallback_pool, pools) if pools else "declare `pools:` on the route first"
+            yield at("error", source.value(base + ("fallback_pool",)),
+                     f"fallback_pool {route.fallback_pool!r} is not one of route {route.id!r}'s pools", hint, "reference")
+        for region, geo_pools in (route.geo or {}).items():
+            for gi, pool in enumerate(geo_pools):
+                if pool not in pools:
+                    hint = _did_you_mean(pool, pools) if pools else "declare `pools:` on the route first"
+                    yield at("error", source.value(base + ("geo", region, gi)),
+                             f"geo {region} names pool {pool!r}, which route {route.id!r} does not declare", hint, "reference")
+
+
+def _warnings(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
+    def inbound_pos(inbound_id: str) -> tuple[str | int, ...]:
+        for si, server in enumerate(cluster.servers):
+            for ii, inbound in enumerate(server.inbounds):
+                if inbound.id == inbound_id:
+                    return ("servers", si, "inbounds", ii)
+        return ()
+
+    if not cluster.servers:
+        yield at("warning", source.root, "no servers declared", "add servers under `servers:`", "empty")
+
+    implicit = [r for r in cluster.effective_routes if r.implicit]
+    if implicit:
+        first = cluster.members[implicit[0].id][0].inbound
+        yield at("warning", source.key(inbound_pos(first.id)),
+                 f"no routes declared: route 'default' holds the first inbound {first.id!r} (ROUTE-6)",
+                 "declare `routes:` to choose which inbounds clients see", "implicit-route")
+
+    if cluster.unassigned:
+        names = ", ".join(ref.inbound.id for ref in cluster.unassigned)
+        n = len(cluster.unassigned)
+        yield at("warning", source.key(inbound_pos(cluster.unassigned[0].inbound.id)),
+                 f"{n} inbound(s) are not in any route — clients cannot see them yet: {names}",
+                 "set `route:` on them, or run `reconciler route assign INBOUND ROUTE`", "unassigned")
+
+    for ri, route in enumerate(cluster.routes):
+        members = cluster.members[route.id]
+        if not members:
+            yield at("warning", source.key(("routes", ri)),
+                     f"route {route.id!r} is empty — hidden from subscriptions until an inbound joins it",
+                     f"run `reconciler route assign INBOUND {route.id}`", "empty-route")
+            continue
+        if route.pools:
+            for pool in route.pools:
+                size = sum(1 for ref in members if ref.inbound.pool == pool)
+                if size == 0:
+                    yield at("warning", source.value(("routes", ri, "pools")),
+                             f"pool {pool!r} of route {route.id!r} has no inbounds — it is never healthy", None, "empty-pool")
+                elif size < route.minimum_healthy:
+                    yield at("warning", source.value(("routes", ri, "minimum_healthy")),
+                             f"pool {pool!r} of route {route.id!r} has {size} inbound(s), fewer than minimum_healthy "
+                             f"{route.minimum_healthy} — it is never healthy", None, "pool-size")
+        elif "steering" in route.model_fields_set or "fallback_pool" in route.model_fields_set:
+            yield at("warning", source.key(("routes", ri, "steering")),
+                     f"route {route.id!r} has no pools, so steering does nothing", "declare `pools:` to steer", "steering")
+        if route.steering == "geo" and not route.geo:
+            yield at("warning", source.value(("routes", ri, "steering")),
+                     f"route {route.id!r} steers by geo but has no `geo:` map — every user gets failover order", None, "geo")
