@@ -1,0 +1,342 @@
+"""The ``reconciler`` command line.
+
+Exit codes: 0 success, 1 error (invalid file, failed command), 2 reserved for
+``plan`` ("changes pending"), 130 interrupted. Whatever the input, no traceback
+reaches the operator; set ``RECONCILER_DEBUG=1`` to see one for a bug report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+from reconciler import __version__
+
+DEFAULT_FILE = os.environ.get("RECONCILER_FILE", "cluster.yaml")
+SCHEMA_PATH = Path("schemas") / "cluster.schema.json"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="reconciler", description="Declarative GitOps reconciler for self-hosted VPN clusters.")
+    p.add_argument("--version", action="version", version=f"reconciler {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    v = sub.add_parser("validate", help="check a cluster file: schema and semantics (GITOPS-2)")
+    v.add_argument("file", nargs="?", default=DEFAULT_FILE)
+    v.add_argument("--json", action="store_true", help="machine-readable result")
+
+    s = sub.add_parser("schema", help="write the JSON Schema of the cluster file (GITOPS-1)")
+    s.add_argument("--out", default=str(SCHEMA_PATH), help="where to write it ('-' for stdout)")
+    s.add_argument("--check", action="store_true", help="exit 1 when the file on disk is stale")
+
+    i = sub.add_parser("init", help="scaffold a minimal valid cluster file")
+    i.add_argument("file", nargs="?", default=DEFAULT_FILE)
+    i.add_argument("--force", action="store_true", help="overwrite an existing file")
+
+    r = sub.add_parser("route", help="edit route membership in place (ROUTE-3)")
+    rsub = r.add_subparsers(dest="route_command", metavar="ACTION")
+    ra = rsub.add_parser("assign", help="put an inbound into a route (moving it if needed)")
+    ra.add_argument("inbound")
+    ra.add_argument("route")
+    ra.add_argument("--pool", help="the pool, when the route has pools")
+    ra.add_argument("-f", "--file", default=DEFAULT_FILE)
+    ru = rsub.add_parser("unassign", help="take an inbound out of its route")
+    ru.add_argument("inbound")
+    ru.add_argument("-f", "--file", default=DEFAULT_FILE)
+
+    rl = sub.add_parser("routes", help="list routes, their inbounds and warnings")
+    rl.add_argument("-f", "--file", default=DEFAULT_FILE)
+
+    t = sub.add_parser("topology", help="draw servers, inbounds and routes (ROUTE-8)")
+    t.add_argument("-f", "--file", default=DEFAULT_FILE)
+    t.add_argument("--format", choices=["svg", "mermaid", "dot"], default="mermaid")
+    t.add_argument("-o", "--out", default="-", help="output file ('-' for stdout)")
+
+    d = sub.add_parser("demo", help="show what the reconciler does with the example cluster")
+    d.add_argument("-f", "--file", default="cluster.example.yaml")
+    d.add_argument("--out-dir", default="demo-output", help="where to write the topology pictures")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:  # the last line of defence: never a traceback for the operator
+        if os.environ.get("RECONCILER_DEBUG"):
+            traceback.print_exc()
+        print(f"internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print("  hint: this is a bug in reconciler; rerun with RECONCILER_DEBUG=1 and report the output", file=sys.stderr)
+        return 1
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command is None:
+        _parser().print_help()
+        return 1
+    if args.command == "route" and args.route_command is None:
+        print("usage: reconciler route {assign,unassign} ...", file=sys.stderr)
+        return 1
+    handler = {
+        "validate": cmd_validate,
+        "schema": cmd_schema,
+        "init": cmd_init,
+        "route": cmd_route,
+        "routes": cmd_routes,
+        "topology": cmd_topology,
+        "demo": cmd_demo,
+    }[args.command]
+    return handler(args)
+
+
+# --------------------------------------------------------------------------- validate
+
+
+def _print_diagnostics(diagnostics: Sequence[object]) -> None:
+    for d in diagnostics:
+        print(d.render(), file=sys.stderr)  # type: ignore[attr-defined]
+
+
+def _load_or_report(path: str):  # -> Cluster | None
+    from reconciler.config import load_cluster
+
+    result = load_cluster(path)
+    _print_diagnostics(result.diagnostics)
+    return result.cluster
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from reconciler.config import load_cluster
+
+    result = load_cluster(args.file)
+    cluster = result.cluster
+    if args.json:
+        summary = _summary(cluster) if cluster else None
+        print(json.dumps({
+            "file": args.file,
+            "valid": result.ok,
+            "errors": [d.as_json() for d in result.errors],
+            "warnings": [d.as_json() for d in result.warnings],
+            "summary": summary,
+        }, indent=2, ensure_ascii=False))
+        return 0 if result.ok else 1
+    _print_diagnostics(result.diagnostics)
+    if not result.ok:
+        n = len(result.errors)
+        print(f"{args.file}: invalid — {n} error{'s' if n != 1 else ''}", file=sys.stderr)
+        return 1
+    s = _summary(cluster)
+    warn = f"; {len(result.warnings)} warning(s)" if result.warnings else ""
+    print(
+        f"{args.file}: valid — {s['servers']} servers, {s['inbounds']} inbounds, {s['routes']} routes "
+        f"({s['empty_routes']} empty), {s['users']} users{warn}"
+    )
+    return 0
+
+
+def _summary(cluster) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    return {
+        "servers": len(cluster.servers),
+        "inbounds": len(cluster.inbounds),
+        "routes": len(cluster.effective_routes),
+        "empty_routes": sum(1 for r in cluster.effective_routes if not cluster.members[r.id]),
+        "unassigned_inbounds": len(cluster.unassigned),
+        "users": len(cluster.users),
+    }
+
+
+# --------------------------------------------------------------------------- schema, init
+
+
+def schema_text() -> str:
+    from reconciler.model import Cluster
+
+    schema = Cluster.model_json_schema(mode="validation")
+    schema = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://reconciler.invalid/schemas/cluster.schema.json",
+        **schema,
+        "title": "reconciler cluster file",
+        "description": "Desired state of a self-hosted VPN cluster: settings, servers, routes, users.",
+    }
+    return json.dumps(schema, indent=2, ensure_ascii=False) + "\n"
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    text = schema_text()
+    if args.out == "-":
+        sys.stdout.write(text)
+        return 0
+    out = Path(args.out)
+    if args.check:
+        current = out.read_text(encoding="utf-8") if out.exists() else ""
+        if current != text:
+            print(f"{out} is stale; run `reconciler schema` and commit the result", file=sys.stderr)
+            return 1
+        print(f"{out} is up to date")
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    print(f"wrote {out}")
+    return 0
+
+
+INIT_TEMPLATE = """\
+# yaml-language-server: $schema=schemas/cluster.schema.json
+# A minimal cluster: one server, one inbound, one route. Validate with
+#   reconciler validate {file}
+# Secrets never go here: set RECONCILER_SECRET (see settings.secret).
+
+settings:
+  health:
+    report_interval: 60s
+
+servers:
+  - name: vps-1
+    host: 203.0.113.10              # your server's address
+    ssh: {{user: root, port: 22}}
+    country: DE                     # ISO 3166-1 alpha-2; the region is derived
+    inbounds:
+      - id: vps-1-reality
+        name: "My VPN"              # what users see in their app
+        protocol: vless-reality
+        port: 443
+        camouflage: www.example.com # a real TLS site REALITY presents
+        route: default
+
+routes:
+  - id: default                     # the route a file without routes gets implicitly (ROUTE-6)
+    name: default
+
+users:
+  - name: me
+"""
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    if path.exists() and not args.force:
+        print(f"{path} already exists; use --force to overwrite", file=sys.stderr)
+        return 1
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(INIT_TEMPLATE.format(file=path), encoding="utf-8")
+    schema = path.parent / SCHEMA_PATH
+    if not schema.exists():
+        schema.parent.mkdir(parents=True, exist_ok=True)
+        schema.write_text(schema_text(), encoding="utf-8")
+        print(f"wrote {schema}")
+    print(f"wrote {path}; next: reconciler validate {path}")
+    return 0
+
+
+# --------------------------------------------------------------------------- route editing and listing
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    from reconciler.config.edit import EditError, assign, unassign
+
+    try:
+        if args.route_command == "assign":
+            result = assign(args.file, args.inbound, args.route, args.pool)
+        else:
+            result = unassign(args.file, args.inbound)
+    except EditError as exc:
+        _print_diagnostics(exc.diagnostics)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    _print_diagnostics([w for w in result.warnings])
+    print(f"{result.file}: {result.summary}" if result.changed else f"{result.file}: unchanged — {result.summary}")
+    return 0
+
+
+def routes_table(cluster) -> object:  # type: ignore[no-untyped-def]
+    from rich.table import Table
+
+    table = Table(title="Routes (in subscription order)")
+    for column in ("#", "route", "balance", "pools / steering", "inbounds (server)"):
+        table.add_column(column)
+    for n, route in enumerate(cluster.effective_routes, 1):
+        members = cluster.members[route.id]
+        label = f"{route.flag} {route.name}" if route.flag else route.name
+        if route.implicit:
+            label += " (implicit)"
+        pools = f"{', '.join(route.pools)} / {route.steering}" if route.pools else "—"
+        inbounds = "\n".join(
+            f"{ref.inbound.name} ({ref.server.name}{', ' + ref.inbound.pool if ref.inbound.pool else ''})" for ref in members
+        ) or "[dim]empty — hidden from subscriptions[/dim]"
+        table.add_row(str(n), f"{label}\n[dim]{route.id}[/dim]", route.balance, pools, inbounds)
+    if cluster.unassigned:
+        table.add_row("", "[yellow]unassigned[/yellow]", "", "",
+                      "\n".join(f"{r.inbound.name} ({r.server.name})" for r in cluster.unassigned))
+    return table
+
+
+def cmd_routes(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    cluster = _load_or_report(args.file)
+    if cluster is None:
+        return 1
+    Console().print(routes_table(cluster))
+    return 0
+
+
+def cmd_topology(args: argparse.Namespace) -> int:
+    from reconciler.topology import RENDERERS
+
+    cluster = _load_or_report(args.file)
+    if cluster is None:
+        return 1
+    text = RENDERERS[args.format](cluster)
+    if args.out == "-":
+        sys.stdout.write(text)
+    else:
+        Path(args.out).write_text(text, encoding="utf-8")
+        print(f"wrote {args.out}")
+    return 0
+
+
+# --------------------------------------------------------------------------- demo
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Until provisioning lands: validate the example, list its routes, draw its topology."""
+    from rich.console import Console
+
+    from reconciler.config import load_cluster
+    from reconciler.topology import RENDERERS
+
+    console = Console()
+    console.rule(f"reconciler demo — {args.file}")
+    result = load_cluster(args.file)
+    _print_diagnostics(result.diagnostics)
+    if result.cluster is None:
+        return 1
+    cluster = result.cluster
+    s = _summary(cluster)
+    console.print(
+        f"[green]valid[/green]: {s['servers']} servers in {len({x.country for x in cluster.servers})} countries, "
+        f"{s['inbounds']} inbounds, {s['routes']} routes, {s['users']} users, {len(result.warnings)} warning(s)"
+    )
+    console.print(routes_table(cluster))
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for fmt, ext in (("svg", "svg"), ("mermaid", "mmd"), ("dot", "dot")):
+        (out / f"topology.{ext}").write_text(RENDERERS[fmt](cluster), encoding="utf-8")
+    console.print(f"topology written to {out}/topology.svg, .mmd and .dot")
+    console.print(RENDERERS["mermaid"](cluster), markup=False, highlight=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The topology picture (ROUTE-8): servers and their inbounds → routes → subscriptions.
+
+Pure renderers from a ``Cluster`` (and, once the loop runs, a status per server)
+to Mermaid, Graphviz DOT and a self-contained SVG. Unassigned inbounds lead to
+an "unassigned" zone; empty routes are drawn dashed and have no link to the
+distribution node, since they are hidden from subscriptions (ROUTE-5).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from xml.sax.saxutils import escape
+
+from reconciler.model import Cluster
+
+#: Fill colours by health status; "unknown" before the loop has a verdict.
+STATUS_COLOURS = {
+    "ok": "#2e7d32",
+    "unavailable": "#c62828",
+    "unreachable": "#ef6c00",
+    "blocked": "#6a1b9a",
+    "no_data": "#757575",
+    "unknown": "#37474f",
+}
+
+
+def _ident(prefix: str, value: str) -> str:
+    return prefix + "_" + re.sub(r"[^A-Za-z0-9_]", "_", value)
+
+
+def _route_label(route_name: str, flag: str | None) -> str:
+    return f"{flag} {route_name}" if flag else route_name
+
+
+def mermaid(cluster: Cluster, health: Mapping[str, str] | None = None) -> str:
+    health = health or {}
+    q = lambda s: s.replace('"', "#quot;")  # noqa: E731
+    lines = ["flowchart LR"]
+    for server in cluster.servers:
+        status = health.get(server.name, "unknown")
+        badge = " · prober" if server.prober else ""
+        lines.append(f'  subgraph {_ident("srv", server.name)}["{q(server.name)} · {server.country}/{server.region}{badge}"]')
+        for inbound in server.inbounds:
+            lines.append(f'    {_ident("in", inbound.id)}["{q(inbound.name)}<br/>{inbound.protocol}:{inbound.port}"]')
+        if not server.inbounds:
+            lines.append(f'    {_ident("none", server.name)}["(no inbounds)"]')
+        lines.append("  end")
+        lines.append(f"  style {_ident('srv', server.name)} stroke:{STATUS_COLOURS.get(status, STATUS_COLOURS['unknown'])},stroke-width:2px")
+    lines.append('  dist[["subscriptions"]]')
+    for route in cluster.effective_routes:
+        rid = _ident("route", route.id)
+        members = cluster.members[route.id]
+        label = q(_route_label(route.name, route.flag))
+        if members:
+            lines.append(f'  {rid}(["{label}"])')
+            lines.append(f"  {rid} --> dist")
+        else:
+            lines.append(f'  {rid}(["{label} (empty)"]):::empty')
+        for ref in members:
+            pool = f"|{ref.inbound.pool}|" if ref.inbound.pool else ""
+            lines.append(f"  {_ident('in', ref.inbound.id)} -->{pool} {rid}")
+    if cluster.unassigned:
+        lines.append('  unassigned{{"unassigned — clients cannot see these"}}')
+        for ref in cluster.unassigned:
+            lines.append(f"  {_ident('in', ref.inbound.id)} -.-> unassigned")
+    lines.append("  classDef empty stroke-dasharray: 5 5")
+    return "\n".join(lines) + "\n"
+
+
+def dot(cluster: Cluster, health: Mapping[str, str] | None = None) -> str:
+    health = health or {}
+    q = lambda s: s.replace("\\", "\\\\").replace('"', '\\"')  # noqa: E731
+    lines = ["digraph topology {", "  rankdir=LR;", '  node [shape=box, fontname="sans-serif"];']
+    for server in cluster.servers:
+        colour = STATUS_COLOURS.get(health.get(server.name, "unknown"), STATUS_COLOURS["unknown"])
+        badge = " · prober" if server.prober else ""
+        lines.append(f"  subgraph cluster_{_ident('srv', server.name)} {{")
+        lines.append(f'    label="{q(server.name)} · {server.country}/{server.region}{badge}"; color="{colour}"; penwidth=2;')
+        for inbound in server.inbounds:
+            lines.append(f'    {_ident("in", inbound.id)} [label="{q(inbound.name)}\\n{inbound.protocol}:{inbound.port}"];')
+        if not server.inbounds:
+            lines.append(f'    {_ident("none", server.name)} [label="(no inbounds)", style=dotted];')
+        lines.append("  }")
+    lines.append('  dist [label="subscriptions", shape=doubleoctagon];')
+    for route in cluster.effective_routes:
+        rid = _ident("route", route.id)
+        members = cluster.members[route.id]
+        label = q(_route_label(route.name, route.flag))
+        if members:
+            lines.append(f'  {rid} [label="{label}", shape=ellipse];')
+            lines.append(f"  {rid} -> dist;")
+        else:
+            lines.append(f'  {rid} [label="{label} (empty)", shape=ellipse, style=dashed];')
+        for ref in members:
+            pool = f' [label="{q(ref.inbound.pool)}"]' if ref.inbound.pool else ""
+            lines.append(f"  {_ident('in', ref.inbound.id)} -> {rid}{pool};")
+    if cluster.unassigned:
+        lines.append('  unassigned [label="unassigned — clients cannot see these", shape=note, style=dashed];')
+        for ref in cluster.unassigned:
+            lines.append(f"  {_ident('in', ref.inbound.id)} -> unassigned [style=dotted];")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- SVG
+
+_ROW = 22
+_HEAD = 26
+_GAP = 14
+_SERVER_W = 300
+_ROUTE_W = 220
+
+
+def svg(cluster: Cluster, health: Mapping[str, str] | None = None) -> str:
+    """A self-contained SVG: servers left, routes middle, distribution node right."""
+    health = health or {}
+    parts: list[str] = []
+    anchors: dict[str, tuple[float, float]] = {}  # inbound id → right-edge point
+    y = 40.0
+    x_srv, x_route, x_dist = 20.0, 440.0, 760.0
+    for server in cluster.servers:
+        status = health.get(server.name, "unknown")
+        colour = STATUS_COLOURS.get(status, STATUS_COLOURS["unknown"])
+        rows = max(1, len(server.inbounds))
+        height = _HEAD + rows * _ROW + 6
+        badge = " · prober" if server.prober else ""
+        parts.append(
+            f'<g class="server" data-server="{escape(server.name)}" data-status="{escape(status)}">'
+            f'<rect x="{x_srv}" y="{y}" width="{_SERVER_W}" height="{height}" rx="6" fill="#fafafa" stroke="{colour}" stroke-width="2"/>'
+            f'<rect x="{x_srv}" y="{y}" width="{_SERVER_W}" height="{_HEAD - 4}" rx="6" fill="{colour}"/>'
+            f'<text x="{x_srv + 8}" y="{y + 16}" fill="#fff" font-weight="bold">{escape(server.name)}'
+            f' · {escape(server.country)}/{escape(server.region or "")}{escape(badge)} · {escape(status)}</text>'
+        )
+        for i, inbound in enumerate(server.inbounds):
+            ry = y + _HEAD + i * _ROW
+            parts.append(
+                f'<text x="{x_srv + 10}" y="{ry + 15}" data-inbound="{escape(inbound.id)}">{escape(inbound.name)}'
+                f'<tspan fill="#666"> {escape(inbound.protocol)}:{inbound.port}</tspan></text>'
+            )
+            anchors[inbound.id] = (x_srv + _SERVER_W, ry + 11)
+        if not server.inbounds:
+            parts.append(f'<text x="{x_srv + 10}" y="{y + _HEAD + 15}" fill="#999">(no inbounds)</text>')
+        parts.append("</g>")
+        y += height + _GAP
+    left_bottom = y
+
+    y = 40.0
+    route_mid: dict[str, tuple[float, float]] = {}
+    for route in cluster.effective_routes:
+        members = cluster.members[route.id]
+        empty = not members
+        dash = ' stroke-dasharray="6 4"' if empty else ""
+        label = _route_label(route.name, route.flag) + (" (empty)" if empty else "")
+        detail = f"{route.balance}" + (f" · pools: {', '.join(route.pools)}" if route.pools else "")
+        parts.append(
+            f'<g class="route{" empty" if empty else ""}" data-route="{escape(route.id)}">'
+            f'<rect x="{x_route}" y="{y}" width="{_ROUTE_W}" height="44" rx="22" fill="#e3f2fd" stroke="#1565c0" stroke-width="2"{dash}/>'
+            f'<text x="{x_route + 16}" y="{y + 19}" font-weight="bold">{escape(label)}</text>'
+            f'<text x="{x_route + 16}" y="{y + 35}" fill="#555" font-size="11">{escape(detail)}</text></g>'
+        )
+        route_mid[route.id] = (x_route, y + 22)
+        for ref in members:
+            sx, sy = anchors[ref.inbound.id]
+            parts.append(_curve(sx, sy, x_route, y + 22, "#1565c0", dashed=False))
+        if not empty:
+            parts.append(_curve(x_route + _ROUTE_W, y + 22, x_dist, 62, "#1565c0", dashed=False, cls="to-dist"))
+        y += 44 + _GAP
+    if cluster.unassigned:
+        y += _GAP
+        parts.append(
+            f'<g class="unassigned"><rect x="{x_route}" y="{y}" width="{_ROUTE_W}" height="44" rx="4" fill="#fff8e1" '
+            f'stroke="#f9a825" stroke-width="2" stroke-dasharray="3 3"/>'
+            f'<text x="{x_route + 12}" y="{y + 19}" font-weight="bold">unassigned</text>'
+            f'<text x="{x_route + 12}" y="{y + 35}" fill="#555" font-size="11">clients cannot see these</text></g>'
+        )
+        for ref in cluster.unassigned:
+            sx, sy = anchors[ref.inbound.id]
+            parts.append(_curve(sx, sy, x_route, y + 22, "#f9a825", dashed=True))
+        y += 44
+    parts.append(
+        f'<g class="dist"><rect x="{x_dist}" y="40" width="150" height="44" rx="4" fill="#ede7f6" stroke="#4527a0" stroke-width="2"/>'
+        f'<text x="{x_dist + 18}" y="67" font-weight="bold">subscriptions</text></g>'
+    )
+    height = max(left_bottom, y) + 20
+    width = x_dist + 170
+    legend = " ".join(
+        f'<rect x="{20 + i * 120}" y="10" width="12" height="12" fill="{c}"/><text x="{36 + i * 120}" y="21" font-size="11">{s}</text>'
+        for i, (s, c) in enumerate(STATUS_COLOURS.items())
+    )
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+        f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="sans-serif" font-size="13">'
+        f"<title>cluster topology</title>{legend}{''.join(parts)}</svg>\n"
+    )
+
+
+def _curve(x1: float, y1: float, x2: float, y2: float, colour: str, dashed: bool, cls: str = "link") -> str:
+    mid = (x1 + x2) / 2
+    dash = ' stroke-dasharray="4 4"' if dashed else ""
+    return (
+        f'<path class="{cls}" d="M{x1:.0f},{y1:.0f} C{mid:.0f},{y1:.0f} {mid:.0f},{y2:.0f} {x2:.0f},{y2:.0f}" '
+        f'fill="none" stroke="{colour}" stroke-width="1.5"{dash}/>'
+    )
+
+
+RENDERERS = {"svg": svg, "mermaid": mermaid, "dot": dot}
