@@ -1,0 +1,42 @@
+# Everything installs itself: a fresh machine of this kind needs only `make demo` or `make test`.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Debian packages the tests and the demo use (installed only when missing).
+APT_PACKAGES := graphviz
+
+.PHONY: setup apt test demo bench schema clean
+
+setup: apt $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	@touch $@
+
+apt:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" != 0 ]; then echo "make setup: need root to install:$$missing"; exit 1; fi; \
+	  echo "installing Debian packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+
+# pytest exits 5 when it collects nothing; that is not a failure of the suite.
+test: setup
+	@$(BIN)/python -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
+
+demo: setup
+	$(BIN)/reconciler demo
+
+bench: setup
+	@set -e; found=0; for f in bench/*.py; do [ -e "$$f" ] || continue; found=1; echo "== $$f"; $(BIN)/python "$$f"; done; \
+	[ $$found = 1 ] || echo "no benchmarks yet"
+
+schema: setup
+	$(BIN)/reconciler schema
+
+clean:
+	rm -rf $(VENV) demo-output .pytest_cache .hypothesis

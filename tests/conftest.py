@@ -1,0 +1,52 @@
+"""Shared helpers: run the CLI in-process, plant mistakes in the example file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from reconciler.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "cluster.example.yaml"
+
+
+@dataclass
+class Run:
+    rc: int
+    out: str
+    err: str
+
+    @property
+    def text(self) -> str:
+        return self.out + self.err
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]):
+    """Run `reconciler ARGS…` in-process; returns exit code and captured output."""
+
+    def run(*args: str) -> Run:
+        capsys.readouterr()
+        try:
+            rc = main(list(args))
+        except SystemExit as exc:  # argparse usage errors
+            rc = int(exc.code or 0)
+        captured = capsys.readouterr()
+        return Run(rc, captured.out, captured.err)
+
+    return run
+
+
+def example_text() -> str:
+    return EXAMPLE.read_text(encoding="utf-8")
+
+
+def plant(text: str, old: str, new: str, nth: int = 1) -> tuple[str, int]:
+    """Replace the nth occurrence of `old` with `new`; return the text and the 1-based line of the change."""
+    start = -1
+    for _ in range(nth):
+        start = text.index(old, start + 1)
+    return text[:start] + new + text[start + len(old):], text.count("\n", 0, start) + 1

@@ -1,0 +1,48 @@
+"""Commands around validation: init, demo, routes, usage errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from reconciler.config import load_cluster
+from tests.conftest import EXAMPLE, ROOT
+
+
+def test_init_scaffolds_a_valid_file_with_the_default_route_spelled_out(cli, tmp_path):
+    # spec: ROUTE-6
+    path = tmp_path / "cluster.yaml"
+    run = cli("init", str(path))
+    assert run.rc == 0, run.text
+    result = load_cluster(str(path))
+    assert result.ok and not result.warnings
+    assert [r.id for r in result.cluster.routes] == ["default"] and not result.cluster.routes[0].implicit
+    assert (tmp_path / "schemas" / "cluster.schema.json").exists()
+    assert cli("init", str(path)).rc == 1  # never overwrites silently
+    assert cli("init", str(path), "--force").rc == 0
+
+
+def test_demo_shows_the_example(cli, tmp_path):
+    run = cli("demo", "-f", str(EXAMPLE), "--out-dir", str(tmp_path))
+    assert run.rc == 0, run.text
+    assert "valid" in run.out and "Europe" in run.out and "empty — hidden" in run.out
+    assert (tmp_path / "topology.svg").read_text().startswith("<svg")
+
+
+def test_routes_lists_routes_in_order(cli):
+    # spec: ROUTE-7
+    run = cli("routes", "-f", str(EXAMPLE))
+    assert run.rc == 0
+    positions = [run.out.index(name) for name in ("Europe", "USA", "Fast (UDP)", "Japan")]
+    assert positions == sorted(positions)
+
+
+def test_console_script_runs_without_a_command_and_with_bad_usage():
+    exe = os.path.join(os.path.dirname(sys.executable), "reconciler")
+    out = subprocess.run([exe, "validate", str(EXAMPLE)], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    out = subprocess.run([exe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    out = subprocess.run([exe, "route"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr

@@ -1,0 +1,115 @@
+"""The model: regions, defaults, route membership (ROUTE-3..7, STEER-4)."""
+
+from __future__ import annotations
+
+import pycountry
+import pytest
+
+from reconciler.config import load_cluster
+from reconciler.model import COUNTRY_REGION, REGIONS, Cluster
+from reconciler.model.types import parse_duration, parse_size
+from tests.conftest import EXAMPLE
+
+
+def test_every_iso_country_maps_to_one_of_the_13_regions():
+    # spec: STEER-4
+    assert set(REGIONS) == {"WNAM", "ENAM", "WEU", "EEU", "NSAM", "SSAM", "OC", "ME", "NAF", "SAF", "SAS", "SEAS", "NEAS"}
+    assert set(COUNTRY_REGION) == {c.alpha_2 for c in pycountry.countries}
+    assert set(COUNTRY_REGION.values()) == set(REGIONS)
+
+
+@pytest.mark.parametrize("country,region", [("DE", "WEU"), ("RU", "EEU"), ("US", "ENAM"), ("JP", "NEAS"),
+                                            ("BR", "NSAM"), ("AR", "SSAM"), ("AU", "OC"), ("AE", "ME"),
+                                            ("EG", "NAF"), ("ZA", "SAF"), ("IN", "SAS"), ("SG", "SEAS"), ("MX", "WNAM")])
+def test_server_region_is_derived_from_country_unless_given(country, region):
+    # spec: STEER-4
+    server = {"name": "s", "host": "192.0.2.1", "country": country.lower()}
+    c = Cluster.model_validate({"servers": [server]})
+    assert c.servers[0].country == country and c.servers[0].region == region
+    c = Cluster.model_validate({"servers": [{**server, "region": "SEAS"}]})
+    assert c.servers[0].region == "SEAS"
+
+
+def _one_server(inbounds, routes=None):
+    data = {"servers": [{"name": "s", "host": "192.0.2.1", "country": "DE", "inbounds": inbounds}]}
+    if routes is not None:
+        data["routes"] = routes
+    return Cluster.model_validate(data)
+
+
+def _inbound(i, route=None):
+    d = {"id": f"in-{i}", "name": f"In {i}", "protocol": "shadowsocks-2022", "port": 1000 + i}
+    if route:
+        d["route"] = route
+    return d
+
+
+def test_no_routes_means_an_implicit_default_route_with_the_first_inbound():
+    # spec: ROUTE-6
+    c = _one_server([_inbound(1), _inbound(2)])
+    assert [r.id for r in c.effective_routes] == ["default"]
+    assert c.effective_routes[0].implicit
+    assert [ref.inbound.id for ref in c.members["default"]] == ["in-1"]
+    assert [ref.inbound.id for ref in c.unassigned] == ["in-2"]
+
+
+def test_membership_lives_on_the_inbound_and_keeps_file_order():
+    # spec: ROUTE-3, ROUTE-7
+    routes = [{"id": "b", "name": "B"}, {"id": "a", "name": "A"}, {"id": "empty", "name": "E"}]
+    c = _one_server([_inbound(1, "a"), _inbound(2, "b"), _inbound(3, "a"), _inbound(4)], routes)
+    assert [r.id for r in c.effective_routes] == ["b", "a", "empty"]
+    assert [x.inbound.id for x in c.members["a"]] == ["in-1", "in-3"]
+    assert c.members["empty"] == ()
+    assert [x.inbound.id for x in c.unassigned] == ["in-4"]
+    assert c.route_of("in-2") == "b" and c.route_of("in-4") is None
+
+
+def test_settings_have_documented_defaults():
+    s = Cluster().settings
+    assert s.health.report_interval == 60 and s.health.staleness == 180
+    assert (s.health.failure_streak, s.health.recovery_streak, s.health.prober_streak) == (3, 2, 8)
+    assert s.health.quorum == "majority" and s.health.min_witnesses == 2
+    assert s.balance.capacity_half_life == 86400 and s.balance.stickiness == 0.2
+    assert s.steering.dynamic_warmup == 600
+    assert s.secret.env == "RECONCILER_SECRET"
+
+
+def test_staleness_defaults_to_three_report_intervals():
+    c = Cluster.model_validate({"settings": {"health": {"report_interval": "5m"}}})
+    assert c.settings.health.staleness == 900
+
+
+@pytest.mark.parametrize("text,seconds", [(90, 90), ("90s", 90), ("1.5m", 90), ("2h", 7200), ("7d", 604800), ("250ms", 0.25)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text,size", [(5, 5), ("100GB", 100 * 10**9), ("1.5GiB", int(1.5 * 2**30)), ("500 mb", 500 * 10**6)])
+def test_sizes(text, size):
+    assert parse_size(text) == size
+
+
+def test_example_has_what_the_example_must_show():
+    # spec: GITOPS-1
+    c = load_cluster(str(EXAMPLE)).cluster
+    assert c is not None
+    by_country: dict[str, int] = {}
+    for s in c.servers:
+        by_country[s.country] = by_country.get(s.country, 0) + 1
+    assert len(by_country) >= 3 and max(by_country.values()) >= 3
+    assert any(s.prober for s in c.servers)
+    routes = {r.id: r for r in c.routes}
+    assert any(r.balance == "least-loaded" for r in routes.values())
+    rr = [r for r in routes.values() if r.balance == "round-robin"]
+    assert rr and len({ref.server.coefficient for ref in c.members[rr[0].id]}) > 1
+    assert any(r.pools and r.fallback_pool and r.steering == "geo" and r.geo for r in routes.values())
+    assert any(not c.members[r] for r in routes)
+    assert {i.protocol for s in c.servers for i in s.inbounds} == {
+        "vless-reality", "vless-tls", "trojan", "shadowsocks-2022", "hysteria2", "tuic"}
+
+
+def test_the_example_keeps_no_credentials():
+    # spec: GITOPS-6
+    text = EXAMPLE.read_text()
+    for word in ("uuid", "password", "private_key", "token"):
+        assert f"{word}:" not in text
