@@ -57,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--format", choices=["svg", "mermaid", "dot"], default="mermaid")
     t.add_argument("-o", "--out", default="-", help="output file ('-' for stdout)")
 
+    sim = sub.add_parser("simulate", help="replay a health scenario through the verdict engine (HEALTH-1..13)")
+    sim.add_argument("scenario")
+    sim.add_argument("--json", action="store_true", help="one JSON object per line per tick")
+    sim.add_argument("--all", action="store_true", help="table: every server every tick, not only changes")
+
     d = sub.add_parser("demo", help="show what the reconciler does with the example cluster")
     d.add_argument("-f", "--file", default="cluster.example.yaml")
     d.add_argument("--out-dir", default="demo-output", help="where to write the topology pictures")
@@ -95,6 +100,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "routes": cmd_routes,
         "topology": cmd_topology,
         "demo": cmd_demo,
+        "simulate": cmd_simulate,
     }[args.command]
     return handler(args)
 
@@ -303,6 +309,78 @@ def cmd_topology(args: argparse.Namespace) -> int:
     else:
         Path(args.out).write_text(text, encoding="utf-8")
         print(f"wrote {args.out}")
+    return 0
+
+
+# --------------------------------------------------------------------------- simulate
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from reconciler.config import load_cluster, load_document
+    from reconciler.config.diagnostics import at
+    from reconciler.health.engine import Topology
+    from reconciler.health.simulate import Scenario, check_names, inline_topology, run
+    from reconciler.model.cluster import HealthSettings
+
+    scenario, diagnostics, source = load_document(args.scenario, Scenario)
+    if scenario is None:
+        _print_diagnostics(diagnostics)
+        return 1
+    settings = scenario.health or HealthSettings()
+    if scenario.cluster is not None:
+        cluster_path = os.path.join(os.path.dirname(os.path.abspath(args.scenario)), scenario.cluster)
+        shown = os.path.join(os.path.dirname(args.scenario), scenario.cluster)
+        loaded = load_cluster(cluster_path, display=shown)
+        if loaded.cluster is None:
+            _print_diagnostics(loaded.errors)
+            return 1
+        topology = Topology.from_cluster(loaded.cluster)
+        settings = scenario.health or loaded.cluster.settings.health
+    else:
+        topology = inline_topology(scenario.servers or [])
+    problems = check_names(scenario, topology)
+    if problems:
+        _print_diagnostics([at("error", source.key(("events", i)), msg, f"known servers: {', '.join(topology.servers)}", "reference")
+                            for i, msg in problems])
+        return 1
+    if args.json:
+        for tick, verdicts in run(scenario, topology, settings):
+            line = {"tick": tick, "servers": {name: v.as_json() for name, v in verdicts.servers().items()}}
+            print(json.dumps(line, ensure_ascii=False))
+        return 0
+    return _simulate_table(scenario, topology, settings, run, args.all)
+
+
+def _simulate_table(scenario, topology, settings, run, show_all: bool) -> int:  # type: ignore[no-untyped-def]
+    from rich.console import Console
+    from rich.table import Table
+
+    colours = {"ok": "green", "no_data": "bright_black", "blocked": "magenta", "unreachable": "dark_orange", "unavailable": "red"}
+    table = Table(title=f"verdict timeline — {scenario.ticks} ticks of {settings.report_interval:g}s, seed {scenario.seed}")
+    for col in ("tick", "server", "status", "in rotation", "reason"):
+        table.add_column(col)
+    previous: dict[str, tuple[str, bool, str]] = {}
+    changes: dict[str, int] = {name: 0 for name in topology.servers}
+    last = None
+    for tick, verdicts in run(scenario, topology, settings):
+        last = verdicts
+        for name, v in verdicts.servers().items():
+            key = (v.status, v.in_rotation, v.reason)
+            if show_all or previous.get(name, ("ok", True, "ok")) != key:
+                if name in previous and previous[name][:2] != key[:2]:
+                    changes[name] += 1
+                c = colours.get(v.status, "white")
+                table.add_row(str(tick), name, f"[{c}]{v.status}[/{c}]", "yes" if v.in_rotation else "[red]no[/red]", v.reason)
+            previous[name] = key
+    console = Console() if sys.stdout.isatty() else Console(width=200)  # no wrapping when piped or logged
+    console.print(table)
+    if last is not None:
+        summary = Table(title=f"after tick {scenario.ticks - 1}")
+        for col in ("server", "status", "in rotation", "verdict changes", "reason"):
+            summary.add_column(col)
+        for name, v in last.servers().items():
+            summary.add_row(name, v.status, "yes" if v.in_rotation else "no", str(changes[name]), v.reason)
+        console.print(summary)
     return 0
 
 

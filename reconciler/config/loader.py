@@ -322,9 +322,9 @@ def _data_path(loc: tuple[Any, ...], data: Any) -> Path:
     return tuple(path)
 
 
-def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
+def _allowed_keys(loc: tuple[Any, ...], root: type[BaseModel]) -> list[str]:
     """The keys the model accepts at the mapping that holds the last element of ``loc``."""
-    tp: Any = Cluster
+    tp: Any = root
     for part in loc[:-1]:
         tp = _unwrap(tp)
         if isinstance(tp, type) and issubclass(tp, BaseModel):
@@ -388,7 +388,7 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-def _pydantic_diagnostic(err: dict[str, Any], data: Any, source: SourceMap) -> Diagnostic:
+def _pydantic_diagnostic(err: dict[str, Any], data: Any, source: SourceMap, root: type[BaseModel] = Cluster) -> Diagnostic:
     loc = tuple(err["loc"])
     path = _data_path(loc, data)
     kind = err["type"]
@@ -399,7 +399,7 @@ def _pydantic_diagnostic(err: dict[str, Any], data: Any, source: SourceMap) -> D
 
     if kind == "extra_forbidden":
         key = loc[-1]
-        allowed = _allowed_keys(loc)
+        allowed = _allowed_keys(loc, root)
         close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}?" if close else (f"allowed keys here: {', '.join(allowed)}" if allowed else None)
         return at("error", source.key(path), f"unknown key {key!r}", hint, "unknown-key")
@@ -462,7 +462,25 @@ def _pydantic_diagnostic(err: dict[str, Any], data: Any, source: SourceMap) -> D
     return at("error", pos, f"{field_name}: {err.get('msg')}", None, kind)
 
 
-# --------------------------------------------------------------------------- entry point
+# --------------------------------------------------------------------------- entry points
+
+
+def load_document(path: str, model: type[BaseModel], display: str | None = None) -> tuple[Any, list[Diagnostic], SourceMap]:
+    """Load any YAML document into ``model`` with the same positioned diagnostics as the cluster file.
+
+    Returns (instance or None, diagnostics, source map). Never raises for bad input.
+    """
+    display = display or path
+    try:
+        data, source = _read_yaml(path, display)
+    except _Problem as p:
+        return None, [p.diagnostic], SourceMap()
+    if not isinstance(data, dict):
+        return None, [at("error", source.root, f"the top level must be a mapping, not {_describe(data)}", None, "type")], source
+    try:
+        return model.model_validate(data), [], source
+    except ValidationError as exc:
+        return None, [_pydantic_diagnostic(e, data, source, model) for e in exc.errors()], source
 
 
 def load_cluster(path: str, display: str | None = None, overrides: dict[str, str] | None = None) -> LoadResult:

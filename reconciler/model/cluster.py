@@ -83,7 +83,8 @@ class HealthSettings(_Model):
     )
     failure_streak: int = Field(3, ge=1, le=1000, description="Consecutive failed probes that make a vote (HEALTH-5).")
     recovery_streak: int = Field(
-        2, ge=1, le=1000, description="Consecutive successful probes that withdraw a vote (HEALTH-12)."
+        2, ge=1, le=1000,
+        description="Evaluations a verdict's evidence must stay gone before the verdict clears (HEALTH-12); doubled for flapping targets.",
     )
     prober_streak: int = Field(
         8, ge=1, le=1000, description="Consecutive failures a designated prober needs to call a server blocked (HEALTH-9)."
@@ -93,11 +94,24 @@ class HealthSettings(_Model):
         description="Share of reliable witnesses with fresh data that must vote: 'majority' (> 1/2) or a fraction.",
     )
     min_witnesses: int = Field(2, ge=1, le=1000, description="A quorum never has fewer votes than this (HEALTH-5).")
+    evidence: float = Field(
+        1e-9,
+        gt=0,
+        lt=1,
+        description="A quorum convicts only when its witnesses' streaks together are less likely than this under each "
+        "witness's observed background loss (HEALTH-5); adapts detection time to lossy networks.",
+    )
     unreliable_ratio: float = Field(
         0.5,
         gt=0,
         le=1,
         description="A witness failing at least this share of its targets, well above the fleet's median, is unreliable (HEALTH-6).",
+    )
+    unreliable_margin: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="How far above the fleet's median failure share a witness must be to be unreliable (HEALTH-6).",
     )
 
     @model_validator(mode="after")

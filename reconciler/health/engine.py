@@ -1,0 +1,374 @@
+"""The verdict engine (HEALTH-1..12): pure, vectorised, time passed in.
+
+Witnesses are servers (N); targets are inbounds (M). Every evaluation takes one
+``Observation`` — who reported, what their self-reports say, and the probe
+results each reporting server got against every other server's inbounds — and
+updates a small carried ``HealthState`` (numpy arrays, serialisable). It returns
+``Verdicts``: a status per inbound and per server, rotation flags, witness
+counts, pair marks and reasons in the operator's words.
+
+The rules, in the order they are applied:
+
+1. **Streaks** (HEALTH-5). Each (witness, target) pair keeps its run of
+   consecutive failed probes. A pair without a result this evaluation keeps its
+   streak unchanged; a success resets it.
+2. **Background loss.** Each witness's chance of failing a probe at random is
+   estimated as two EWMAs: the hazard *h* (a failure after a success) and the
+   continuation *c* (another failure after a failure). A streak of *s* is then
+   this likely by chance: ``h · c^(s-1)``. Bursty loss raises *c*; iid loss
+   keeps *c ≈ h*.
+3. **Unreliable witnesses** (HEALTH-6). A witness voting against at least
+   ``unreliable_ratio`` of its targets *and* at least ``unreliable_margin``
+   above the median share of all fresh witnesses is unreliable: its votes are
+   discarded. Judging against the median keeps every witness when half the
+   fleet really is down (all healthy witnesses then fail about half their
+   targets, and so does the median), while a broken witness stands out.
+4. **Votes and quorum** (HEALTH-5, HEALTH-7). A reliable witness with fresh
+   data votes against a target when its streak reaches ``failure_streak``. A
+   target is **unreachable** when, either among all witnesses or among the
+   witnesses of one country, (a) at least ``min_witnesses`` vote, (b) they are a
+   majority (or the configured share) of that group's reliable witnesses with
+   fresh data, and (c) their streaks together are less likely than
+   ``evidence`` by chance (the product of their chance probabilities). The
+   country groups are how a country-level block is caught although witnesses
+   elsewhere still see the target: witnesses in one country are *not*
+   independent of that country's censor, so they are allowed to convict only
+   about their own country, and the reason says so; a lone server in a country
+   never convicts (``min_witnesses``) — that is what a prober is for.
+5. **Prober** (HEALTH-9). A reliable designated prober whose streak against a
+   target reaches ``prober_streak`` marks it **blocked**. Ordinary servers
+   failing to reach a prober mean nothing: a prober's own inbounds are judged
+   by its self-report alone (no votes, no pair marks against them).
+6. **Pair marks** (HEALTH-8). A reliable ordinary witness whose streak against
+   a target reaches ``prober_streak`` (one witness's word always needs the long
+   streak) without any quorum marks the target's inbound ``pair-unreachable``,
+   naming both servers and whether the reverse direction fails too. Marks never
+   take anything out of rotation.
+7. **Self-reports** (HEALTH-1..3). A fresh report saying the service is not
+   running or the inbound's port is not listening makes it **unavailable**; no
+   report within the staleness limit makes it **no_data**.
+8. **Hysteresis** (HEALTH-12). unreachable and blocked clear after their
+   evidence has been gone for ``recovery_streak`` evaluations; each new
+   repeated conviction doubles that (flap damping, up to 32×; the memory halves every 100 evaluations).
+
+Status precedence, most severe first: unavailable > unreachable > blocked >
+no_data > ok. A fresh "not well" report explains every failed probe, so it
+wins; an address nobody can reach is worse than one a censor blocks; silence is
+the weakest signal. A server's status is the most severe of its own report and
+its inbounds'. In rotation (HEALTH-10): ok and no_data; out: unavailable,
+unreachable, blocked.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from reconciler.health.verdicts import BLOCKED, IN_ROTATION, NO_DATA, OK, UNAVAILABLE, UNREACHABLE, Verdicts
+from reconciler.model.cluster import HealthSettings
+
+_STREAK_CAP = 30000
+_H_PRIOR, _C_PRIOR = 0.05, 0.1
+_H_RANGE, _C_RANGE = (0.005, 0.5), (0.02, 0.95)
+_EWMA = 0.02  # per-sample weight of a witness's own background-loss estimators
+_FLEET_EWMA = 0.002  # per-sample weight of the fleet-wide estimators (many samples: fast, yet not swayed by a few)
+_FLAP_DECAY = 0.5 ** (1 / 100)  # flap memory halves every 100 evaluations
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Who witnesses whom: servers (witnesses), inbounds (targets), countries, probers."""
+
+    servers: tuple[str, ...]
+    countries: tuple[str, ...]  # per server
+    probers: tuple[bool, ...]  # per server
+    inbounds: tuple[str, ...]  # target ids
+    inbound_server: tuple[int, ...]  # per inbound: index into servers
+
+    def __post_init__(self) -> None:
+        n, m = len(self.servers), len(self.inbounds)
+        if not (len(self.countries) == len(self.probers) == n and len(self.inbound_server) == m):
+            raise ValueError("topology arrays disagree in length")
+        # Derived, cached arrays (frozen dataclass: set through object.__setattr__).
+        server_of = np.asarray(self.inbound_server, dtype=np.int32)
+        own = np.zeros((n, m), dtype=bool)
+        own[server_of, np.arange(m)] = True
+        codes = sorted(set(self.countries))
+        country_idx = np.array([codes.index(c) for c in self.countries], dtype=np.int32)
+        order = np.argsort(country_idx, kind="stable")
+        starts = np.flatnonzero(np.r_[True, np.diff(country_idx[order]) != 0]) if n else np.array([], dtype=np.int64)
+        for name, value in (
+            ("server_of", server_of), ("own", own), ("country_codes", tuple(codes)), ("country_idx", country_idx),
+            ("country_order", order), ("country_starts", starts), ("prober_mask", np.asarray(self.probers, dtype=bool)),
+            ("targets_per_witness", np.maximum(1, m - own.sum(axis=1))),
+            ("prober_target", np.asarray(self.probers, dtype=bool)[server_of] if m else np.zeros(0, dtype=bool)),
+        ):
+            object.__setattr__(self, name, value)
+
+    @property
+    def n(self) -> int:
+        return len(self.servers)
+
+    @property
+    def m(self) -> int:
+        return len(self.inbounds)
+
+    @classmethod
+    def from_cluster(cls, cluster: object) -> Topology:
+        servers = cluster.servers  # type: ignore[attr-defined]
+        index = {s.name: i for i, s in enumerate(servers)}
+        refs = cluster.inbounds  # type: ignore[attr-defined]
+        return cls(
+            servers=tuple(s.name for s in servers),
+            countries=tuple(s.country for s in servers),
+            probers=tuple(bool(s.prober) for s in servers),
+            inbounds=tuple(r.inbound.id for r in refs),
+            inbound_server=tuple(index[r.server.name] for r in refs),
+        )
+
+
+@dataclass
+class Observation:
+    """What arrived for one evaluation. Arrays are indexed like the topology.
+
+    ``reported[w]``: server w's self-report (with its probe results) arrived now.
+    ``probe_present[w, t]``/``probe_ok[w, t]``: w's probe of inbound t this time.
+    ``probe_rtt_ms[w, t]`` is optional (NaN for failed or missing probes).
+    """
+
+    now: float
+    reported: np.ndarray  # (N,) bool
+    service_ok: np.ndarray  # (N,) bool, meaningful where reported
+    listener_ok: np.ndarray  # (M,) bool, meaningful where its server reported
+    probe_present: np.ndarray  # (N, M) bool
+    probe_ok: np.ndarray  # (N, M) bool
+    probe_rtt_ms: np.ndarray | None = None
+
+
+@dataclass
+class HealthState:
+    """Everything the engine carries between evaluations (persisted by the loop)."""
+
+    fail: np.ndarray  # (N, M) int16 consecutive failures
+    hazard: np.ndarray  # (N,) float64
+    cont: np.ndarray  # (N,) float64
+    fleet: np.ndarray  # (2,) float64: fleet-wide hazard and continuation
+    last_report: np.ndarray  # (N,) float64, -inf = never
+    last_service_ok: np.ndarray  # (N,) bool
+    last_listener_ok: np.ndarray  # (M,) bool
+    unreach_on: np.ndarray  # (M,) bool
+    unreach_clear: np.ndarray  # (M,) int16
+    blocked_on: np.ndarray  # (M,) bool
+    blocked_clear: np.ndarray  # (M,) int16
+    flap: np.ndarray  # (M,) float32
+    evaluations: int = 0
+
+    @classmethod
+    def initial(cls, topology: Topology) -> HealthState:
+        n, m = topology.n, topology.m
+        return cls(
+            fail=np.zeros((n, m), dtype=np.int16),
+            hazard=np.full(n, _H_PRIOR),
+            cont=np.full(n, _C_PRIOR),
+            fleet=np.array([_H_PRIOR, _C_PRIOR]),
+            last_report=np.full(n, -np.inf),
+            last_service_ok=np.ones(n, dtype=bool),
+            last_listener_ok=np.ones(m, dtype=bool),
+            unreach_on=np.zeros(m, dtype=bool),
+            unreach_clear=np.zeros(m, dtype=np.int16),
+            blocked_on=np.zeros(m, dtype=bool),
+            blocked_clear=np.zeros(m, dtype=np.int16),
+            flap=np.zeros(m, dtype=np.float32),
+        )
+
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in vars(self).values() if isinstance(v, np.ndarray))
+
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        arrays = {k: v for k, v in vars(self).items() if isinstance(v, np.ndarray)}
+        np.savez_compressed(buf, evaluations=np.array(self.evaluations), **arrays)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, topology: Topology) -> HealthState:
+        """Restore a persisted state; a state of another topology starts afresh."""
+        with np.load(io.BytesIO(data)) as npz:
+            values = {k: npz[k] for k in npz.files}
+        state = cls(**{k: v for k, v in values.items() if k != "evaluations"}, evaluations=int(values["evaluations"]))
+        if state.fail.shape != (topology.n, topology.m):
+            return cls.initial(topology)
+        return state
+
+    def copy(self) -> HealthState:
+        return HealthState(**{k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in vars(self).items()})
+
+
+class HealthEngine:
+    """Carries the state and evaluates one observation at a time. Deterministic."""
+
+    def __init__(self, topology: Topology, settings: HealthSettings, state: HealthState | None = None):
+        self.topology = topology
+        self.settings = settings
+        self.state = state if state is not None else HealthState.initial(topology)
+
+    def evaluate(self, obs: Observation) -> Verdicts:
+        topo, cfg, st = self.topology, self.settings, self.state
+        n, m = topo.n, topo.m
+        own = topo.own
+        F = cfg.failure_streak
+        long_streak = cfg.prober_streak
+
+        # 1. Streaks, and the background-loss samples they give.
+        present = obs.probe_present & obs.reported[:, None] & ~own
+        failed = present & ~obs.probe_ok
+        prev = st.fail
+        # Background loss is learnt from targets not already convicted: a known-bad target's failures are not chance.
+        background = present & ~(st.unreach_on | st.blocked_on)[None, :]
+        fresh_start = background & (prev == 0)
+        in_run = background & (prev > 0) & (prev < F)
+        h_n, h_f = fresh_start.sum(axis=1), (fresh_start & failed).sum(axis=1)
+        c_n, c_f = in_run.sum(axis=1), (in_run & failed).sum(axis=1)
+        _update_rate(st.hazard, h_n, h_f, _H_RANGE)
+        _update_rate(st.cont, c_n, c_f, _C_RANGE)
+        for k, (cnt, fails, bounds) in enumerate(((h_n.sum(), h_f.sum(), _H_RANGE), (c_n.sum(), c_f.sum(), _C_RANGE))):
+            if cnt:
+                weight = 1.0 - (1.0 - _FLEET_EWMA) ** cnt
+                st.fleet[k] = np.clip(st.fleet[k] + weight * (fails / cnt - st.fleet[k]), *bounds)
+        st.fail = np.where(present, np.where(failed, np.minimum(prev + 1, _STREAK_CAP), 0), prev).astype(np.int16)
+        fail = st.fail
+
+        # Self-reports (HEALTH-1..3).
+        st.last_report = np.where(obs.reported, obs.now, st.last_report)
+        st.last_service_ok = np.where(obs.reported, obs.service_ok, st.last_service_ok)
+        reported_t = obs.reported[topo.server_of]
+        st.last_listener_ok = np.where(reported_t, obs.listener_ok, st.last_listener_ok)
+        fresh = (obs.now - st.last_report) <= cfg.staleness
+
+        # 2-3. Votes of fresh witnesses; unreliable ones discarded (HEALTH-6). Probes of a prober's own
+        # inbounds are not votes: failing to reach the prober means nothing (HEALTH-9).
+        vote = (fail >= F) & fresh[:, None] & ~own & ~topo.prober_target[None, :]
+        share = vote.sum(axis=1) / topo.targets_per_witness
+        median = float(np.median(share[fresh])) if fresh.any() else 0.0
+        unreliable = fresh & (share >= cfg.unreliable_ratio) & (share >= median + cfg.unreliable_margin)
+        reliable = fresh & ~unreliable
+        V = vote & reliable[:, None]
+
+        # 4. Quorum: globally and per country, with the evidence test (HEALTH-5, HEALTH-7).
+        # A witness's chance of a streak: the larger of its own and the fleet's loss (the cautious choice).
+        log_h = np.log(np.maximum(st.hazard, st.fleet[0])).astype(np.float32)
+        log_c = np.log(np.maximum(st.cont, st.fleet[1])).astype(np.float32)
+        chance = np.where(V, log_h[:, None] + (fail.astype(np.float32) - 1) * log_c[:, None], np.float32(0))
+        eligible = (reliable[:, None] & ~own).astype(np.int32)
+        votes = V.sum(axis=0, dtype=np.int32)
+        witnesses = eligible.sum(axis=0, dtype=np.int32)
+        log_evidence = math.log(cfg.evidence)
+        global_conv = self._quorum(votes, witnesses, chance.sum(axis=0), log_evidence)
+
+        local_country = np.full(m, -1, dtype=np.int32)
+        if len(topo.country_codes) > 1 and n:
+            order, starts = topo.country_order, topo.country_starts
+            votes_c = np.add.reduceat(V[order].astype(np.int32), starts, axis=0)
+            wit_c = np.add.reduceat(eligible[order], starts, axis=0)
+            ev_c = np.add.reduceat(chance[order], starts, axis=0)
+            conv_c = self._quorum(votes_c, wit_c, ev_c, log_evidence)
+            any_c = conv_c.any(axis=0)
+            local_country = np.where(any_c & ~global_conv, np.argmax(conv_c, axis=0), -1).astype(np.int32)
+            unreach_now = global_conv | any_c
+        else:
+            unreach_now = global_conv
+
+        # 5. Probers (HEALTH-9).
+        probers = np.flatnonzero(topo.prober_mask & reliable)
+        blocked_by = np.full(m, -1, dtype=np.int32)
+        if probers.size:
+            hits = (fail[probers] >= long_streak) & ~own[probers]
+            any_hit = hits.any(axis=0)
+            blocked_by = np.where(any_hit, probers[np.argmax(hits, axis=0)], -1).astype(np.int32)
+        else:
+            any_hit = np.zeros(m, dtype=bool)
+
+        # A fresh "not well" report explains every failed probe: it replaces, not adds to, a conviction.
+        report_fresh_t = fresh[topo.server_of]
+        unavailable_t = report_fresh_t & (~st.last_service_ok[topo.server_of] | ~st.last_listener_ok)
+        unreach_now &= ~unavailable_t
+        any_hit &= ~unavailable_t
+        for on, clear in ((st.unreach_on, st.unreach_clear), (st.blocked_on, st.blocked_clear)):
+            on[unavailable_t] = False
+            clear[unavailable_t] = 0
+
+        # 8. Hysteresis with flap damping (HEALTH-12).
+        st.flap *= _FLAP_DECAY
+        required = (cfg.recovery_streak * np.exp2(np.clip(np.floor(st.flap) - 1, 0, 5))).astype(np.int16)
+        _hysteresis(st.unreach_on, st.unreach_clear, unreach_now, required, st.flap)
+        _hysteresis(st.blocked_on, st.blocked_clear, any_hit, required, st.flap)
+
+        # 7. Statuses by precedence.
+        status = np.where(
+            unavailable_t, UNAVAILABLE,
+            np.where(st.unreach_on, UNREACHABLE,
+                     np.where(st.blocked_on, BLOCKED, np.where(report_fresh_t, OK, NO_DATA))),
+        ).astype(np.int8)
+
+        report_status = np.where(fresh, np.where(st.last_service_ok, OK, UNAVAILABLE), NO_DATA).astype(np.int8)
+        listeners_all_down = np.ones(n, dtype=bool)
+        np.logical_and.at(listeners_all_down, topo.server_of, ~st.last_listener_ok)
+        has_inbounds = np.bincount(topo.server_of, minlength=n) > 0
+        report_status = np.where(fresh & has_inbounds & listeners_all_down, UNAVAILABLE, report_status).astype(np.int8)
+        server_status = report_status.copy()
+        if m:
+            np.maximum.at(server_status, topo.server_of, status)
+
+        # 6. Pair marks (HEALTH-8): sparse, long streaks of ordinary reliable witnesses, no quorum.
+        marks: list[tuple[int, int, bool]] = []
+        ordinary = reliable & ~topo.prober_mask
+        candidates = (fail >= long_streak) & ordinary[:, None] & ~own
+        if candidates.any():
+            ws, ts = np.nonzero(candidates & ~st.unreach_on[None, :] & ~topo.prober_target[None, :])
+            for w, t in zip(ws.tolist(), ts.tolist(), strict=True):
+                back = fail[topo.server_of[t]][topo.server_of == w]
+                both = bool(back.size and (back >= long_streak).any() and fresh[topo.server_of[t]])
+                marks.append((w, t, both))
+
+        st.evaluations += 1
+        return Verdicts(
+            topology=topo, now=obs.now, status=status, in_rotation=IN_ROTATION[status],
+            votes=votes, witnesses=witnesses, local_country=local_country, blocked_by=blocked_by,
+            server_status=server_status, server_report_status=report_status, unreliable=unreliable,
+            last_report=st.last_report.copy(), service_ok=st.last_service_ok.copy(), settings=cfg,
+            vote_matrix=V, fail=fail, pair_marks=marks,
+        )
+
+    def _quorum(self, votes: np.ndarray, witnesses: np.ndarray, log_chance: np.ndarray, log_evidence: float) -> np.ndarray:
+        cfg = self.settings
+        if cfg.quorum == "majority":
+            enough = votes * 2 > witnesses
+        else:
+            enough = votes >= np.ceil(float(cfg.quorum) * witnesses)
+        return enough & (votes >= cfg.min_witnesses) & (log_chance <= log_evidence)
+
+
+def _update_rate(rate: np.ndarray, samples: np.ndarray, failures: np.ndarray, bounds: tuple[float, float]) -> None:
+    """EWMA of a failure probability, weighted by how many samples arrived (in place)."""
+    has = samples > 0
+    if not has.any():
+        return
+    weight = 1.0 - (1.0 - _EWMA) ** samples[has]
+    rate[has] += weight * (failures[has] / samples[has] - rate[has])
+    np.clip(rate, *bounds, out=rate)
+
+
+def _hysteresis(on: np.ndarray, clear: np.ndarray, now: np.ndarray, required: np.ndarray, flap: np.ndarray) -> None:
+    """Set at once on evidence; clear after `required` evaluations without it (in place)."""
+    # Every return of the evidence counts as a flap, also while a verdict waits to clear (route-flap damping).
+    newly = now & (~on | (clear > 0))
+    flap[newly] += 1.0
+    clear[now] = 0
+    waiting = on & ~now
+    clear[waiting] += 1
+    release = waiting & (clear >= required)
+    on[:] = (on | now) & ~release
+    clear[release] = 0

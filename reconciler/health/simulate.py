@@ -1,0 +1,242 @@
+"""Replay a scenario tick by tick through the verdict engine (``reconciler simulate``).
+
+A scenario names a fleet (a cluster file, or inline servers with one inbound
+each), a number of report intervals, a seed, iid or bursty probe loss, and
+events that are active from ``at`` until ``until`` (exclusive). The same seed
+and scenario always give the same timeline. Pure: the caller loads files.
+
+Event kinds (one per event):
+- ``block: {from: [a, b] | "*", to: c}`` — probes from those servers to c fail;
+- ``down: s`` — s's service is not running: it reports so, and probes to it fail;
+- ``listener_down: s`` — nothing listens on s's ports: reported, and probes fail;
+- ``silent: s`` — no self-report from s (and so none of its probe results);
+- ``outage: s`` — s is gone: silent, and probes to it fail;
+- ``isolate: s`` — every probe s makes fails (a broken witness);
+- ``loss: {p: 0.2, burst: 3}`` — extra probe loss on every pair, bursty when
+  ``burst`` (mean burst length in ticks, Gilbert-Elliott) is given;
+- ``reports_missing: {p: 0.5}`` — each server's report goes missing with probability p;
+- ``flap: {server: s, period: 10, kind: unreachable}`` — s alternates unreachable (or, with
+  ``kind: down``, service down) and fine every ``period`` ticks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from reconciler.health.engine import HealthEngine, Observation, Topology
+from reconciler.health.verdicts import Verdicts
+from reconciler.model.cluster import HealthSettings
+from reconciler.model.regions import COUNTRY_REGION
+from reconciler.model.types import Name
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+
+class InlineServer(_M):
+    name: Name
+    country: str
+    prober: bool = False
+
+    @model_validator(mode="after")
+    def _country(self) -> InlineServer:
+        if self.country.upper() not in COUNTRY_REGION:
+            raise ValueError(f"{self.country!r} is not an ISO 3166-1 alpha-2 country code")
+        return self
+
+
+class Block(_M):
+    from_: list[Name] | Literal["*"] = Field(..., alias="from")
+    to: Name | list[Name]
+
+
+class Loss(_M):
+    p: float = Field(..., ge=0, le=1)
+    burst: float | None = Field(None, ge=1, description="Mean burst length in ticks (Gilbert-Elliott).")
+
+
+class Missing(_M):
+    p: float = Field(..., ge=0, le=1)
+
+
+class Flap(_M):
+    server: Name
+    period: int = Field(..., ge=1)
+    kind: Literal["unreachable", "down"] = Field("unreachable", description="What flaps: reachability or the service.")
+
+
+class Event(_M):
+    at: int = Field(0, ge=0)
+    until: int | None = Field(None, ge=0)
+    block: Block | None = None
+    down: Name | None = None
+    listener_down: Name | None = None
+    silent: Name | None = None
+    outage: Name | None = None
+    isolate: Name | None = None
+    loss: Loss | None = None
+    reports_missing: Missing | None = None
+    flap: Flap | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Event:
+        kinds = [k for k in _KINDS if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise ValueError(f"an event needs exactly one of: {', '.join(_KINDS)} (got {', '.join(kinds) or 'none'})")
+        if self.until is not None and self.until <= self.at:
+            raise ValueError("`until` must be after `at`")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) is not None)
+
+    def active(self, tick: int) -> bool:
+        return self.at <= tick and (self.until is None or tick < self.until)
+
+
+_KINDS = ("block", "down", "listener_down", "silent", "outage", "isolate", "loss", "reports_missing", "flap")
+
+
+class Scenario(_M):
+    cluster: str | None = Field(None, description="Cluster file, relative to the scenario file.")
+    servers: list[InlineServer] | None = None
+    health: HealthSettings | None = Field(None, description="Thresholds; default: the cluster's, else the defaults.")
+    ticks: int = Field(60, ge=1, le=1_000_000)
+    seed: int = 0
+    loss: float = Field(0.0, ge=0, le=1)
+    events: list[Event] = []
+
+    @model_validator(mode="after")
+    def _fleet(self) -> Scenario:
+        if (self.cluster is None) == (self.servers is None):
+            raise ValueError("give either `cluster:` (a file) or inline `servers:`, not both or neither")
+        return self
+
+
+def inline_topology(servers: list[InlineServer]) -> Topology:
+    return Topology(
+        servers=tuple(s.name for s in servers),
+        countries=tuple(s.country.upper() for s in servers),
+        probers=tuple(s.prober for s in servers),
+        inbounds=tuple(f"{s.name}-in" for s in servers),
+        inbound_server=tuple(range(len(servers))),
+    )
+
+
+def check_names(scenario: Scenario, topology: Topology) -> list[tuple[int, str]]:
+    """(event index, message) for each name in the events that the fleet does not have."""
+    known = set(topology.servers)
+    problems = []
+    for i, ev in enumerate(scenario.events):
+        names: list[str] = []
+        if ev.block is not None:
+            names += [] if ev.block.from_ == "*" else list(ev.block.from_)
+            names += [ev.block.to] if isinstance(ev.block.to, str) else list(ev.block.to)
+        for k in ("down", "listener_down", "silent", "outage", "isolate"):
+            if getattr(ev, k):
+                names.append(getattr(ev, k))
+        if ev.flap is not None:
+            names.append(ev.flap.server)
+        problems += [(i, f"{ev.kind}: unknown server {n!r}") for n in names if n not in known]
+    return problems
+
+
+@dataclass
+class World:
+    """Generates observations for a scenario, tick by tick, from one seeded RNG."""
+
+    scenario: Scenario
+    topology: Topology
+    interval: float
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.scenario.seed)
+        n, m = self.topology.n, self.topology.m
+        self.index = {s: i for i, s in enumerate(self.topology.servers)}
+        self.bad = np.zeros((n, m), dtype=bool)  # Gilbert-Elliott state per pair
+        self.server_of = np.asarray(self.topology.inbound_server, dtype=np.int32)
+
+    def observe(self, tick: int) -> Observation:
+        sc, topo, rng = self.scenario, self.topology, self.rng
+        n, m = topo.n, topo.m
+        reported = np.ones(n, dtype=bool)
+        service_ok = np.ones(n, dtype=bool)
+        server_listening = np.ones(n, dtype=bool)
+        reachable = np.ones(n, dtype=bool)  # probes to the server's inbounds can succeed
+        fail = np.zeros((n, m), dtype=bool)
+        if sc.loss > 0:
+            fail |= rng.random((n, m)) < sc.loss
+        for ev in sc.events:
+            if not ev.active(tick):
+                continue
+            kind = ev.kind
+            if kind == "block":
+                sources = np.ones(n, dtype=bool) if ev.block.from_ == "*" else _mask(self.index, ev.block.from_, n)
+                dests = [ev.block.to] if isinstance(ev.block.to, str) else ev.block.to
+                cols = np.isin(self.server_of, [self.index[d] for d in dests])
+                if ev.block.from_ == "*":
+                    sources &= ~np.isin(np.arange(n), [self.index[d] for d in dests])
+                fail |= sources[:, None] & cols[None, :]
+            elif kind == "down":
+                service_ok[self.index[ev.down]] = False
+                reachable[self.index[ev.down]] = False
+            elif kind == "listener_down":
+                server_listening[self.index[ev.listener_down]] = False
+                reachable[self.index[ev.listener_down]] = False
+            elif kind == "silent":
+                reported[self.index[ev.silent]] = False
+            elif kind == "outage":
+                reported[self.index[ev.outage]] = False
+                reachable[self.index[ev.outage]] = False
+            elif kind == "isolate":
+                fail[self.index[ev.isolate], :] = True
+            elif kind == "loss":
+                fail |= self._loss(ev.loss)
+            elif kind == "reports_missing":
+                reported &= rng.random(n) >= ev.reports_missing.p
+            elif kind == "flap":
+                if ((tick - ev.at) // ev.flap.period) % 2 == 0:
+                    if ev.flap.kind == "down":
+                        service_ok[self.index[ev.flap.server]] = False
+                    reachable[self.index[ev.flap.server]] = False
+        fail |= ~reachable[self.server_of][None, :]
+        return Observation(
+            now=tick * self.interval,
+            reported=reported,
+            service_ok=service_ok,
+            listener_ok=server_listening[self.server_of],
+            probe_present=np.broadcast_to(reported[:, None], (n, m)),
+            probe_ok=~fail,
+        )
+
+    def _loss(self, loss: Loss) -> np.ndarray:
+        shape = self.bad.shape
+        if loss.burst is None:
+            return self.rng.random(shape) < loss.p
+        # Gilbert-Elliott: Bad fails every probe; mean stay in Bad = burst; long-run share of Bad = p.
+        leave = 1.0 / loss.burst
+        enter = 0.0 if loss.p >= 1 else min(1.0, loss.p * leave / (1.0 - loss.p))
+        r = self.rng.random(shape)
+        self.bad = np.where(self.bad, r >= leave, r < enter)
+        return self.bad.copy()
+
+
+def _mask(index: dict[str, int], names: list[str], n: int) -> np.ndarray:
+    out = np.zeros(n, dtype=bool)
+    out[[index[x] for x in names]] = True
+    return out
+
+
+def run(scenario: Scenario, topology: Topology, settings: HealthSettings) -> Iterator[tuple[int, Verdicts]]:
+    """Yield (tick, verdicts) for every tick of the scenario. Deterministic for a seed."""
+    world = World(scenario, topology, settings.report_interval)
+    engine = HealthEngine(topology, settings)
+    for tick in range(scenario.ticks):
+        yield tick, engine.evaluate(world.observe(tick))

@@ -1,0 +1,261 @@
+"""Verdicts: what one evaluation concluded, and how to say it to an operator.
+
+``Verdicts`` holds the engine's arrays; its methods give per-server and
+per-inbound views with reasons (HEALTH-13) and the *best available* order of a
+set of inbounds (HEALTH-11, LB-8): in rotation first, then the least severe
+status, then the fewest marks and votes — so a route can always serve
+something, and what it serves is the least bad choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from reconciler.model.cluster import HealthSettings
+
+OK, NO_DATA, BLOCKED, UNREACHABLE, UNAVAILABLE = 0, 1, 2, 3, 4
+STATUS_NAMES = ("ok", "no_data", "blocked", "unreachable", "unavailable")
+IN_ROTATION = np.array([True, True, False, False, False])
+# Best-available preference among statuses: a blocked address still works outside the censor's
+# country, an unreachable one works nowhere we can see, an unavailable service works for nobody.
+_AVAILABILITY_RANK = {OK: 0, NO_DATA: 1, BLOCKED: 2, UNREACHABLE: 3, UNAVAILABLE: 4}
+
+
+@dataclass(frozen=True)
+class Mark:
+    kind: str  # "pair-unreachable"
+    witness: str  # the server that cannot reach
+    server: str  # the server it cannot reach
+    inbound: str
+    both_directions: bool
+
+    @property
+    def text(self) -> str:
+        direction = "both directions" if self.both_directions else "one direction"
+        return f"{self.witness} cannot reach {self.server} ({direction})"
+
+    def as_json(self) -> dict[str, object]:
+        return {"kind": self.kind, "witness": self.witness, "server": self.server, "inbound": self.inbound,
+                "both_directions": self.both_directions, "text": self.text}
+
+
+@dataclass(frozen=True)
+class InboundVerdict:
+    id: str
+    server: str
+    status: str
+    in_rotation: bool
+    marks: tuple[Mark, ...]
+    votes: int
+    witnesses: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class ServerVerdict:
+    name: str
+    status: str
+    in_rotation: bool
+    marks: tuple[Mark, ...]
+    votes: int
+    witnesses: int
+    reason: str
+    unreliable_witness: bool
+    seconds_since_report: float | None
+
+    def as_json(self) -> dict[str, object]:
+        return {"status": self.status, "in_rotation": self.in_rotation, "marks": [m.as_json() for m in self.marks],
+                "votes": self.votes, "witnesses": self.witnesses, "reason": self.reason,
+                "unreliable_witness": self.unreliable_witness}
+
+
+def _names(names: list[str], limit: int = 5) -> str:
+    if len(names) <= limit:
+        return ", ".join(names)
+    return ", ".join(names[:limit]) + f" and {len(names) - limit} more"
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+@dataclass
+class Verdicts:
+    """The result of one evaluation. Arrays by inbound (M) and by server (N)."""
+
+    topology: object  # reconciler.health.engine.Topology
+    now: float
+    status: np.ndarray  # (M,) int8
+    in_rotation: np.ndarray  # (M,) bool
+    votes: np.ndarray  # (M,) int32 global votes
+    witnesses: np.ndarray  # (M,) int32 reliable fresh witnesses
+    local_country: np.ndarray  # (M,) int32 country index that convicted, -1 none
+    blocked_by: np.ndarray  # (M,) int32 prober index, -1 none
+    server_status: np.ndarray  # (N,) int8
+    server_report_status: np.ndarray  # (N,) int8: from the self-report alone
+    unreliable: np.ndarray  # (N,) bool
+    last_report: np.ndarray  # (N,) float64
+    service_ok: np.ndarray  # (N,) bool: the last report's service state
+    settings: HealthSettings
+    vote_matrix: np.ndarray  # (N, M) bool: which reliable witness votes against which inbound
+    fail: np.ndarray  # (N, M) int16 streaks
+    pair_marks: list[tuple[int, int, bool]] = field(default_factory=list)  # (witness, inbound, both)
+
+    # ------------------------------------------------------------------ lookups
+
+    @cached_property
+    def _server_index(self) -> dict[str, int]:
+        return {s: i for i, s in enumerate(self.topology.servers)}  # type: ignore[attr-defined]
+
+    @cached_property
+    def _inbound_index(self) -> dict[str, int]:
+        return {s: i for i, s in enumerate(self.topology.inbounds)}  # type: ignore[attr-defined]
+
+    @cached_property
+    def _marks_by_inbound(self) -> dict[int, list[Mark]]:
+        topo = self.topology
+        out: dict[int, list[Mark]] = {}
+        for w, t, both in self.pair_marks:
+            mark = Mark("pair-unreachable", topo.servers[w], topo.servers[topo.server_of[t]], topo.inbounds[t], both)  # type: ignore[attr-defined]
+            out.setdefault(t, []).append(mark)
+        return out
+
+    def marks_of_inbound(self, t: int) -> tuple[Mark, ...]:
+        return tuple(self._marks_by_inbound.get(t, ()))
+
+    # ------------------------------------------------------------------ views
+
+    def inbound(self, inbound_id: str) -> InboundVerdict:
+        t = self._inbound_index[inbound_id]
+        topo = self.topology
+        return InboundVerdict(
+            id=inbound_id,
+            server=topo.servers[topo.server_of[t]],  # type: ignore[attr-defined]
+            status=STATUS_NAMES[int(self.status[t])],
+            in_rotation=bool(self.in_rotation[t]),
+            marks=self.marks_of_inbound(t),
+            votes=int(self.votes[t]),
+            witnesses=int(self.witnesses[t]),
+            reason=self._inbound_reason(t),
+        )
+
+    def server(self, name: str) -> ServerVerdict:
+        i = self._server_index[name]
+        topo = self.topology
+        inbounds = np.flatnonzero(topo.server_of == i)  # type: ignore[attr-defined]
+        marks = tuple(m for t in inbounds for m in self.marks_of_inbound(int(t)))
+        status = int(self.server_status[i])
+        if inbounds.size:
+            worst = int(inbounds[np.argmax(self.votes[inbounds])])
+            votes, witnesses = int(self.votes[worst]), int(self.witnesses[worst])
+            in_rotation = bool(self.in_rotation[inbounds].any())
+        else:
+            votes = witnesses = 0
+            in_rotation = bool(IN_ROTATION[status])
+        since = self.now - float(self.last_report[i]) if np.isfinite(self.last_report[i]) else None
+        return ServerVerdict(
+            name=name, status=STATUS_NAMES[status], in_rotation=in_rotation, marks=marks, votes=votes,
+            witnesses=witnesses, reason=self._server_reason(i, inbounds, marks), unreliable_witness=bool(self.unreliable[i]),
+            seconds_since_report=since,
+        )
+
+    def servers(self) -> dict[str, ServerVerdict]:
+        return {name: self.server(name) for name in self.topology.servers}  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ best available (HEALTH-11, LB-8)
+
+    def rank(self, inbound_id: str) -> tuple[int, int, int, int]:
+        """Sort key: smaller is better. In rotation first, then status, marks, votes."""
+        t = self._inbound_index[inbound_id]
+        return (
+            0 if self.in_rotation[t] else 1,
+            _AVAILABILITY_RANK[int(self.status[t])],
+            len(self._marks_by_inbound.get(t, ())),
+            int(self.votes[t]),
+        )
+
+    def best_available(self, inbound_ids: list[str]) -> list[str]:
+        """The inbounds ordered best first; never drops one, so a route never goes empty."""
+        return sorted(inbound_ids, key=lambda i: (self.rank(i), inbound_ids.index(i)))
+
+    # ------------------------------------------------------------------ reasons (HEALTH-13)
+
+    def _witness_names(self, t: int) -> list[str]:
+        topo = self.topology
+        return [topo.servers[w] for w in np.flatnonzero(self.vote_matrix[:, t])]  # type: ignore[attr-defined]
+
+    def _inbound_reason(self, t: int) -> str:
+        topo = self.topology
+        status = int(self.status[t])
+        server = int(topo.server_of[t])  # type: ignore[attr-defined]
+        if status == UNAVAILABLE:
+            if self.server_report_status[server] == UNAVAILABLE and not _listener_only(self, server):
+                return "server unavailable: the proxy service is not running"
+            return f"server unavailable: nothing listening for inbound {topo.inbounds[t]}"  # type: ignore[attr-defined]
+        if status == UNREACHABLE:
+            names = self._witness_names(t)
+            country = int(self.local_country[t])
+            if country >= 0:
+                code = topo.country_codes[country]  # type: ignore[attr-defined]
+                local = [n for n in names if topo.countries[topo.servers.index(n)] == code]  # type: ignore[attr-defined]
+                total = sum(1 for w in range(topo.n) if topo.countries[w] == code and w != server)  # type: ignore[attr-defined]
+                return (f"unreachable from {len(local)} of your {total} servers in {code}: {_names(local)} "
+                        f"(likely blocked in {code}; servers elsewhere still reach it)")
+            if names:
+                text = f"unreachable from {len(names)} of your {int(self.witnesses[t])} servers: {_names(names)}"
+                countries = {topo.countries[topo.servers.index(n)] for n in names}  # type: ignore[attr-defined]
+                if len(countries) == 1 and len(names) < int(self.witnesses[t]):
+                    code = countries.pop()
+                    text += f" — all in {code}; servers elsewhere still reach it (likely blocked in {code})"
+                return text
+            return "unreachable (recovering: waiting for the evidence to stay gone)"
+        if status == BLOCKED:
+            prober = int(self.blocked_by[t])
+            if prober >= 0:
+                streak = int(self.fail[prober, t])
+                return (f"blocked: prober {topo.servers[prober]} has not reached it for {streak} checks "  # type: ignore[attr-defined]
+                        f"— change its IP")
+            return "blocked (recovering: the prober reaches it again)"
+        if status == NO_DATA:
+            return self._no_data_reason(server)
+        marks = self.marks_of_inbound(t)
+        if marks:
+            return "; ".join(m.text for m in marks)
+        return "ok"
+
+    def _no_data_reason(self, server: int) -> str:
+        last = float(self.last_report[server])
+        if not np.isfinite(last):
+            return "no data — agent not answering (never reported)"
+        return f"no data — agent not answering (last report {_ago(self.now - last)} ago; metrics are stale)"
+
+    def _server_reason(self, i: int, inbounds: np.ndarray, marks: tuple[Mark, ...]) -> str:
+        status = int(self.server_status[i])
+        report = int(self.server_report_status[i])
+        if status == report and status in (NO_DATA, UNAVAILABLE):
+            if status == NO_DATA:
+                return self._no_data_reason(i)
+            if not _listener_only(self, i):
+                return "server unavailable: the proxy service is not running"
+        worst = [int(t) for t in inbounds if int(self.status[t]) == status]
+        if status != OK and worst:
+            reason = self._inbound_reason(worst[0])
+            if 0 < len(worst) < inbounds.size:
+                reason += f" (inbound {self.topology.inbounds[worst[0]]}; others differ)"  # type: ignore[attr-defined]
+            return reason
+        notes = [m.text for m in marks]
+        if self.unreliable[i]:
+            notes.append("its own probes fail to most of the fleet — its votes are ignored (check its outbound network)")
+        return "; ".join(notes) if notes else STATUS_NAMES[status]
+
+
+def _listener_only(v: Verdicts, server: int) -> bool:
+    """True when the server reports its service running but its listeners down."""
+    return bool(v.server_report_status[server] == UNAVAILABLE and v.service_ok[server])
