@@ -14,9 +14,10 @@ The rules, in the order they are applied:
    streak unchanged; a success resets it.
 2. **Background loss.** Each witness's chance of failing a probe at random is
    estimated as two EWMAs: the hazard *h* (a failure after a success) and the
-   continuation *c* (another failure after a failure). A streak of *s* is then
-   this likely by chance: ``h · c^(s-1)``. Bursty loss raises *c*; iid loss
-   keeps *c ≈ h*.
+   continuation *c* (another failure after a failure) — a two-state Markov
+   chain, so bursty loss raises *c* and iid loss keeps *c ≈ h*. A streak of at
+   least *s* is then this likely by chance: ``π · c^(s-1)`` with the chain's
+   failure share ``π = h / (h + 1 - c)``.
 3. **Unreliable witnesses** (HEALTH-6). A witness voting against at least
    ``unreliable_ratio`` of its targets *and* at least ``unreliable_margin``
    above the median share of all fresh witnesses is unreliable: its votes are
@@ -29,19 +30,23 @@ The rules, in the order they are applied:
    witnesses of one country, (a) at least ``min_witnesses`` vote, (b) they are a
    majority (or the configured share) of that group's reliable witnesses with
    fresh data, and (c) their streaks together are less likely than
-   ``evidence`` by chance (the product of their chance probabilities). The
+   ``evidence`` by chance: the voters' chance probabilities are combined with
+   Fisher's method (a χ² test) and multiplied by the number of ways to choose
+   that many voters among the group, since the voters are the witnesses that
+   happen to have long streaks. The
    country groups are how a country-level block is caught although witnesses
    elsewhere still see the target: witnesses in one country are *not*
    independent of that country's censor, so they are allowed to convict only
    about their own country, and the reason says so; a lone server in a country
    never convicts (``min_witnesses``) — that is what a prober is for.
 5. **Prober** (HEALTH-9). A reliable designated prober whose streak against a
-   target reaches ``prober_streak`` marks it **blocked**. Ordinary servers
+   target reaches ``prober_streak`` — and is less likely than ``evidence`` by
+   chance under its background loss — marks it **blocked**. Ordinary servers
    failing to reach a prober mean nothing: a prober's own inbounds are judged
    by its self-report alone (no votes, no pair marks against them).
 6. **Pair marks** (HEALTH-8). A reliable ordinary witness whose streak against
    a target reaches ``prober_streak`` (one witness's word always needs the long
-   streak) without any quorum marks the target's inbound ``pair-unreachable``,
+   streak, and on a lossy network also ``evidence``) without any quorum marks the target's inbound ``pair-unreachable``,
    naming both servers and whether the reverse direction fails too. Marks never
    take anything out of rotation.
 7. **Self-reports** (HEALTH-1..3). A fresh report saying the service is not
@@ -105,6 +110,7 @@ class Topology:
             ("country_order", order), ("country_starts", starts), ("prober_mask", np.asarray(self.probers, dtype=bool)),
             ("targets_per_witness", np.maximum(1, m - own.sum(axis=1))),
             ("prober_target", np.asarray(self.probers, dtype=bool)[server_of] if m else np.zeros(0, dtype=bool)),
+            ("lgamma", np.array([math.lgamma(x) if x > 0 else np.inf for x in range(n + 3)])),
         ):
             object.__setattr__(self, name, value)
 
@@ -226,8 +232,12 @@ class HealthEngine:
         present = obs.probe_present & obs.reported[:, None] & ~own
         failed = present & ~obs.probe_ok
         prev = st.fail
-        # Background loss is learnt from targets not already convicted: a known-bad target's failures are not chance.
-        background = present & ~(st.unreach_on | st.blocked_on)[None, :]
+        # Background loss is learnt from targets not already convicted, and not failed by at least half (and 3)
+        # of the witnesses at once: random loss is uncorrelated across witnesses, an outage is not.
+        n_present = present.sum(axis=0)
+        n_failed = failed.sum(axis=0)
+        correlated = (n_failed >= 3) & (2 * n_failed >= n_present)
+        background = present & ~(st.unreach_on | st.blocked_on | correlated)[None, :]
         fresh_start = background & (prev == 0)
         in_run = background & (prev > 0) & (prev < F)
         h_n, h_f = fresh_start.sum(axis=1), (fresh_start & failed).sum(axis=1)
@@ -258,22 +268,25 @@ class HealthEngine:
         V = vote & reliable[:, None]
 
         # 4. Quorum: globally and per country, with the evidence test (HEALTH-5, HEALTH-7).
-        # A witness's chance of a streak: the larger of its own and the fleet's loss (the cautious choice).
-        log_h = np.log(np.maximum(st.hazard, st.fleet[0])).astype(np.float32)
-        log_c = np.log(np.maximum(st.cont, st.fleet[1])).astype(np.float32)
-        chance = np.where(V, log_h[:, None] + (fail.astype(np.float32) - 1) * log_c[:, None], np.float32(0))
+        # A witness's chance of a streak: from the larger of its own and the fleet's loss (the cautious choice).
+        h = np.maximum(st.hazard, st.fleet[0])
+        c = np.maximum(st.cont, st.fleet[1])
+        log_pi = np.log(h / (h + 1.0 - c)).astype(np.float32)
+        log_c = np.log(c).astype(np.float32)
+        # -log P(streak >= s by chance), summed over the voters (Fisher's statistic / 2).
+        surprise = np.where(V, -(log_pi[:, None] + (fail.astype(np.float32) - 1) * log_c[:, None]), np.float32(0))
         eligible = (reliable[:, None] & ~own).astype(np.int32)
         votes = V.sum(axis=0, dtype=np.int32)
         witnesses = eligible.sum(axis=0, dtype=np.int32)
         log_evidence = math.log(cfg.evidence)
-        global_conv = self._quorum(votes, witnesses, chance.sum(axis=0), log_evidence)
+        global_conv = self._quorum(votes, witnesses, surprise.sum(axis=0), log_evidence)
 
         local_country = np.full(m, -1, dtype=np.int32)
         if len(topo.country_codes) > 1 and n:
             order, starts = topo.country_order, topo.country_starts
             votes_c = np.add.reduceat(V[order].astype(np.int32), starts, axis=0)
             wit_c = np.add.reduceat(eligible[order], starts, axis=0)
-            ev_c = np.add.reduceat(chance[order], starts, axis=0)
+            ev_c = np.add.reduceat(surprise[order], starts, axis=0)
             conv_c = self._quorum(votes_c, wit_c, ev_c, log_evidence)
             any_c = conv_c.any(axis=0)
             local_country = np.where(any_c & ~global_conv, np.argmax(conv_c, axis=0), -1).astype(np.int32)
@@ -281,11 +294,13 @@ class HealthEngine:
         else:
             unreach_now = global_conv
 
-        # 5. Probers (HEALTH-9).
+        # 5. Probers (HEALTH-9): the long streak, and (on lossy networks) the evidence of one witness.
         probers = np.flatnonzero(topo.prober_mask & reliable)
         blocked_by = np.full(m, -1, dtype=np.int32)
         if probers.size:
-            hits = (fail[probers] >= long_streak) & ~own[probers]
+            f = fail[probers]
+            p_chance = log_pi[probers, None] + (f.astype(np.float32) - 1) * log_c[probers, None]
+            hits = (f >= long_streak) & ~own[probers] & (p_chance <= log_evidence)
             any_hit = hits.any(axis=0)
             blocked_by = np.where(any_hit, probers[np.argmax(hits, axis=0)], -1).astype(np.int32)
         else:
@@ -327,6 +342,8 @@ class HealthEngine:
         ordinary = reliable & ~topo.prober_mask
         candidates = (fail >= long_streak) & ordinary[:, None] & ~own
         if candidates.any():
+            candidates &= (log_pi[:, None] + (fail.astype(np.float32) - 1) * log_c[:, None]) <= log_evidence
+        if candidates.any():
             ws, ts = np.nonzero(candidates & ~st.unreach_on[None, :] & ~topo.prober_target[None, :])
             for w, t in zip(ws.tolist(), ts.tolist(), strict=True):
                 back = fail[topo.server_of[t]][topo.server_of == w]
@@ -342,13 +359,32 @@ class HealthEngine:
             vote_matrix=V, fail=fail, pair_marks=marks,
         )
 
-    def _quorum(self, votes: np.ndarray, witnesses: np.ndarray, log_chance: np.ndarray, log_evidence: float) -> np.ndarray:
+    def _quorum(self, votes: np.ndarray, witnesses: np.ndarray, surprise: np.ndarray, log_evidence: float) -> np.ndarray:
         cfg = self.settings
         if cfg.quorum == "majority":
             enough = votes * 2 > witnesses
         else:
             enough = votes >= np.ceil(float(cfg.quorum) * witnesses)
-        return enough & (votes >= cfg.min_witnesses) & (log_chance <= log_evidence)
+        enough &= votes >= cfg.min_witnesses
+        return enough & (_log_group_chance(votes, witnesses, surprise, self.topology.lgamma) <= log_evidence)
+
+
+def _log_group_chance(k: np.ndarray, w: np.ndarray, y: np.ndarray, lgamma: np.ndarray) -> np.ndarray:
+    """log P(k of w witnesses show streaks this unlikely by chance), elementwise.
+
+    ``y`` is the voters' summed surprise -Σ log pᵢ. Fisher: P(χ²₂ₖ ≥ 2y) = e^{-y} Σ_{j<k} y^j/j!,
+    bounded above (so the test stays cautious) by its last term over 1 - (k-1)/y; then a
+    Bonferroni factor C(w, k) for which k of the w witnesses happen to be the voters.
+    """
+    k = np.maximum(k, 1)
+    km1 = (k - 1).astype(np.float64)
+    yy = y.astype(np.float64)
+    tail = yy > km1 + 1e-9
+    ys = np.where(tail, yy, 1.0)
+    log_sf = -ys + km1 * np.log(ys) - lgamma[k] - np.log1p(-km1 / ys)
+    log_sf = np.where(tail, np.minimum(log_sf, 0.0), 0.0)
+    w = np.maximum(w, k)
+    return log_sf + lgamma[w + 1] - lgamma[k + 1] - lgamma[w - k + 1]
 
 
 def _update_rate(rate: np.ndarray, samples: np.ndarray, failures: np.ndarray, bounds: tuple[float, float]) -> None:

@@ -95,11 +95,12 @@ class HealthSettings(_Model):
     )
     min_witnesses: int = Field(2, ge=1, le=1000, description="A quorum never has fewer votes than this (HEALTH-5).")
     evidence: float = Field(
-        1e-9,
+        1e-7,
         gt=0,
         lt=1,
-        description="A quorum convicts only when its witnesses' streaks together are less likely than this under each "
-        "witness's observed background loss (HEALTH-5); adapts detection time to lossy networks.",
+        description="How unlikely by chance a verdict's evidence must be (HEALTH-5, HEALTH-8, HEALTH-9): the witnesses' "
+        "streaks are judged against each witness's observed background loss, combined with Fisher's method and "
+        "corrected for choosing the voters among the witnesses. Adapts detection time to lossy networks.",
     )
     unreliable_ratio: float = Field(
         0.5,

@@ -1,0 +1,295 @@
+"""Health verdict simulation benchmark (issue: health engine).
+
+Runs the real engine (reconciler.health) over many ticks and seeds and reports
+false verdicts, detection and recovery times, flaps and cost. Anchors measured
+in the same run: a naive "fixed quorum of 3" rule on the same probe data (the
+research sketch's baseline), and a single numpy pass over the full mesh for the
+tick cost.
+
+    python bench/health_sim.py [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from reconciler.health import HealthEngine, Topology  # noqa: E402
+from reconciler.health.simulate import Scenario, World, inline_topology  # noqa: E402
+from reconciler.model.cluster import HealthSettings  # noqa: E402
+
+SETTINGS = HealthSettings()
+F = SETTINGS.failure_streak
+COUNTRIES = ["DE", "NL", "US", "FR", "GB", "RU", "JP", "SG", "FI", "PL", "CA", "AU", "TR", "BR", "IN", "SE"]
+
+
+def fleet(n: int, probers: int = 0, per_country: int = 4) -> list[dict[str, object]]:
+    """n servers, about `per_country` per country; the first `probers` are probers in RU."""
+    k = max(1, min(len(COUNTRIES), n // per_country))
+    servers = [{"name": f"s{i}", "country": COUNTRIES[i % k]} for i in range(n)]
+    for i in range(probers):
+        servers[i] = {"name": f"p{i}", "country": "RU", "prober": True}
+    return servers
+
+
+@dataclass
+class Stats:
+    server_ticks: int = 0
+    false_out: int = 0  # healthy servers out of rotation (unreachable/blocked)
+    false_unreachable: int = 0
+    false_blocked: int = 0
+    prober_target_ticks: int = 0
+    changes: int = 0  # verdict changes (status or marks) per server
+    naive_false: int = 0
+
+
+def steady(n: int, ticks: int, seed: int, loss: float, burst: float | None = None, probers: int = 0) -> Stats:
+    """A healthy fleet under probe loss: every non-ok verdict is false."""
+    events = [{"at": 0, "loss": {"p": loss, "burst": burst}}] if burst else []
+    sc = Scenario.model_validate({"servers": fleet(n, probers), "ticks": ticks, "seed": seed,
+                                  "loss": 0.0 if burst else loss, "events": events})
+    topo = inline_topology(sc.servers)
+    world, engine = World(sc, topo, 60.0), HealthEngine(topo, SETTINGS)
+    st = Stats()
+    naive_fail = np.zeros((topo.n, topo.m), dtype=np.int16)
+    prev_key = None
+    for t in range(ticks):
+        obs = world.observe(t)
+        v = engine.evaluate(obs)
+        st.server_ticks += n
+        st.false_unreachable += int((v.status == 3).sum())
+        st.false_blocked += int((v.status == 2).sum())
+        st.false_out += int((~v.in_rotation).sum())
+        st.prober_target_ticks += probers * (n - 1)
+        marks = np.zeros(topo.m, dtype=np.int32)
+        for _, tgt, _ in v.pair_marks:
+            marks[tgt] += 1
+        key = (v.status.copy(), marks)
+        if prev_key is not None:
+            st.changes += int(((key[0] != prev_key[0]) | (key[1] != prev_key[1])).sum())
+        prev_key = key
+        # Anchor: a fixed quorum of 3 witnesses with streaks >= F, no reliability or evidence tests.
+        naive_fail = np.where(obs.probe_ok, 0, naive_fail + 1)
+        np.fill_diagonal(naive_fail, 0)
+        st.naive_false += int(((naive_fail >= F).sum(axis=0) >= 3).sum())
+    return st
+
+
+def detect(kind: str, n: int, seed: int, loss: float = 0.05) -> tuple[int | None, int | None]:
+    """(ticks to detect, ticks to recover) for one fault; None = never."""
+    servers = fleet(n, probers=1 if kind == "prober" else 0)
+    names = [s["name"] for s in servers]
+    at, until = 20, 40
+    target = names[-1]
+    if kind == "outage":
+        events, expect = [{"at": at, "until": until, "outage": target}], "unreachable"
+    elif kind == "down":
+        events, expect = [{"at": at, "until": until, "down": target}], "unavailable"
+    elif kind == "country_block":  # the witnesses in the target's... other country (>= 3 there)
+        country = servers[0]["country"]
+        local = [s["name"] for s in servers if s["country"] == country][:max(3, n // 8)]
+        target = next(s["name"] for s in reversed(servers) if s["country"] != country)
+        events, expect = [{"at": at, "until": until, "block": {"from": local, "to": target}}], "unreachable"
+    elif kind == "half_down":
+        down = names[1::2]
+        target = down[-1]
+        events, expect = [{"at": at, "until": until, "outage": s} for s in down], "unreachable"
+    elif kind == "prober":
+        events, expect = [{"at": at, "until": until, "block": {"from": [names[0]], "to": target}}], "blocked"
+    else:
+        raise ValueError(kind)
+    sc = Scenario.model_validate({"servers": servers, "ticks": until + 30, "seed": seed, "loss": loss, "events": events})
+    topo = inline_topology(sc.servers)
+    world, engine = World(sc, topo, 60.0), HealthEngine(topo, SETTINGS)
+    i = topo.servers.index(target)
+    found = healed = None
+    for t in range(sc.ticks):
+        status = engine.evaluate(world.observe(t)).server_status[i]
+        if found is None and t >= at and status == ["ok", "no_data", "blocked", "unreachable", "unavailable"].index(expect):
+            found = t - at + 1
+        if found is not None and healed is None and t >= until and status == 0:
+            healed = t - until + 1
+    return found, healed
+
+
+def scenario_checks(seed: int) -> dict[str, object]:
+    """Qualitative scenarios: lone server with/without prober, split pairs, isolated witness, silence, flapping."""
+    out: dict[str, object] = {}
+
+    def run(servers, events, ticks=60, loss=0.05):
+        sc = Scenario.model_validate({"servers": servers, "ticks": ticks, "seed": seed, "loss": loss, "events": events})
+        topo = inline_topology(sc.servers)
+        world, engine = World(sc, topo, 60.0), HealthEngine(topo, SETTINGS)
+        return [engine.evaluate(world.observe(t)) for t in range(ticks)]
+
+    base = [{"name": "ru-1", "country": "RU"}] + [{"name": f"d{i}", "country": c} for i, c in enumerate("DE DE NL US FR".split())]
+    lone = run(base, [{"at": 5, "block": {"from": ["ru-1"], "to": "d2"}}])
+    out["lone_without_prober_removed"] = any(not v.server("d2").in_rotation for v in lone)
+    out["lone_without_prober_marked"] = bool(lone[-1].server("d2").marks)
+    with_prober = [{**base[0], "prober": True}] + base[1:]
+    lone_p = run(with_prober, [{"at": 5, "block": {"from": ["ru-1"], "to": "d2"}}])
+    out["lone_with_prober_blocked"] = lone_p[-1].server("d2").status == "blocked"
+
+    one_way = run(base, [{"at": 5, "block": {"from": ["d0"], "to": "d3"}}])
+    m = one_way[-1].server("d3").marks
+    out["split_one_way_ok"] = bool(m) and m[0].witness == "d0" and not m[0].both_directions and one_way[-1].server("d3").in_rotation
+    two_way = run(base, [{"at": 5, "block": {"from": ["d0"], "to": "d3"}}, {"at": 5, "block": {"from": ["d3"], "to": "d0"}}])
+    out["split_two_way_ok"] = all(two_way[-1].server(s).marks and two_way[-1].server(s).marks[0].both_directions
+                                  for s in ("d0", "d3")) and all(v.in_rotation.all() for v in two_way)
+    iso = run(fleet(10), [{"at": 3, "isolate": "s2"}], ticks=200)
+    out["isolated_witness_false_verdicts"] = int(sum((v.status >= 2).sum() for v in iso))
+
+    removals = 0
+    for p in (0.3, 0.5, 0.7, 1.0):
+        for v in run(fleet(20), [{"at": 0, "reports_missing": {"p": p}}], ticks=300):
+            removals += int((~v.in_rotation).sum())
+    out["silence_removals"] = removals
+
+    flap = run(fleet(10), [{"at": 10, "until": 410, "flap": {"server": "s9", "period": 6}}], ticks=500)
+    statuses = [int(v.server_status[9]) for v in flap]
+    out["flapping_target_changes"] = sum(1 for a, b in zip(statuses, statuses[1:], strict=False) if a != b)
+    out["flapping_target_undamped_changes"] = 2 * (400 // 12)
+    out["flapping_target_heals"] = statuses[-1] == 0
+    return out
+
+
+def cost(n: int, reps: int) -> tuple[float, float, float]:
+    """(median tick ms, state MB, anchor ms: one np.where over the N x M mesh)."""
+    sc = Scenario.model_validate({"servers": fleet(n, probers=2), "ticks": reps + 3, "seed": 1, "loss": 0.05})
+    topo = inline_topology(sc.servers)
+    world, engine = World(sc, topo, 60.0), HealthEngine(topo, SETTINGS)
+    observations = [world.observe(t) for t in range(reps + 3)]
+    for o in observations[:3]:
+        engine.evaluate(o)
+    times = []
+    for o in observations[3:]:
+        t0 = time.perf_counter()
+        engine.evaluate(o)
+        times.append(time.perf_counter() - t0)
+    fail = engine.state.fail
+    anchor = []
+    for o in observations[3:]:
+        t0 = time.perf_counter()
+        np.where(o.probe_ok, 0, fail + 1)
+        anchor.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3, engine.state.nbytes() / 2**20, statistics.median(anchor) * 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer ticks and seeds (under a minute)")
+    ap.add_argument("--json", action="store_true", help="one JSON object with every figure")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    # Ticks per fleet size: enough server-ticks per loss level (>= 1e5 in the full run).
+    plan = {10: 1500, 50: 300, 200: 75, 1000: 15} if args.quick else {10: 4000, 50: 1000, 200: 250, 1000: 60}
+    seeds = [1, 2] if args.quick else [1, 2, 3, 4, 5]
+    rows = []
+    result: dict[str, object] = {}
+
+    def log(msg: str) -> None:
+        if not args.json:
+            print(msg, flush=True)
+
+    log("== steady fleets under probe loss (every out-of-rotation verdict is false)")
+    for label, loss, burst in (("iid 5%", 0.05, None), ("iid 20%", 0.2, None), ("bursty 20% (mean burst 3)", 0.2, 3.0)):
+        total = Stats()
+        for n, ticks in plan.items():
+            if burst and n == 1000:
+                continue
+            st = steady(n, ticks, seed=7, loss=loss, burst=burst, probers=max(1, n // 50))
+            rows.append((label, n, ticks, st))
+            for k in vars(total):
+                setattr(total, k, getattr(total, k) + getattr(st, k))
+            log(f"  {label:28s} N={n:5d} ticks={ticks:5d}  false unreachable {st.false_unreachable:4d}  "
+                f"false blocked {st.false_blocked:3d}  changes/1000/server {1000 * st.changes / st.server_ticks:6.3f}  "
+                f"naive quorum-of-3 false {st.naive_false / st.server_ticks:7.2%}")
+        key = {"iid 5%": "5", "iid 20%": "20", "bursty 20% (mean burst 3)": "bursty"}[label]
+        result[f"server_ticks_{key}"] = total.server_ticks
+        result[f"false_unreachable_rate_{key}"] = total.false_unreachable / total.server_ticks
+        result[f"false_blocked_{key}"] = total.false_blocked
+        result[f"prober_target_ticks_{key}"] = total.prober_target_ticks
+        result[f"flaps_per_1000_{key}"] = 1000 * total.changes / total.server_ticks
+        result[f"naive_quorum3_false_rate_{key}"] = total.naive_false / total.server_ticks
+    result["false_unreachable_rate"] = max(result["false_unreachable_rate_5"], result["false_unreachable_rate_20"])
+    result["false_unreachable_rate_bursty"] = result["false_unreachable_rate_bursty"]
+    blocked = result["false_blocked_20"] + result["false_blocked_5"]
+    result["false_blocked_rate"] = blocked / (result["prober_target_ticks_20"] + result["prober_target_ticks_5"])
+    result["flaps_per_1000"] = result["flaps_per_1000_20"]
+    n200 = next(st for label, n, _, st in rows if label == "iid 20%" and n == 200)
+    result["naive_quorum3_false_rate_n200_20"] = n200.naive_false / n200.server_ticks
+
+    log("== detection and recovery (5% background loss; ticks counted from the first failed check)")
+    detections: dict[str, list[int]] = {}
+    recoveries: list[int] = []
+    misses = 0
+    for kind in ("outage", "down", "country_block", "half_down", "prober"):
+        for n in (10, 50):
+            for seed in seeds:
+                found, healed = detect(kind, n, seed)
+                if found is None:
+                    misses += 1
+                    continue
+                detections.setdefault(kind, []).append(found)
+                if healed is not None:
+                    recoveries.append(healed)
+        d = detections.get(kind, [])
+        log(f"  {kind:14s} detect max {max(d) if d else '-':>3}  median {statistics.median(d) if d else '-':>4}")
+    quorum_kinds = ("outage", "down", "country_block", "half_down")
+    result["detect_ticks_max"] = max(max(detections[k]) for k in quorum_kinds)
+    result["detect_ticks_prober_max"] = max(detections.get("prober", [0]))
+    result["recover_ticks_max"] = max(recoveries)
+    result["detect_misses"] = misses
+    log(f"  detect_ticks_max {result['detect_ticks_max']} (target <= {F + 1}), prober {result['detect_ticks_prober_max']} "
+        f"(prober_streak {SETTINGS.prober_streak}), recover max {result['recover_ticks_max']}, misses {misses}")
+
+    log("== scenarios")
+    checks = scenario_checks(seed=3)
+    for k, v in checks.items():
+        log(f"  {k:36s} {v}")
+    result.update(checks)
+
+    log("== cost")
+    ms, mb, anchor = cost(1000, reps=5 if args.quick else 15)
+    result["tick_ms_n1000"] = ms
+    result["state_mb_n1000"] = mb
+    result["anchor_where_ms_n1000"] = anchor
+    result["tick_over_anchor"] = ms / anchor
+    log(f"  N=1000 full mesh (10^6 probe results): {ms:.1f} ms per evaluation ({ms / anchor:.0f}x one np.where "
+        f"over the mesh, {anchor:.2f} ms), state {mb:.2f} MB")
+    result["quick"] = args.quick
+    result["seconds"] = time.perf_counter() - t_start
+
+    targets = {
+        "false_unreachable_rate": (result["false_unreachable_rate"], "== 0"),
+        "false_unreachable_rate_bursty": (result["false_unreachable_rate_bursty"], "<= 1e-4"),
+        "false_blocked_rate": (result["false_blocked_rate"], "<= 1e-5"),
+        "detect_ticks_max": (result["detect_ticks_max"], f"<= {F + 1}"),
+        "silence_removals": (result["silence_removals"], "== 0"),
+        "flaps_per_1000": (result["flaps_per_1000"], "<= 1"),
+        "tick_ms_n1000": (result["tick_ms_n1000"], "<= 50"),
+        "state_mb_n1000": (result["state_mb_n1000"], "<= 16"),
+    }
+    met = {k: bool(eval(f"{v!r} {cond}")) for k, (v, cond) in targets.items()}  # noqa: S307 - our own literals
+    result["targets_met"] = met
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print("== targets")
+        for k, (v, cond) in targets.items():
+            print(f"  {k:32s} {v:<12.4g} {cond:10s} {'met' if met[k] else 'MISSED'}")
+        print(f"  ({result['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
