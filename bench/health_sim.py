@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from reconciler.health import HealthEngine, Topology  # noqa: E402
+from reconciler.health import HealthEngine  # noqa: E402
 from reconciler.health.simulate import Scenario, World, inline_topology  # noqa: E402
 from reconciler.model.cluster import HealthSettings  # noqa: E402
 
