@@ -62,6 +62,18 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", action="store_true", help="one JSON object per line per tick")
     sim.add_argument("--all", action="store_true", help="table: every server every tick, not only changes")
 
+    sp = sub.add_parser("subscription", help="print a user's subscription document (GITOPS-6 secret needed)")
+    sp.add_argument("user")
+    sp.add_argument("--format", choices=["links", "sing-box", "clash"], default="links")
+    sp.add_argument("-f", "--file", default=DEFAULT_FILE)
+    sp.add_argument("--headers", action="store_true", help="print the HTTP headers too")
+    sp.add_argument("--decode", action="store_true", help="links: print the share links, not base64")
+
+    st = sub.add_parser("status", help="what each user's entries are and why (HEALTH-13)")
+    st.add_argument("-f", "--file", default=DEFAULT_FILE)
+    st.add_argument("--user", required=True)
+    st.add_argument("--json", action="store_true")
+
     d = sub.add_parser("demo", help="show what the reconciler does with the example cluster")
     d.add_argument("-f", "--file", default="cluster.example.yaml")
     d.add_argument("--out-dir", default="demo-output", help="where to write the topology pictures")
@@ -101,6 +113,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         "topology": cmd_topology,
         "demo": cmd_demo,
         "simulate": cmd_simulate,
+        "subscription": cmd_subscription,
+        "status": cmd_status,
     }[args.command]
     return handler(args)
 
@@ -114,10 +128,11 @@ def _print_diagnostics(diagnostics: Sequence[object]) -> None:
 
 
 def _load_or_report(path: str):  # -> Cluster | None
+    """Load the cluster for a command other than validate: report errors only (validate shows warnings)."""
     from reconciler.config import load_cluster
 
     result = load_cluster(path)
-    _print_diagnostics(result.diagnostics)
+    _print_diagnostics(result.errors)
     return result.cluster
 
 
@@ -309,6 +324,112 @@ def cmd_topology(args: argparse.Namespace) -> int:
     else:
         Path(args.out).write_text(text, encoding="utf-8")
         print(f"wrote {args.out}")
+    return 0
+
+
+# --------------------------------------------------------------------------- subscriptions and status
+
+
+def _snapshot(path: str):  # type: ignore[no-untyped-def]
+    """The cluster plus what the controller has learnt (facts of the last apply), as a snapshot."""
+    import time
+
+    from reconciler.balance import Snapshot
+
+    cluster = _load_or_report(path)
+    if cluster is None:
+        return None
+    facts_path = Path(path).resolve().parent / cluster.settings.outputs.state_dir / "facts.json"
+    facts: dict[str, dict[str, str]] = {}
+    if facts_path.exists():
+        try:
+            facts = json.loads(facts_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            print(f"warning: ignoring unreadable {facts_path}: {exc}", file=sys.stderr)
+    snapshot = Snapshot(cluster=cluster, now=time.time(), public_keys=facts.get("public_keys", {}),
+                        tls_pins=facts.get("tls_pins", {}))
+    pending = [r.inbound.id for r in cluster.inbounds
+               if r.inbound.protocol == "vless-reality" and r.inbound.id not in snapshot.public_keys]
+    if pending:
+        print(f"note: {len(pending)} REALITY inbound(s) have no public key yet (apply first): {', '.join(pending)}",
+              file=sys.stderr)
+    return snapshot
+
+
+def _secret_for(cluster):  # type: ignore[no-untyped-def]
+    from reconciler.credentials import SecretError, load_secret
+
+    try:
+        return load_secret(cluster.settings.secret.env, cluster.settings.secret.file)
+    except SecretError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+
+
+def cmd_subscription(args: argparse.Namespace) -> int:
+    import base64
+
+    from reconciler.subscriptions import render
+
+    snapshot = _snapshot(args.file)
+    if snapshot is None:
+        return 1
+    names = [u.name for u in snapshot.cluster.users]
+    if args.user not in names:
+        import difflib
+
+        close = difflib.get_close_matches(args.user, names, n=1)
+        print(f"error: no user {args.user!r}" + (f"; did you mean {close[0]!r}?" if close else ""), file=sys.stderr)
+        return 1
+    secret = _secret_for(snapshot.cluster)
+    if secret is None:
+        return 1
+    doc = render(snapshot, args.user, args.format, secret)
+    if not doc.entries:
+        print(f"note: {args.user} gets no entries (disabled, expired, or no route has a usable inbound)", file=sys.stderr)
+    if args.headers:
+        for k, v in doc.headers.items():
+            print(f"{k}: {v}")
+        print()
+    body = base64.b64decode(doc.body) if (args.decode and args.format == "links") else doc.body
+    sys.stdout.write(body.decode())
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from reconciler.balance import decide
+
+    snapshot = _snapshot(args.file)
+    if snapshot is None:
+        return 1
+    cluster = snapshot.cluster
+    try:
+        user = cluster.user(args.user)
+    except KeyError:
+        print(f"error: no user {args.user!r}", file=sys.stderr)
+        return 1
+    entries = decide(snapshot, args.user)
+    rows = [{"route": e.route.id, "entry": e.name, "server": e.ref.server.name, "inbound": e.ref.inbound.id,
+             "pool": e.pool, "status": e.status, "in_rotation": e.in_rotation, "why": e.why, "health": e.health}
+            for e in entries]
+    shown = {e.route.id for e in entries}
+    hidden = [r.id for r in cluster.effective_routes if r.id not in shown]
+    if args.json:
+        print(json.dumps({"user": user.name, "active": snapshot.user_active(user), "entries": rows, "hidden_routes": hidden},
+                         indent=2, ensure_ascii=False))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{user.name}: {len(rows)} entr{'y' if len(rows) == 1 else 'ies'}"
+                        + ("" if snapshot.user_active(user) else " (disabled or expired)"))
+    for col in ("route", "entry", "server", "status", "why this inbound", "health"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["route"], r["entry"], r["server"], r["status"], r["why"], r["health"])
+    Console().print(table)
+    if hidden:
+        print(f"hidden routes (empty or nothing usable yet): {', '.join(hidden)}")
     return 0
 
 

@@ -314,6 +314,7 @@ class User(_Model):
     enabled: bool = True
     expires: date | datetime | None = Field(None, description="After this the user gets no subscription.")
     data_limit: ByteSize | None = Field(None, description="Traffic allowance shown to clients; none = unlimited.")
+    rotate: int = Field(0, ge=0, description="Bump to rotate this user's credentials and subscription token (GITOPS-6).")
 
 
 # --------------------------------------------------------------------------- the whole file

@@ -1,0 +1,279 @@
+"""Which inbound each user gets on each route (LB-1..9, ROUTE-1,2,5,7, HEALTH-10,11). Pure.
+
+Two entry points over one immutable ``Snapshot``:
+
+- ``rebalance(snapshot)`` — the batch, run once per report interval: assigns
+  every active user on every route, in three steps per route (and pool):
+  1. **targets**: how many of the route's users each candidate should hold —
+     round-robin in proportion to the coefficients (LB-4); least-loaded in
+     proportion to the capacity left for our users, ``max(0, C − T) + U·t̄``
+     with ``t̄`` the route's traffic per connected user, so a server whose users
+     are heavier than average gets fewer (LB-2); a saturated server (traffic at
+     ``SATURATED`` of capacity) gets no new users; the whole route is
+     round-robin while any candidate has no capacity estimate (LB-5);
+  2. **stickiness** (LB-6): users keep their inbound unless it left the
+     candidates (out of rotation, LB-7; another pool) or its server holds more
+     than ``stickiness`` above its target — then only the excess leaves, the
+     users with the weakest hash for it first;
+  3. **placement** (LB-9): the free users (new, evicted, displaced) go by
+     weighted rendezvous hashing to the candidates' remaining deficits, a chunk
+     at a time, so a batch fills the targets instead of herding onto the
+     single best server.
+- ``decide(snapshot, user)`` — per request: the user's entries in route order,
+  empty routes hidden. A user with a valid assignment in the snapshot keeps it,
+  so files written from the batch and live answers always agree; a user without
+  one is placed by the same hashing on the snapshot's deficits.
+
+Pair-marked inbounds (HEALTH-8) count at ``PAIR_PENALTY`` of their weight. With
+no candidate in rotation, the best available inbound is served (LB-8, HEALTH-11).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from reconciler.balance.hashing import exponentials, scores
+from reconciler.balance.snapshot import Snapshot
+from reconciler.balance.steer import choose_pool, healthy_pools
+from reconciler.model import InboundRef, Route
+
+PAIR_PENALTY = 0.5
+SATURATED = 0.95  # traffic at this share of capacity: the server takes no new users (LB-2)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One line of a user's subscription: a route and the inbound chosen for it."""
+
+    route: Route
+    ref: InboundRef
+    pool: str | None
+    status: str
+    in_rotation: bool
+    why: str  # why this inbound
+    health: str  # the inbound's health reason (HEALTH-13)
+
+    @property
+    def name(self) -> str:
+        return self.ref.inbound.name  # ROUTE-2: the entry is named after the chosen inbound
+
+
+def _usable_members(snapshot: Snapshot, route: Route) -> tuple[InboundRef, ...]:
+    return tuple(r for r in snapshot.cluster.members[route.id] if snapshot.usable(r))
+
+
+def _candidates(snapshot: Snapshot, members: tuple[InboundRef, ...], pool: str | None) -> tuple[InboundRef, ...]:
+    return tuple(r for r in members if (pool is None or r.inbound.pool == pool) and snapshot.in_rotation(r.inbound.id))
+
+
+def _loads(snapshot: Snapshot, cands: tuple[InboundRef, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+    loads = [snapshot.load(r.server.name) for r in cands]
+    traffic = np.array([x.traffic_mbps for x in loads], dtype=np.float64)
+    users = np.array([x.users for x in loads], dtype=np.float64)
+    cap = np.array([np.nan if x.capacity_mbps is None else x.capacity_mbps for x in loads], dtype=np.float64)
+    missing = sorted({r.server.name for r, c in zip(cands, cap, strict=True) if np.isnan(c)})
+    return traffic, users, cap, missing
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A route's (pool's) candidates and the share of its users each should hold."""
+
+    share: np.ndarray  # (K,) target share, sums to 1
+    closed: np.ndarray  # (K,) bool: takes no new users (saturated)
+    mode: str
+    detail: tuple[str, ...]  # per candidate, for the reason
+
+
+def weights(snapshot: Snapshot, route: Route, cands: tuple[InboundRef, ...]) -> Weights:
+    traffic, users, cap, missing = _loads(snapshot, cands)
+    marked = np.array([snapshot.marked(r.inbound.id) for r in cands])
+    penalty = np.where(marked, PAIR_PENALTY, 1.0)
+    closed = np.zeros(len(cands), dtype=bool)
+    if route.balance == "least-loaded" and not missing:
+        per_user = traffic.sum() / users.sum() if users.sum() > 0 else 0.0
+        saturated = traffic >= SATURATED * cap
+        if saturated.all():  # nobody has room: share by size rather than drop the route (LB-8)
+            w, mode = cap.copy(), "least-loaded: every candidate is saturated; shared by capacity"
+        else:
+            w, mode = np.maximum(0.0, cap - traffic) + users * per_user, "least-loaded"
+            closed = saturated
+        spare = np.maximum(0.0, cap - traffic) / (users + 1.0)
+        detail = tuple(f"least-loaded: {x:.1f} Mbps spare per user" for x in spare)
+    else:
+        w = np.array([r.server.coefficient for r in cands], dtype=np.float64)
+        if route.balance == "round-robin":
+            mode = "round-robin"
+            detail = tuple(f"round-robin by coefficient {r.server.coefficient:g}" for r in cands)
+        else:
+            mode = f"round-robin: no capacity estimate yet for {', '.join(missing)}"
+            detail = (mode,) * len(cands)
+    w = w * penalty
+    if w.sum() <= 0:
+        w = np.ones(len(cands))
+    return Weights(share=w / w.sum(), closed=closed, mode=mode, detail=detail)
+
+
+def decide(snapshot: Snapshot, user_name: str, region: str | None = None) -> list[Entry]:
+    """The user's subscription entries in route order (ROUTE-7); empty routes hidden (ROUTE-5).
+
+    ``region`` overrides the user record's region (a live request's client address, STEER-4).
+    An unknown, disabled or expired user gets no entries.
+    """
+    cluster = snapshot.cluster
+    try:
+        user = cluster.user(user_name)
+    except KeyError:
+        return []
+    if not snapshot.user_active(user):
+        return []
+    region = region or user.region
+    ukey = snapshot.user_keys[user.name]
+    entries: list[Entry] = []
+    for route in cluster.effective_routes:
+        members = _usable_members(snapshot, route)
+        if not members:
+            continue
+        pool, pool_why = (None, "")
+        if route.pools:
+            pool, pool_why = choose_pool(snapshot, route, ukey, region)
+        cands = _candidates(snapshot, members, pool) if (pool is not None or not route.pools) else ()
+        if not cands:
+            ref = snapshot.best_available(members)
+            why = "best available: every inbound of this route is out of rotation (HEALTH-11)"
+            entries.append(_entry(snapshot, route, ref, pool, why))
+            continue
+        prev = snapshot.assignments.get((user.name, route.id))
+        kept = next((r for r in cands if r.inbound.id == prev), None)
+        if kept is not None:
+            entries.append(_entry(snapshot, route, kept, pool, _join(pool_why, "kept from the last assignment")))
+            continue
+        w = weights(snapshot, route, cands)
+        held = _held(snapshot, route.id, tuple(r.inbound.id for r in cands))
+        deficit = _deficit(w, held, int(held.sum()) + 1)
+        keys = np.array([snapshot.inbound_keys[r.inbound.id] for r in cands], dtype=np.uint64)
+        best = int(np.argmax(scores(np.array([ukey], dtype=np.uint64), keys, deficit)[0]))
+        entries.append(_entry(snapshot, route, cands[best], pool, _join(pool_why, w.detail[best])))
+    return entries
+
+
+def _held(snapshot: Snapshot, route_id: str, inbound_ids: tuple[str, ...]) -> np.ndarray:
+    counts = _assignment_counts(snapshot)
+    return np.array([counts.get((route_id, i), 0) for i in inbound_ids], dtype=np.float64)
+
+
+def _assignment_counts(snapshot: Snapshot) -> dict[tuple[str, str], int]:
+    """(route, inbound) → users assigned in the snapshot; computed once per snapshot."""
+    cache = snapshot.__dict__.get("_counts")
+    if cache is None:
+        cache = {}
+        for (_, route), inbound in snapshot.assignments.items():
+            cache[(route, inbound)] = cache.get((route, inbound), 0) + 1
+        object.__setattr__(snapshot, "_counts", cache)
+    return cache
+
+
+def _deficit(w: Weights, held: np.ndarray, population: int) -> np.ndarray:
+    """How many more users each candidate should take; never zero everywhere."""
+    target = w.share * population
+    deficit = np.where(w.closed, 0.0, np.maximum(0.0, target - held))
+    if deficit.sum() <= 0:
+        deficit = np.where(w.closed & ~w.closed.all(), 0.0, w.share)
+    return deficit
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}; {b}" if a else b
+
+
+def _entry(snapshot: Snapshot, route: Route, ref: InboundRef, pool: str | None, why: str) -> Entry:
+    iid = ref.inbound.id
+    return Entry(route=route, ref=ref, pool=pool, status=snapshot.status(iid), in_rotation=snapshot.in_rotation(iid),
+                 why=why, health=snapshot.health_reason(iid))
+
+
+# --------------------------------------------------------------------------- the batch
+
+
+def rebalance(snapshot: Snapshot, chunk: int | None = None) -> dict[tuple[str, str], str]:
+    """Assign every active user on every route; returns (user, route) → inbound id."""
+    cluster = snapshot.cluster
+    users = [u for u in cluster.users if snapshot.user_active(u)]
+    if not users:
+        return {}
+    names = [u.name for u in users]
+    ukeys = np.array([snapshot.user_keys[n] for n in names], dtype=np.uint64)
+    regions = np.array([u.region or "" for u in users])
+    stick = 1.0 + cluster.settings.balance.stickiness
+    out: dict[tuple[str, str], str] = {}
+    for route in cluster.effective_routes:
+        members = _usable_members(snapshot, route)
+        if not members:
+            continue
+        groups = _pool_groups(snapshot, route, ukeys, regions)
+        for pool, idx in groups:
+            cands = _candidates(snapshot, members, pool) if (pool is not None or not route.pools) else ()
+            if not cands:
+                fallback = snapshot.best_available(members).inbound.id
+                for i in idx:
+                    out[(names[i], route.id)] = fallback
+                continue
+            chosen = _batch(snapshot, route, cands, ukeys[idx], [names[i] for i in idx], stick, chunk)
+            for i, c in zip(idx, chosen, strict=True):
+                out[(names[i], route.id)] = cands[c].inbound.id
+    return out
+
+
+def _pool_groups(snapshot: Snapshot, route: Route, ukeys: np.ndarray, regions: np.ndarray) -> list[tuple[str | None, np.ndarray]]:
+    everyone = np.arange(len(ukeys))
+    if not route.pools:
+        return [(None, everyone)]
+    healthy = healthy_pools(snapshot, route)
+    if route.steering == "failover":
+        return [(choose_pool(snapshot, route, 0, None, healthy)[0], everyone)]
+    if route.steering == "random":
+        by_pool: dict[str | None, list[int]] = {}
+        for i, key in enumerate(ukeys.tolist()):
+            by_pool.setdefault(choose_pool(snapshot, route, key, None, healthy)[0], []).append(i)
+        return [(p, np.array(v)) for p, v in by_pool.items()]
+    out = []
+    for region in np.unique(regions):
+        idx = np.flatnonzero(regions == region)
+        out.append((choose_pool(snapshot, route, 0, str(region) or None, healthy)[0], idx))
+    return out
+
+
+def _batch(snapshot: Snapshot, route: Route, cands: tuple[InboundRef, ...], ukeys: np.ndarray, names: list[str],
+           stick: float, chunk: int | None) -> np.ndarray:
+    n, k = len(ukeys), len(cands)
+    w = weights(snapshot, route, cands)
+    cand_keys = np.array([snapshot.inbound_keys[r.inbound.id] for r in cands], dtype=np.uint64)
+    position = {r.inbound.id: i for i, r in enumerate(cands)}
+    prev = np.array([position.get(snapshot.assignments.get((u, route.id), ""), -1) for u in names], dtype=np.int64)
+    target = w.share * n
+    chosen = prev.copy()
+
+    # Stickiness: keep everyone whose inbound is still a candidate, except a server's excess beyond
+    # (1 + stickiness) x its target; those leave, weakest hash for their inbound first (LB-6).
+    sticky = prev >= 0
+    held = np.bincount(prev[sticky], minlength=k).astype(np.float64)
+    for i in np.flatnonzero(held > target * stick):
+        members = np.flatnonzero(prev == i)
+        excess = int(round(held[i] - target[i]))
+        strength = 1.0 / exponentials(ukeys[members], cand_keys[i:i + 1])[:, 0]
+        leave = members[np.argsort(strength, kind="stable")[:excess]]
+        chosen[leave] = -1
+        held[i] -= len(leave)
+
+    # Placement of the free users by rendezvous hashing on the remaining deficits (LB-9).
+    free = np.flatnonzero(chosen < 0)
+    size = chunk or max(64, min(20000, len(free) // 32 + 1))
+    for start in range(0, len(free), size):
+        rows = free[start:start + size]
+        deficit = _deficit(w, held, n)
+        pick = scores(ukeys[rows], cand_keys, deficit).argmax(axis=1)
+        chosen[rows] = pick
+        held += np.bincount(pick, minlength=k)
+    return chosen

@@ -1,0 +1,122 @@
+"""The immutable snapshot every decision is made from.
+
+A snapshot is (cluster model, health verdicts, per-server load and capacity,
+RTT profiles per region, the previous assignments, facts such as REALITY
+public keys, time). The file outlet and the live HTTP endpoint both answer
+from the same snapshot with the same pure function, so they always agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime
+from functools import cached_property
+
+import numpy as np
+
+from reconciler.balance.hashing import key64, keys64
+from reconciler.health.verdicts import Verdicts
+from reconciler.model import Cluster, InboundRef, User
+
+
+@dataclass(frozen=True)
+class ServerLoad:
+    """What a server reported about its load (HEALTH-1 metrics) and its capacity estimate (LB-3)."""
+
+    traffic_mbps: float = 0.0
+    users: int = 0
+    capacity_mbps: float | None = None
+
+
+@dataclass(frozen=True)
+class RTTProfile:
+    """The EWMA of mesh RTTs from one region to one pool, and how long data has been collected (STEER-3)."""
+
+    ewma_ms: float
+    seconds_of_data: float
+    fresh: bool = True
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    cluster: Cluster
+    now: float
+    verdicts: Verdicts | None = None
+    loads: Mapping[str, ServerLoad] = field(default_factory=dict)
+    rtt: Mapping[tuple[str, str, str], RTTProfile] = field(default_factory=dict)  # (region, route, pool) → profile
+    assignments: Mapping[tuple[str, str], str] = field(default_factory=dict)  # (user, route) → inbound id
+    public_keys: Mapping[str, str] = field(default_factory=dict)  # inbound id → REALITY public key (a fact)
+    tls_pins: Mapping[str, str] = field(default_factory=dict)  # inbound id → base64 SHA-256 of a self-signed cert's key
+
+    # ------------------------------------------------------------------ health views
+
+    def status(self, inbound_id: str) -> str:
+        if self.verdicts is None:
+            return "ok"
+        return self.verdicts.inbound(inbound_id).status
+
+    def in_rotation(self, inbound_id: str) -> bool:
+        if self.verdicts is None:
+            return True
+        return bool(self.verdicts.in_rotation[self._inbound_index[inbound_id]])
+
+    def marked(self, inbound_id: str) -> bool:
+        if self.verdicts is None:
+            return False
+        return bool(self.verdicts.marks_of_inbound(self._inbound_index[inbound_id]))
+
+    def health_reason(self, inbound_id: str) -> str:
+        if self.verdicts is None:
+            return "no health data yet"
+        return self.verdicts.inbound(inbound_id).reason
+
+    def best_available(self, refs: tuple[InboundRef, ...]) -> InboundRef:
+        """The least bad inbound when none is in rotation (HEALTH-11, LB-8)."""
+        if self.verdicts is None:
+            return refs[0]
+        order = self.verdicts.best_available([r.inbound.id for r in refs])
+        return next(r for r in refs if r.inbound.id == order[0])
+
+    def usable(self, ref: InboundRef) -> bool:
+        """A REALITY inbound whose public key is not known yet cannot be handed out."""
+        return ref.inbound.protocol != "vless-reality" or ref.inbound.id in self.public_keys
+
+    @cached_property
+    def _inbound_index(self) -> dict[str, int]:
+        if self.verdicts is None:
+            return {}
+        return {name: i for i, name in enumerate(self.verdicts.topology.inbounds)}  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ users
+
+    def user_active(self, user: User) -> bool:
+        if not user.enabled:
+            return False
+        if user.expires is None:
+            return True
+        expires = user.expires
+        if isinstance(expires, datetime):
+            deadline = expires if expires.tzinfo else expires.replace(tzinfo=UTC)
+        else:
+            deadline = datetime.combine(expires + _ONE_DAY, datetime.min.time(), tzinfo=UTC)
+        return self.now < deadline.timestamp()
+
+    @cached_property
+    def user_keys(self) -> dict[str, int]:
+        return {u.name: key64(u.name) for u in self.cluster.users}
+
+    @cached_property
+    def inbound_keys(self) -> dict[str, int]:
+        ids = [r.inbound.id for r in self.cluster.inbounds]
+        return dict(zip(ids, keys64(ids).tolist(), strict=True))
+
+    def load(self, server: str) -> ServerLoad:
+        return self.loads.get(server, ServerLoad())
+
+
+_ONE_DAY = date(2000, 1, 2) - date(2000, 1, 1)
+
+
+def key_array(keys: list[int]) -> np.ndarray:
+    return np.array(keys, dtype=np.uint64)

@@ -1,0 +1,120 @@
+"""Credentials derived from the master secret (GITOPS-6). Pure: the secret is passed in.
+
+Nothing secret is stored in the cluster file. Every user's UUID and passwords,
+every subscription token, every Shadowsocks server key and the default REALITY
+short id come from HMAC-SHA256 over the master secret with a purpose label, so
+the controller can recompute them at any time and two clusters with different
+secrets share nothing.
+
+Rotation:
+- one user: bump ``users[].rotate`` (an integer, default 0) — that user's
+  UUID, passwords and subscription token change on the next apply; the old
+  subscription URL stops working;
+- everything: change the master secret — every credential and token changes;
+- engine keys (REALITY private keys) are generated on the servers and never
+  leave them; rotate them by deleting the key file on the server.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import os
+import uuid
+from dataclasses import dataclass
+
+MIN_SECRET_BYTES = 16
+
+
+class SecretError(Exception):
+    """The master secret is missing or too weak; says where it was looked for."""
+
+
+@dataclass(frozen=True)
+class Secret:
+    """The master secret. ``repr`` never shows it."""
+
+    value: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.value) < MIN_SECRET_BYTES:
+            raise SecretError(f"the master secret must be at least {MIN_SECRET_BYTES} bytes")
+
+    def __repr__(self) -> str:
+        return "Secret(<redacted>)"
+
+    def derive(self, purpose: str, *parts: str, length: int = 32) -> bytes:
+        msg = "\x1f".join((purpose, *parts)).encode()
+        out = b""
+        counter = 0
+        while len(out) < length:
+            out += hmac.new(self.value, msg + bytes([counter]), hashlib.sha256).digest()
+            counter += 1
+        return out[:length]
+
+
+def load_secret(env: str = "RECONCILER_SECRET", file: str | None = None) -> Secret:
+    """Read the master secret from a file (when given) or an environment variable."""
+    if file:
+        path = os.path.expanduser(file)
+        try:
+            with open(path, "rb") as fh:
+                raw = fh.read().strip()
+        except OSError as exc:
+            raise SecretError(f"cannot read the master secret from {path}: {exc.strerror}") from None
+        where = f"file {path}"
+    else:
+        raw = os.environ.get(env, "").encode()
+        where = f"environment variable {env}"
+    if not raw:
+        raise SecretError(
+            f"no master secret in {where}; create one with `openssl rand -base64 32` and keep it out of git"
+        )
+    try:
+        return Secret(raw)
+    except SecretError as exc:
+        raise SecretError(f"{exc} ({where})") from None
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+@dataclass(frozen=True)
+class UserCredentials:
+    uuid: str  # VLESS and TUIC
+    password: str  # Trojan, Hysteria2, TUIC
+    ss_key_128: str  # Shadowsocks-2022 user key (base64), aes-128
+    ss_key_256: str  # aes-256 and chacha20
+    token: str  # subscription URL token, 192 bits
+
+    def ss_key(self, method: str) -> str:
+        return self.ss_key_128 if "128" in method else self.ss_key_256
+
+
+def user_credentials(secret: Secret, user: str, rotate: int = 0) -> UserCredentials:
+    gen = str(rotate)
+    raw = bytearray(secret.derive("uuid", user, gen, length=16))
+    return UserCredentials(
+        uuid=str(uuid.UUID(bytes=bytes(raw), version=4)),
+        password=_b64(secret.derive("password", user, gen, length=18)),
+        ss_key_128=base64.b64encode(secret.derive("ss2022-user", user, gen, length=16)).decode(),
+        ss_key_256=base64.b64encode(secret.derive("ss2022-user", user, gen, length=32)).decode(),
+        token=_b64(secret.derive("token", user, gen, length=24)),
+    )
+
+
+def ss_server_key(secret: Secret, inbound_id: str, method: str) -> str:
+    """The Shadowsocks-2022 server PSK of one inbound (base64, the method's key length)."""
+    return base64.b64encode(secret.derive("ss2022-server", inbound_id, length=16 if "128" in method else 32)).decode()
+
+
+def reality_short_id(secret: Secret, inbound_id: str) -> str:
+    """The default REALITY short id of an inbound (8 hex characters)."""
+    return secret.derive("reality-sid", inbound_id, length=4).hex()
+
+
+def clash_api_secret(secret: Secret, server: str) -> str:
+    """The bearer secret of a server's loopback clash_api (stats)."""
+    return _b64(secret.derive("clash-api", server, length=18))

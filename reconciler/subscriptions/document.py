@@ -1,0 +1,89 @@
+"""One pure function from (snapshot, user, format) to a subscription document and its headers.
+
+Both outlets — files for every user and the live ``/sub/<token>`` endpoint —
+call ``render``; for the same snapshot they return the same bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, time
+
+from reconciler.balance.decide import Entry, decide
+from reconciler.balance.snapshot import Snapshot
+from reconciler.credentials import Secret, user_credentials
+from reconciler.subscriptions.formats import FORMATS, clash, links, singbox
+from reconciler.subscriptions.outbound import client_outbound
+
+CONTENT_TYPES = {"links": "text/plain; charset=utf-8", "sing-box": "application/json; charset=utf-8",
+                 "clash": "text/yaml; charset=utf-8"}
+EXTENSIONS = {"links": "txt", "sing-box": "json", "clash": "yaml"}
+_SINGBOX_AGENTS = re.compile(r"sing-?box|\bSF[AIMT]\b|hiddify", re.I)
+_CLASH_AGENTS = re.compile(r"clash|mihomo|stash|flclash", re.I)
+
+
+@dataclass(frozen=True)
+class Document:
+    body: bytes
+    headers: dict[str, str]
+    entries: list[Entry] = field(default_factory=list)
+
+    @property
+    def etag(self) -> str:
+        return '"' + hashlib.sha256(self.body).hexdigest()[:32] + '"'
+
+
+def choose_format(requested: str | None, user_agent: str | None) -> str:
+    """An explicit format (path or query) wins; else the User-Agent decides; else share links."""
+    if requested:
+        if requested not in FORMATS:
+            raise ValueError(f"unknown format {requested!r}; use one of {', '.join(FORMATS)}")
+        return requested
+    agent = user_agent or ""
+    if _SINGBOX_AGENTS.search(agent):
+        return "sing-box"
+    if _CLASH_AGENTS.search(agent):
+        return "clash"
+    return "links"
+
+
+def _expire(snapshot: Snapshot, user_name: str) -> int:
+    expires = snapshot.cluster.user(user_name).expires
+    if expires is None:
+        return 0
+    if isinstance(expires, datetime):
+        return int((expires if expires.tzinfo else expires.replace(tzinfo=UTC)).timestamp())
+    return int(datetime.combine(expires, time.max, tzinfo=UTC).timestamp())
+
+
+def headers(snapshot: Snapshot, user_name: str, fmt: str) -> dict[str, str]:
+    out = snapshot.cluster.settings.outputs
+    user = snapshot.cluster.user(user_name)
+    title = out.profile_title
+    ascii_name = re.sub(r"[^A-Za-z0-9._-]+", "_", title).strip("_") or "subscription"
+    return {
+        "content-type": CONTENT_TYPES[fmt],
+        "subscription-userinfo": f"upload=0; download=0; total={user.data_limit or 0}; expire={_expire(snapshot, user_name)}",
+        "profile-update-interval": str(max(1, round(out.profile_update_interval / 3600))),
+        "profile-title": "base64:" + base64.b64encode(title.encode()).decode(),
+        "content-disposition": f'attachment; filename="{ascii_name}.{EXTENSIONS[fmt]}"',
+        "cache-control": "no-cache",
+    }
+
+
+def render(snapshot: Snapshot, user_name: str, fmt: str, secret: Secret, region: str | None = None) -> Document:
+    """The user's subscription in ``fmt``. An unknown, disabled or expired user gets an empty document."""
+    entries = decide(snapshot, user_name, region)
+    try:
+        user = snapshot.cluster.user(user_name)
+    except KeyError:
+        return Document(b"", {"content-type": CONTENT_TYPES[fmt]}, [])
+    creds = user_credentials(secret, user.name, user.rotate)
+    outbounds = [client_outbound(e, snapshot, secret, creds) for e in entries]
+    body = {"links": links, "sing-box": singbox, "clash": clash}[fmt](outbounds)
+    doc = Document(body, headers(snapshot, user_name, fmt), entries)
+    doc.headers["etag"] = doc.etag
+    return doc

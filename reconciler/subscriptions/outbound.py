@@ -1,0 +1,65 @@
+"""What a client needs to connect to one chosen inbound: a neutral description
+every renderer (share links, sing-box JSON, Clash/Mihomo YAML) formats its own way.
+
+TLS verification: an operator-supplied certificate is verified normally; a
+self-signed one (made on the server) is pinned by its public key when the
+snapshot knows the pin (sing-box), and otherwise — share links and Clash have
+no portable pin — clients are told to skip verification.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from reconciler.balance.decide import Entry
+from reconciler.balance.snapshot import Snapshot
+from reconciler.credentials import Secret, UserCredentials, reality_short_id, ss_server_key
+
+
+@dataclass(frozen=True)
+class ClientOutbound:
+    name: str  # the chosen inbound's name (ROUTE-2)
+    protocol: str  # vless-reality, vless-tls, trojan, shadowsocks-2022, hysteria2, tuic
+    host: str
+    port: int
+    uuid: str = ""
+    password: str = ""
+    method: str = ""
+    flow: str = ""
+    sni: str = ""
+    insecure: bool = False
+    pin_sha256: str = ""  # base64 SHA-256 of the certificate's public key
+    fingerprint: str = ""
+    public_key: str = ""
+    short_id: str = ""
+    alpn: tuple[str, ...] = ()
+    congestion_control: str = ""
+
+    @property
+    def url_host(self) -> str:
+        return f"[{self.host}]" if ":" in self.host else self.host
+
+
+def client_outbound(entry: Entry, snapshot: Snapshot, secret: Secret, creds: UserCredentials) -> ClientOutbound:
+    ib = entry.ref.inbound
+    host = entry.ref.server.host
+    base = {"name": entry.name, "protocol": ib.protocol, "host": host, "port": ib.port}
+    if ib.protocol == "vless-reality":
+        sid = (ib.short_ids or [reality_short_id(secret, ib.id)])[-1]
+        return ClientOutbound(**base, uuid=creds.uuid, flow=ib.flow, sni=ib.camouflage, fingerprint=ib.fingerprint,
+                              public_key=snapshot.public_keys.get(ib.id, ""), short_id=sid)
+    if ib.protocol == "shadowsocks-2022":
+        password = f"{ss_server_key(secret, ib.id, ib.method)}:{creds.ss_key(ib.method)}"
+        return ClientOutbound(**base, method=ib.method, password=password)
+    tls = ib.tls  # type: ignore[union-attr]
+    self_signed = tls.certificate is None
+    pin = snapshot.tls_pins.get(ib.id, "") if self_signed else ""
+    verify = {"sni": tls.server_name, "insecure": tls.insecure or (self_signed and not pin), "pin_sha256": pin}
+    if ib.protocol == "vless-tls":
+        return ClientOutbound(**base, **verify, uuid=creds.uuid, flow=ib.flow, fingerprint="chrome")
+    if ib.protocol == "trojan":
+        return ClientOutbound(**base, **verify, password=creds.password)
+    if ib.protocol == "hysteria2":
+        return ClientOutbound(**base, **verify, password=creds.password, alpn=("h3",))
+    return ClientOutbound(**base, **verify, uuid=creds.uuid, password=creds.password, alpn=("h3",),
+                          congestion_control=ib.congestion_control)

