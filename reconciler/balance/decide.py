@@ -87,33 +87,65 @@ class Weights:
     detail: tuple[str, ...]  # per candidate, for the reason
 
 
-def weights(snapshot: Snapshot, route: Route, cands: tuple[InboundRef, ...]) -> Weights:
+def weights(snapshot: Snapshot, route: Route, cands: tuple[InboundRef, ...], population: int,
+            held: np.ndarray | None = None) -> Weights:
+    """Target shares of ``population`` users over the candidates, by the route's policy.
+
+    ``held``: users each candidate holds now (assignments); a saturated candidate's target is what it holds.
+    """
+    held = np.zeros(len(cands)) if held is None else held
     traffic, users, cap, missing = _loads(snapshot, cands)
     marked = np.array([snapshot.marked(r.inbound.id) for r in cands])
     penalty = np.where(marked, PAIR_PENALTY, 1.0)
     closed = np.zeros(len(cands), dtype=bool)
     if route.balance == "least-loaded" and not missing:
-        per_user = traffic.sum() / users.sum() if users.sum() > 0 else 0.0
         saturated = traffic >= SATURATED * cap
         if saturated.all():  # nobody has room: share by size rather than drop the route (LB-8)
             w, mode = cap.copy(), "least-loaded: every candidate is saturated; shared by capacity"
         else:
-            w, mode = np.maximum(0.0, cap - traffic) + users * per_user, "least-loaded"
+            w, mode = _equal_spare_per_user(cap * penalty, traffic, users, saturated, population, held), "least-loaded"
             closed = saturated
         spare = np.maximum(0.0, cap - traffic) / (users + 1.0)
         detail = tuple(f"least-loaded: {x:.1f} Mbps spare per user" for x in spare)
     else:
-        w = np.array([r.server.coefficient for r in cands], dtype=np.float64)
+        w = np.array([r.server.coefficient for r in cands], dtype=np.float64) * penalty
         if route.balance == "round-robin":
             mode = "round-robin"
             detail = tuple(f"round-robin by coefficient {r.server.coefficient:g}" for r in cands)
         else:
             mode = f"round-robin: no capacity estimate yet for {', '.join(missing)}"
             detail = (mode,) * len(cands)
-    w = w * penalty
     if w.sum() <= 0:
         w = np.ones(len(cands))
     return Weights(share=w / w.sum(), closed=closed, mode=mode, detail=detail)
+
+
+def _equal_spare_per_user(cap: np.ndarray, traffic: np.ndarray, users: np.ndarray, closed: np.ndarray,
+                          population: int, held: np.ndarray) -> np.ndarray:
+    """User counts that make spare bandwidth per user equal across candidates (LB-2), as shares.
+
+    A candidate holding n users (U now, carrying T) is expected to carry T + (n - U)·t̄, t̄ the
+    traffic per user; its spare per user is (C - T - (n - U)·t̄) / (n + 1). Solve for the common
+    value λ with Σ n = the users being placed, by bisection.
+    """
+    population = float(max(population, 1))
+    per_user = float(traffic.sum() / users.sum()) if users.sum() > 0 else 0.0
+    room = cap - traffic + users * per_user  # capacity available to our users
+
+    def counts(lam: float) -> np.ndarray:
+        return np.where(closed, held, np.maximum(0.0, (room - lam) / (lam + per_user)))
+
+    lo, hi = 0.0, float(room.max())
+    if per_user == 0.0:
+        lo = 1e-9
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if counts(mid).sum() > population:
+            lo = mid
+        else:
+            hi = mid
+    n = counts(hi)
+    return n if n.sum() > 0 else np.where(closed, 0.0, np.maximum(room, 0.0))
 
 
 def decide(snapshot: Snapshot, user_name: str, region: str | None = None) -> list[Entry]:
@@ -133,13 +165,15 @@ def decide(snapshot: Snapshot, user_name: str, region: str | None = None) -> lis
     ukey = snapshot.user_keys[user.name]
     entries: list[Entry] = []
     for route in cluster.effective_routes:
-        members = _usable_members(snapshot, route)
+        members = _cached(snapshot, ("members", route.id), lambda r=route: _usable_members(snapshot, r))
         if not members:
             continue
         pool, pool_why = (None, "")
         if route.pools:
-            pool, pool_why = choose_pool(snapshot, route, ukey, region)
-        cands = _candidates(snapshot, members, pool) if (pool is not None or not route.pools) else ()
+            healthy = _cached(snapshot, ("healthy", route.id), lambda r=route: healthy_pools(snapshot, r))
+            pool, pool_why = choose_pool(snapshot, route, ukey, region, healthy)
+        cands = _cached(snapshot, ("cands", route.id, pool),
+                        lambda m=members, p=pool, r=route: _candidates(snapshot, m, p) if (p is not None or not r.pools) else ())
         if not cands:
             ref = snapshot.best_available(members)
             why = "best available: every inbound of this route is out of rotation (HEALTH-11)"
@@ -150,13 +184,30 @@ def decide(snapshot: Snapshot, user_name: str, region: str | None = None) -> lis
         if kept is not None:
             entries.append(_entry(snapshot, route, kept, pool, _join(pool_why, "kept from the last assignment")))
             continue
-        w = weights(snapshot, route, cands)
-        held = _held(snapshot, route.id, tuple(r.inbound.id for r in cands))
-        deficit = _deficit(w, held, int(held.sum()) + 1)
-        keys = np.array([snapshot.inbound_keys[r.inbound.id] for r in cands], dtype=np.uint64)
+        w, keys, deficit = _placement(snapshot, route, cands)
         best = int(np.argmax(scores(np.array([ukey], dtype=np.uint64), keys, deficit)[0]))
         entries.append(_entry(snapshot, route, cands[best], pool, _join(pool_why, w.detail[best])))
     return entries
+
+
+def _cached(snapshot: Snapshot, key: tuple, make):  # type: ignore[no-untyped-def]
+    """Per-snapshot memo for what every request on a snapshot shares (candidates, weights)."""
+    cache = snapshot.__dict__.setdefault("_memo", {})
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def _placement(snapshot: Snapshot, route: Route, cands: tuple[InboundRef, ...]) -> tuple[Weights, np.ndarray, np.ndarray]:
+    """Weights, candidate keys and deficits for placing a new user; once per snapshot and candidate set."""
+    cache = snapshot.__dict__.setdefault("_placement", {})
+    key = (route.id, tuple(r.inbound.id for r in cands))
+    if key not in cache:
+        held = _held(snapshot, route.id, key[1])
+        w = weights(snapshot, route, cands, int(held.sum()) + 1, held)
+        keys = np.array([snapshot.inbound_keys[r.inbound.id] for r in cands], dtype=np.uint64)
+        cache[key] = (w, keys, _deficit(w, held, int(held.sum()) + 1))
+    return cache[key]
 
 
 def _held(snapshot: Snapshot, route_id: str, inbound_ids: tuple[str, ...]) -> np.ndarray:
@@ -171,7 +222,7 @@ def _assignment_counts(snapshot: Snapshot) -> dict[tuple[str, str], int]:
         cache = {}
         for (_, route), inbound in snapshot.assignments.items():
             cache[(route, inbound)] = cache.get((route, inbound), 0) + 1
-        object.__setattr__(snapshot, "_counts", cache)
+        snapshot.__dict__["_counts"] = cache
     return cache
 
 
@@ -248,17 +299,17 @@ def _pool_groups(snapshot: Snapshot, route: Route, ukeys: np.ndarray, regions: n
 def _batch(snapshot: Snapshot, route: Route, cands: tuple[InboundRef, ...], ukeys: np.ndarray, names: list[str],
            stick: float, chunk: int | None) -> np.ndarray:
     n, k = len(ukeys), len(cands)
-    w = weights(snapshot, route, cands)
     cand_keys = np.array([snapshot.inbound_keys[r.inbound.id] for r in cands], dtype=np.uint64)
     position = {r.inbound.id: i for i, r in enumerate(cands)}
     prev = np.array([position.get(snapshot.assignments.get((u, route.id), ""), -1) for u in names], dtype=np.int64)
+    sticky = prev >= 0
+    held = np.bincount(prev[sticky], minlength=k).astype(np.float64)
+    w = weights(snapshot, route, cands, n, held)
     target = w.share * n
     chosen = prev.copy()
 
     # Stickiness: keep everyone whose inbound is still a candidate, except a server's excess beyond
     # (1 + stickiness) x its target; those leave, weakest hash for their inbound first (LB-6).
-    sticky = prev >= 0
-    held = np.bincount(prev[sticky], minlength=k).astype(np.float64)
     for i in np.flatnonzero(held > target * stick):
         members = np.flatnonzero(prev == i)
         excess = int(round(held[i] - target[i]))
