@@ -24,8 +24,9 @@ Two entry points over one immutable ``Snapshot``:
   so files written from the batch and live answers always agree; a user without
   one is placed by the same hashing on the snapshot's deficits.
 
-Pair-marked inbounds (HEALTH-8) count at ``PAIR_PENALTY`` of their weight. With
-no candidate in rotation, the best available inbound is served (LB-8, HEALTH-11).
+Pair-marked inbounds (HEALTH-8) count at ``PAIR_PENALTY`` of their weight. When no
+pool is healthy, the route balances over all its inbounds in rotation; with none
+in rotation, the best available inbound is served (LB-8, HEALTH-11).
 """
 
 from __future__ import annotations
@@ -172,8 +173,7 @@ def decide(snapshot: Snapshot, user_name: str, region: str | None = None) -> lis
         if route.pools:
             healthy = _cached(snapshot, ("healthy", route.id), lambda r=route: healthy_pools(snapshot, r))
             pool, pool_why = choose_pool(snapshot, route, ukey, region, healthy)
-        cands = _cached(snapshot, ("cands", route.id, pool),
-                        lambda m=members, p=pool, r=route: _candidates(snapshot, m, p) if (p is not None or not r.pools) else ())
+        cands = _cached(snapshot, ("cands", route.id, pool), lambda m=members, p=pool: _candidates(snapshot, m, p))
         if not cands:
             ref = snapshot.best_available(members)
             why = "best available: every inbound of this route is out of rotation (HEALTH-11)"
@@ -265,7 +265,7 @@ def rebalance(snapshot: Snapshot, chunk: int | None = None) -> dict[tuple[str, s
             continue
         groups = _pool_groups(snapshot, route, ukeys, regions)
         for pool, idx in groups:
-            cands = _candidates(snapshot, members, pool) if (pool is not None or not route.pools) else ()
+            cands = _candidates(snapshot, members, pool)
             if not cands:
                 fallback = snapshot.best_available(members).inbound.id
                 for i in idx:
