@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # Debian packages the tests and the demo use (installed only when missing).
-APT_PACKAGES := graphviz
+APT_PACKAGES := graphviz openssh-client curl iproute2 nftables systemd-container debootstrap
 
 .PHONY: setup apt test demo bench schema clean
 

@@ -57,6 +57,28 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--format", choices=["svg", "mermaid", "dot"], default="mermaid")
     t.add_argument("-o", "--out", default="-", help="output file ('-' for stdout)")
 
+    pl = sub.add_parser("plan", help="what apply would change on each server (GITOPS-3); exit 0 none, 2 changes, 1 error")
+    pl.add_argument("-f", "--file", default=DEFAULT_FILE)
+    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--out", help="save the plan, to apply exactly it with `apply FILE`")
+    pl.add_argument("--prune", action="store_true", help="also remove what left the cluster file (GITOPS-7)")
+
+    ap = sub.add_parser("apply", help="make the servers match the file (GITOPS-4)")
+    ap.add_argument("plan", nargs="?", help="a plan saved with `plan --out`; refused when stale")
+    ap.add_argument("-f", "--file", default=DEFAULT_FILE)
+    ap.add_argument("--prune", action="store_true", help="remove what left the cluster file (GITOPS-7)")
+    ap.add_argument("--json", action="store_true", help="results as JSON")
+
+    lab = sub.add_parser("lab", help="local sandbox servers (root): network namespaces with systemd and sshd")
+    labsub = lab.add_subparsers(dest="lab_command", metavar="ACTION")
+    lu = labsub.add_parser("up", help="start N hosts and write a cluster file for them")
+    lu.add_argument("--hosts", type=int, default=3)
+    lu.add_argument("--countries", default="DE,DE,US", help="comma-separated, cycled over the hosts")
+    lu.add_argument("--write", default="lab-cluster.yaml", help="the cluster file to write")
+    lu.add_argument("--protocol", default="vless-tls",
+                    choices=["vless-tls", "trojan", "shadowsocks-2022", "hysteria2", "tuic", "vless-reality"])
+    labsub.add_parser("down", help="tear the lab down")
+
     sim = sub.add_parser("simulate", help="replay a health scenario through the verdict engine (HEALTH-1..13)")
     sim.add_argument("scenario")
     sim.add_argument("--json", action="store_true", help="one JSON object per line per tick")
@@ -101,6 +123,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command is None:
         _parser().print_help()
         return 1
+    if args.command == "lab" and args.lab_command is None:
+        print("usage: reconciler lab {up,down} ...", file=sys.stderr)
+        return 1
     if args.command == "route" and args.route_command is None:
         print("usage: reconciler route {assign,unassign} ...", file=sys.stderr)
         return 1
@@ -115,6 +140,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         "simulate": cmd_simulate,
         "subscription": cmd_subscription,
         "status": cmd_status,
+        "plan": cmd_plan,
+        "apply": cmd_apply,
+        "lab": cmd_lab,
     }[args.command]
     return handler(args)
 
@@ -431,6 +459,170 @@ def cmd_status(args: argparse.Namespace) -> int:
     if hidden:
         print(f"hidden routes (empty or nothing usable yet): {', '.join(hidden)}")
     return 0
+
+
+# --------------------------------------------------------------------------- plan, apply
+
+
+def _observe(path: str, prune: bool):  # type: ignore[no-untyped-def]
+    """(cluster, state, observed, fingerprint) or None after printing why."""
+    import asyncio
+
+    from reconciler.apply.session import StateDir
+    from reconciler.plan.observe import fingerprint, observe
+
+    cluster = _load_or_report(path)
+    if cluster is None:
+        return None
+    secret = _secret_for(cluster)
+    if secret is None:
+        return None
+    state = StateDir.of(path, cluster)
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with state.pool() as pool:
+            return await observe(cluster, secret, pool, str(Path(path).resolve().parent), prune, state.read("managed.json"))
+
+    observed = asyncio.run(go())
+    return cluster, state, observed, fingerprint(observed), secret
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from reconciler.plan.actions import render_human, render_json
+
+    got = _observe(args.file, args.prune)
+    if got is None:
+        return 1
+    cluster, state, observed, fp, _ = got
+    plans = [o.plan for o in observed]
+    warnings = [f"{len(cluster.unassigned)} inbound(s) are not in any route — clients cannot see them yet: "
+                + ", ".join(r.inbound.id for r in cluster.unassigned)] if cluster.unassigned else []
+    if args.json:
+        sys.stdout.write(render_json(plans, fp))
+    else:
+        sys.stdout.write(render_human(plans, warnings))
+    if args.out:
+        doc = json.loads(render_json(plans, fp))
+        doc["file"] = str(Path(args.file).resolve())
+        doc["prune"] = args.prune
+        Path(args.out).write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+        print(f"saved the plan to {args.out}; apply exactly it with `reconciler apply {args.out}`", file=sys.stderr)
+    if any(p.error or p.problems for p in plans):
+        return 1
+    return 2 if any(p.changes for p in plans) else 0
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from reconciler.apply.run import apply_all
+    from reconciler.apply.session import Progress
+    from reconciler.plan.observe import learned_facts, observe
+
+    saved = None
+    if args.plan:
+        try:
+            saved = json.loads(Path(args.plan).read_text())
+        except (OSError, ValueError) as exc:
+            print(f"error: cannot read the saved plan {args.plan}: {exc}", file=sys.stderr)
+            return 1
+        args.file = saved.get("file", args.file)
+        args.prune = bool(saved.get("prune", args.prune))
+    got = _observe(args.file, args.prune)
+    if got is None:
+        return 1
+    cluster, state, observed, fp, secret = got
+    if saved is not None and saved.get("fingerprint") != fp:
+        before = {s["server"]: s for s in saved.get("servers", [])}
+        changed = [o.plan.server for o in observed if before.get(o.plan.server, {}).get("desired_digest") != o.plan.desired_digest
+                   or before.get(o.plan.server, {}).get("facts_digest") != o.plan.facts_digest]
+        print(f"error: the saved plan is stale — the desired state or the facts changed since on: "
+              f"{', '.join(changed) or 'the set of servers'}; run `reconciler plan --out` again", file=sys.stderr)
+        return 1
+    progress = Progress([o.plan.server for o in observed])
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with state.pool() as pool:
+            results = await apply_all(observed, pool, progress)
+            # Remember what we manage and what the servers generated (public keys, certificate pins).
+            after = await observe(cluster, secret, pool, str(Path(args.file).resolve().parent), False)
+            return results, after
+
+    try:
+        results, after = asyncio.run(go())
+    finally:
+        progress.close()
+    managed = state.read("managed.json")
+    for s in cluster.servers:
+        managed[s.name] = {"name": s.name, "host": s.host, "port": s.ssh.port, "user": s.ssh.user,
+                           "identity": s.ssh.identity, "host_key": s.ssh.host_key}
+    for r in results:
+        if r.ok and any(o.plan.removed and o.plan.server == r.server for o in observed):
+            managed.pop(r.server, None)
+    state.write("managed.json", managed)
+    learned = learned_facts(after)
+    old = state.read("facts.json")
+    state.write("facts.json", {k: {**old.get(k, {}), **v} for k, v in learned.items()})
+    if args.json:
+        print(json.dumps([r.__dict__ for r in results], indent=2, default=str))
+    else:
+        for r in results:
+            mark = "ok  " if r.ok else "FAIL"
+            print(f"{mark} {r.server:16s} {r.seconds:6.1f}s  {r.message}")
+        failed = [r for r in results if not r.ok]
+        print(f"Apply: {sum(r.ok for r in results)} ok, {len(failed)} failed, {sum(r.changed for r in results)} changed.")
+    return 0 if all(r.ok for r in results) else 1
+
+
+# --------------------------------------------------------------------------- lab
+
+
+def cmd_lab(args: argparse.Namespace) -> int:
+    from reconciler.lab import Lab, LabError
+
+    lab = Lab(log=lambda s: print(s, file=sys.stderr))
+    try:
+        if args.lab_command == "down":
+            lab.down()
+            print("lab is down")
+            return 0
+        hosts = lab.up(args.hosts)
+        countries = [c.strip().upper() for c in args.countries.split(",") if c.strip()] or ["DE"]
+        text = lab_cluster_yaml(lab, hosts, countries, args.protocol)
+        Path(args.write).write_text(text)
+        print(f"{len(hosts)} host(s) up; wrote {args.write}. Next: reconciler plan -f {args.write}")
+        return 0
+    except LabError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def lab_cluster_yaml(lab, hosts, countries: list[str], protocol: str = "vless-tls") -> str:  # type: ignore[no-untyped-def]
+    """A valid cluster file for the lab hosts: one inbound each, all in one route, host keys pinned."""
+    ports = {"vless-tls": 443, "trojan": 443, "shadowsocks-2022": 8388, "hysteria2": 443, "tuic": 443, "vless-reality": 443}
+    lines = [
+        "# yaml-language-server: $schema=schemas/cluster.schema.json",
+        "# Written by `reconciler lab up`: sandbox hosts on this machine (198.18.0.0/24 in network namespaces).",
+        "settings:",
+        "  outputs: {state_dir: .reconciler-lab}",
+        "  harden: false",
+        "servers:",
+    ]
+    for i, h in enumerate(hosts):
+        country = countries[i % len(countries)]
+        extra = {"vless-reality": "camouflage: www.example.com", "shadowsocks-2022": ""}.get(
+            protocol, "tls: {server_name: www.lab.test}")
+        lines += [
+            f"  - name: {h.name}",
+            f"    host: {h.ip}",
+            f"    ssh: {{user: root, port: 22, identity: {lab.key}, host_key: \"{lab.host_key(h)}\"}}",
+            f"    country: {country}",
+            "    inbounds:",
+            f"      - {{id: {h.name}-in, name: \"{country} {h.name}\", protocol: {protocol}, port: {ports[protocol]}, route: lab"
+            + (f", {extra}" if extra else "") + "}",
+        ]
+    lines += ["routes:", "  - {id: lab, name: Lab}", "users:", "  - name: alice", "  - name: bob", ""]
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- simulate

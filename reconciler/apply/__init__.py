@@ -1,0 +1,1 @@
+"""Applying plans to servers: transactions, verification, rollback, locks (GITOPS-4, GITOPS-7)."""

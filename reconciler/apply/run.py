@@ -1,0 +1,226 @@
+"""Apply plans to servers (GITOPS-4, GITOPS-7): in parallel, each server in sequence through its phases.
+
+Phases per server: connect → preflight → lock → install engine → configure → start → verify.
+- The lock is a directory on the server (``/run/reconciler.lock``) holding who applies since when; a
+  second apply is refused with that holder. The commit step releases it even if our SSH session dies.
+- Files are uploaded under temporary names; the commit script (run detached on the server) checks the
+  rendered configuration with ``sing-box check``, swaps everything in with atomic renames, reloads or
+  restarts, verifies the listeners, and rolls back to the previous files on any failure.
+- One server's failure never stops the others; every server gets a result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from reconciler.engine import remote
+from reconciler.engine.singbox import BINARY, CONFIG, SERVICE, TEMPLATE, UNIT
+from reconciler.plan.observe import LOCK_DIR, LOCK_FILE, Observed
+from reconciler.ssh import RemoteCommandError, SSHError, SSHPool
+
+LEASE_SECONDS = 600  # a lock older than this belongs to an apply that died: every step of ours is bounded far below
+PHASES = ("connect", "preflight", "lock", "install engine", "configure", "start", "verify", "done")
+
+
+class LockHeld(SSHError):
+    """Another apply holds the server's lock."""
+
+
+@dataclass
+class ServerResult:
+    server: str
+    ok: bool
+    changed: bool = False
+    phase: str = "connect"
+    message: str = ""
+    rolled_back: bool = False
+    seconds: float = 0.0
+    details: dict[str, object] = field(default_factory=dict)
+
+
+Progress = Callable[[str, str], None]  # (server, phase)
+
+
+def holder() -> dict[str, object]:
+    return {"by": f"{os.environ.get('USER', 'root')}@{socket.gethostname()}", "pid": os.getpid(), "since": int(time.time())}
+
+
+async def apply_all(observed: list[Observed], pool: SSHPool, progress: Progress, verify_timeout: float = 20.0) -> list[ServerResult]:
+    return list(await asyncio.gather(*(apply_one(o, pool, progress, verify_timeout) for o in observed)))
+
+
+async def apply_one(o: Observed, pool: SSHPool, progress: Progress, verify_timeout: float) -> ServerResult:
+    start = time.monotonic()
+    result = ServerResult(o.plan.server, ok=False)
+
+    def phase(name: str) -> None:
+        result.phase = name
+        progress(o.plan.server, name)
+
+    try:
+        phase("connect")
+        if o.plan.error:
+            result.message = o.plan.error
+            return result
+        phase("preflight")
+        if o.plan.problems:
+            result.message = "refused by preflight: " + "; ".join(o.plan.problems)
+            return result
+        if not o.plan.actions:
+            result.ok = True
+            result.message = "up to date"
+            phase("done")
+            return result
+        phase("lock")
+        await _lock(pool, o)
+        locked = True
+        try:
+            if o.plan.removed:
+                await _remove_server(pool, o)
+            else:
+                await _transaction(pool, o, phase, result, verify_timeout)
+                locked = False  # the commit script released it
+        finally:
+            if locked:
+                await pool.run(o.target, f"rm -rf {LOCK_DIR}", check=False)
+        result.ok = result.changed = True
+        if result.ok:
+            phase("done")
+    except (LockHeld, CommitFailed) as exc:
+        result.message = str(exc)
+    except RemoteCommandError as exc:
+        result.message = str(exc)
+    except SSHError as exc:
+        result.message = f"{exc} (the server finishes or rolls back a started commit on its own; run apply again)"
+    finally:
+        result.seconds = time.monotonic() - start
+    return result
+
+
+async def _lock(pool: SSHPool, o: Observed, take_over: bool = False) -> None:
+    who = shlex.quote(json.dumps(holder()))
+    grab = f"mkdir {LOCK_DIR} 2>/dev/null && printf %s {who} > {LOCK_FILE}"
+    if take_over:
+        grab = f"rm -rf {LOCK_DIR} && {grab}"
+    res = await pool.run(o.target, f"{grab} || {{ cat {LOCK_FILE} 2>/dev/null; exit 75; }}", check=False)
+    if res.code == 75 and not take_over:
+        try:
+            info = json.loads(res.stdout)
+            since_ts = int(info.get("since", 0))
+            since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(since_ts))
+            who_text = f"{info.get('by')} (pid {info.get('pid')}) since {since}"
+        except (ValueError, TypeError):
+            info, since_ts, who_text = {}, 0, res.stdout.strip() or "unknown"
+        if _stale(info, since_ts):
+            await _lock(pool, o, take_over=True)
+            return
+        raise LockHeld(f"another apply holds the lock on {o.plan.server}: {who_text}. If no apply is running there, "
+                       f"remove {LOCK_DIR} on the server (locks also expire after {LEASE_SECONDS // 60} minutes)")
+    if res.code != 0:
+        raise RemoteCommandError(o.plan.server, "lock", res.code, res.stderr)
+
+
+def _stale(info: dict, since: int) -> bool:
+    """A lock left by an apply that died: on this controller with its process gone, or past the lease."""
+    if since and time.time() - since > LEASE_SECONDS:
+        return True
+    mine = holder()
+    if info.get("by") == mine["by"] and isinstance(info.get("pid"), int) and info["pid"] != mine["pid"]:
+        return not os.path.exists(f"/proc/{info['pid']}")
+    return False
+
+
+async def _transaction(pool: SSHPool, o: Observed, phase, result: ServerResult, verify_timeout: float) -> None:  # type: ignore[no-untyped-def]
+    d, t = o.desired, o.target
+    assert d is not None and o.facts is not None
+    kinds = {a.kind for a in o.plan.actions}
+    if "install-engine" in kinds:
+        phase("install engine")
+        await _install_engine(pool, o)
+    phase("configure")
+    await pool.run(t, "mkdir -p /etc/sing-box/tls /etc/sing-box/reality && chmod 700 /etc/sing-box/reality")
+    if "generate-key" in kinds or d.keys:
+        keys = [{"inbound": k.inbound, "kind": k.kind, "server_name": k.server_name, "paths": list(k.paths)} for k in d.keys]
+        await pool.run(t, f"python3 -c {shlex.quote(remote.KEYS)}", input=json.dumps({"keys": keys, "binary": BINARY}))
+    moves = []
+    for f in d.files:
+        if o.facts.files.get(f.path) == f.sha256:
+            continue
+        tmp = f"{f.path}.reconciler-new"
+        await pool.put(t, f.content, tmp, f.mode)
+        moves.append([tmp, f.path])
+    action = next((a.kind for a in o.plan.actions if a.kind in ("restart", "reload", "start")), "reload")
+    phase("start")
+    req = {
+        "moves": moves, "template": TEMPLATE, "template_new": f"{TEMPLATE}.reconciler-new", "config": CONFIG,
+        "config_new": f"{CONFIG}.reconciler-new", "binary": BINARY, "service": SERVICE,
+        "reality": {k.inbound: k.paths[0] for k in d.keys if k.kind == "reality"},
+        "daemon_reload": any(p == UNIT for _, p in moves) or "install-engine" in kinds, "action": action,
+        "listeners": [list(x) for x in d.listeners], "verify_timeout": verify_timeout, "lock": LOCK_DIR,
+    }
+    # setsid: the commit finishes (or rolls back) on the server even if this SSH session drops.
+    res = await pool.run(t, f"setsid -w python3 -c {shlex.quote(remote.COMMIT)}", input=json.dumps(req),
+                         timeout=verify_timeout * 3 + 60)
+    phase("verify")
+    commit = json.loads(res.stdout.strip().splitlines()[-1])
+    result.details["commit"] = commit
+    if commit["ok"]:
+        result.ok = True
+        result.message = f"{len(o.plan.actions)} change(s) applied"
+    else:
+        result.rolled_back = bool(commit.get("rolled_back"))
+        result.ok = False
+        where = "rolled back to the previous configuration" if result.rolled_back else "nothing was changed"
+        result.message = f"{commit['stage']} failed: {commit['error']} — {where}"
+        raise CommitFailed(result.message)
+    for a in o.plan.actions:
+        if a.kind == "remove-file":
+            await pool.run(t, f"rm -f {shlex.quote(a.target)}", check=False)
+
+
+class CommitFailed(SSHError):
+    """The server rejected or could not run the new state; it rolled back (or changed nothing)."""
+
+
+async def _install_engine(pool: SSHPool, o: Observed) -> None:
+    d, t = o.desired, o.target
+    assert d is not None
+    tmp = f"{BINARY}.reconciler-new"
+    if d.binary.url and not d.binary.local_path:
+        arch = "arm64" if o.facts and o.facts.arch in ("aarch64", "arm64") else "amd64"
+        url = d.binary.url.format(version=d.binary.version, arch=arch)
+        fetch = f"import urllib.request; urllib.request.urlretrieve({url!r}, {tmp!r})"
+        await pool.run(t, f"python3 -c {shlex.quote(fetch)} && chmod 755 {tmp}", timeout=600)
+    elif d.binary.local_path:
+        await pool.put_file(t, d.binary.local_path, tmp, 0o755)
+    else:
+        raise RemoteCommandError(o.plan.server, "install engine", None,
+                                 "no engine binary: set settings.engine.binary, or install: download with a url")
+    res = await pool.run(t, f"sha256sum {tmp}")
+    digest = res.stdout.split()[0]
+    if d.binary.sha256 and digest != d.binary.sha256:
+        await pool.run(t, f"rm -f {tmp}", check=False)
+        raise RemoteCommandError(o.plan.server, "install engine", None,
+                                 f"the binary's sha256 {digest} differs from the pinned {d.binary.sha256}")
+    version = await pool.run(t, f"{tmp} version", check=False)
+    if d.binary.version not in version.stdout:
+        await pool.run(t, f"rm -f {tmp}", check=False)
+        raise RemoteCommandError(o.plan.server, "install engine", None,
+                                 f"the binary reports {version.stdout.splitlines()[:1]}, not version {d.binary.version}")
+    await pool.run(t, f"mv -f {tmp} {BINARY} && printf %s {digest} > {BINARY}.sha256")
+
+
+async def _remove_server(pool: SSHPool, o: Observed) -> None:
+    cmds = [f"systemctl disable --now {SERVICE} 2>/dev/null || true"]
+    for a in o.plan.actions:
+        if a.kind == "remove-file":
+            cmds.append(f"rm -f {shlex.quote(a.target)} {shlex.quote(a.target)}.sha256")
+    cmds.append(f"rm -f {CONFIG}; systemctl daemon-reload")
+    await pool.run(o.target, " && ".join(cmds))

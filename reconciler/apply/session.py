@@ -1,0 +1,75 @@
+"""What plan and apply share: the state folder, the SSH pool, observation, progress output."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from reconciler.model import Cluster
+from reconciler.ssh import KnownHosts, SSHPool
+
+
+@dataclass
+class StateDir:
+    """The controller's learnt state next to the cluster file: known host keys, facts, managed servers."""
+
+    path: Path
+
+    @classmethod
+    def of(cls, cluster_file: str, cluster: Cluster) -> StateDir:
+        return cls(Path(cluster_file).resolve().parent / cluster.settings.outputs.state_dir)
+
+    def read(self, name: str) -> dict:
+        f = self.path / name
+        try:
+            return json.loads(f.read_text()) if f.exists() else {}
+        except ValueError:
+            return {}
+
+    def write(self, name: str, data: dict) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        tmp = self.path / (name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+        tmp.replace(self.path / name)
+
+    def pool(self, concurrency: int = 32) -> SSHPool:
+        return SSHPool(KnownHosts(self.path / "known_hosts.json"), concurrency=concurrency)
+
+
+class Progress:
+    """Per-server phases: a live table on a terminal, plain lines otherwise (CI logs)."""
+
+    def __init__(self, servers: list[str], stream=None):  # type: ignore[no-untyped-def]
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.phase = {s: "waiting" for s in servers}
+        self._live = None
+        if self.tty:
+            from rich.console import Console
+            from rich.live import Live
+
+            self._live = Live(self._table(), console=Console(file=self.stream), refresh_per_second=8, transient=True)
+            self._live.start()
+
+    def _table(self):  # type: ignore[no-untyped-def]
+        from rich.table import Table
+
+        t = Table(title="apply")
+        t.add_column("server")
+        t.add_column("phase")
+        for s, p in self.phase.items():
+            t.add_row(s, p)
+        return t
+
+    def __call__(self, server: str, phase: str) -> None:
+        self.phase[server] = phase
+        if self._live is not None:
+            self._live.update(self._table())
+        else:
+            print(f"{server}: {phase}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()

@@ -1,0 +1,176 @@
+"""Scripts that run on the servers (Python 3 standard library only), sent over SSH on stdin.
+
+- ``FACTS``: raw observations as JSON — hashes of managed files, the engine's ``version`` output,
+  the unit's state, ``ss`` listening sockets, generated public material, the apply lock. The
+  controller parses them (``reconciler.plan.facts``): the server-side stays dumb.
+- ``KEYS``: generates missing REALITY key pairs and self-signed certificates; existing ones are kept.
+- ``COMMIT``: one transaction. Renders ``config.json`` from the template (REALITY private keys are
+  substituted here and never leave the server), runs ``sing-box check``, keeps the old files, swaps
+  the new ones in with atomic renames, reloads or restarts, and verifies the listeners within a
+  timeout; on any failure it restores the old files, restarts and verifies again. It runs detached
+  (``setsid``), so a dropped SSH session cannot leave a server half-switched, and it releases the
+  apply lock when it ends.
+"""
+
+FACTS = r'''
+import hashlib, json, os, platform, subprocess, sys
+req = json.load(sys.stdin)
+def sha(p):
+    try:
+        with open(p, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+def run(cmd):
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+        return {"code": r.returncode, "out": r.stdout, "err": r.stderr[-500:]}
+    except (OSError, subprocess.SubprocessError) as e:
+        return {"code": -1, "out": "", "err": str(e)}
+def read(p, limit=65536):
+    try:
+        with open(p) as f:
+            return f.read(limit)
+    except OSError:
+        return None
+b = req["binary"]
+binary = {"exists": os.path.exists(b)}
+if binary["exists"]:
+    st = os.stat(b)
+    side = b + ".sha256"
+    cached = None
+    if os.path.exists(side) and os.stat(side).st_mtime >= st.st_mtime:
+        cached = (read(side) or "").strip() or None
+    binary.update(size=st.st_size, sha256=cached, version=run([b, "version"]))
+out = {
+    "arch": platform.machine(),
+    "systemd": os.path.isdir("/run/systemd/system"),
+    "python": platform.python_version(),
+    "files": {p: sha(p) for p in req["files"]},
+    "binary": binary,
+    "active": run(["systemctl", "is-active", req["service"]])["out"].strip(),
+    "enabled": run(["systemctl", "is-enabled", req["service"]])["out"].strip(),
+    "ss": run(["ss", "-Hlntup"])["out"],
+    "public": {p: read(p) for p in req["public"]},
+    "present": {p: os.path.exists(p) for p in req["private"]},
+    "lock": read(req["lock"]),
+    "extra": sorted(os.path.join(d, f) for d in req["dirs"] if os.path.isdir(d) for f in os.listdir(d)),
+}
+print(json.dumps(out))
+'''
+
+KEYS = r'''
+import json, os, subprocess, sys
+req = json.load(sys.stdin)
+made = []
+for k in req["keys"]:
+    a, b = k["paths"]
+    if os.path.exists(a) and os.path.exists(b):
+        continue
+    os.makedirs(os.path.dirname(a), mode=0o700, exist_ok=True)
+    if k["kind"] == "reality":
+        out = subprocess.run([req["binary"], "generate", "reality-keypair"], capture_output=True, text=True, check=True).stdout
+        vals = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+        priv, pub = vals["PrivateKey"].strip(), vals["PublicKey"].strip()
+        files = ((a, priv, 0o600), (b, pub, 0o644))
+    else:
+        out = subprocess.run([req["binary"], "generate", "tls-keypair", k["server_name"], "-m", "120"],
+                             capture_output=True, text=True, check=True).stdout
+        key = out[out.index("-----BEGIN PRIVATE KEY-----"):out.index("-----END PRIVATE KEY-----") + 25] + "\n"
+        cert = out[out.index("-----BEGIN CERTIFICATE-----"):out.index("-----END CERTIFICATE-----") + 25] + "\n"
+        files = ((a, cert, 0o644), (b, key, 0o600))
+    for path, text, mode in files:
+        tmp = path + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    made.append(k["inbound"])
+print(json.dumps({"made": made}))
+'''
+
+COMMIT = r'''
+import json, os, shutil, subprocess, sys, time
+req = json.load(sys.stdin)
+result = {"ok": False, "stage": "render", "rolled_back": False, "error": ""}
+def sh(cmd, timeout=60):
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return r.returncode, (r.stdout + r.stderr)[-2000:]
+def listening(want):
+    code, out = sh(["ss", "-Hlntu"])
+    have = set()
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 5:
+            have.add((int(parts[4].rsplit(":", 1)[1]), parts[0]))
+    return all((p, t) in have for p, t in want)
+def verify():
+    deadline = time.time() + req["verify_timeout"]
+    while time.time() < deadline:
+        code, _ = sh(["systemctl", "is-active", req["service"]])
+        if code == 0 and listening([tuple(x) for x in req["listeners"]]):
+            return True
+        time.sleep(0.25)
+    return False
+def restart(action):
+    if req["daemon_reload"]:
+        sh(["systemctl", "daemon-reload"])
+    sh(["systemctl", "enable", req["service"]])
+    if action == "reload":
+        code, out = sh(["systemctl", "reload", req["service"]])
+        if code != 0:
+            action = "restart"
+    if action in ("restart", "start"):
+        code, out = sh(["systemctl", "restart", req["service"]])
+def render():
+    with open(req["template_new"] if os.path.exists(req["template_new"]) else req["template"]) as f:
+        text = f.read()
+    for inbound, path in req["reality"].items():
+        with open(path) as f:
+            text = text.replace("@@REALITY_PRIVATE_KEY:%s@@" % inbound, f.read().strip())
+    fd = os.open(req["config_new"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+moves = [(n, p) for n, p in req["moves"]] + [(req["config_new"], req["config"])]
+backups = []
+try:
+    render()
+    result["stage"] = "check"
+    code, out = sh([req["binary"], "check", "-c", req["config_new"]])
+    if code != 0:
+        raise RuntimeError("sing-box check rejected the new configuration: " + out.strip())
+    result["stage"] = "swap"
+    for new, path in moves:
+        if os.path.exists(path):
+            shutil.copy2(path, path + ".reconciler-old")
+            backups.append(path)
+    for new, path in moves:
+        os.replace(new, path)
+    result["stage"] = "restart"
+    restart(req["action"])
+    result["stage"] = "verify"
+    if not verify():
+        raise RuntimeError("the service did not come up with the new configuration (listeners %s)" % req["listeners"])
+    result["ok"] = True
+except Exception as e:
+    result["error"] = str(e)[-1500:]
+    if result["stage"] in ("restart", "verify", "swap"):
+        for new, path in moves:
+            if path in backups:
+                os.replace(path + ".reconciler-old", path)
+            elif os.path.exists(path) and path != req["config"]:
+                os.remove(path)
+        restart("restart")
+        result["rolled_back"] = True
+        result["rollback_verified"] = verify()
+finally:
+    for new, _ in moves:
+        if os.path.exists(new):
+            os.remove(new)
+    for path in backups:
+        if os.path.exists(path + ".reconciler-old"):
+            os.remove(path + ".reconciler-old")
+    if req.get("lock"):
+        shutil.rmtree(req["lock"], ignore_errors=True)
+print(json.dumps(result))
+'''

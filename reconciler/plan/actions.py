@@ -1,0 +1,201 @@
+"""The plan: per server, the actions that make its facts match the desired state (GITOPS-3). Pure.
+
+An action is data — what changes and why — so it can be printed, saved, tested
+and applied. Secrets never appear in a plan: diffs of files holding
+credentials show the structure with every credential value redacted.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+
+from reconciler.engine.singbox import BINARY, CONFIG_DIR, TEMPLATE, UNIT, DesiredServer
+from reconciler.plan.facts import Facts
+
+SUPPORTED_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
+_SECRET_KEYS = re.compile(r'("(?:uuid|password|secret|private_key|short_id|key)"\s*:\s*)("[^"]*"|\[[^\]]*\])')
+
+
+@dataclass(frozen=True)
+class Action:
+    sign: str  # "+" add, "~" change, "-" remove
+    kind: str  # install-engine, write-file, generate-key, restart, reload, start, remove-file, stop
+    target: str  # path, service or inbound
+    reason: str
+    diff: str = ""
+
+    def as_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass
+class ServerPlan:
+    server: str
+    host: str
+    actions: list[Action] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # preflight refusals: nothing will be changed
+    error: str = ""  # could not be observed
+    desired_digest: str = ""
+    facts_digest: str = ""
+    removed: bool = False  # the server left the file (prune)
+
+    @property
+    def changes(self) -> bool:
+        return bool(self.actions)
+
+    def counts(self) -> tuple[int, int, int]:
+        return (sum(a.sign == "+" for a in self.actions), sum(a.sign == "~" for a in self.actions),
+                sum(a.sign == "-" for a in self.actions))
+
+    def as_json(self) -> dict[str, object]:
+        return {"server": self.server, "host": self.host, "actions": [a.as_json() for a in self.actions],
+                "problems": self.problems, "error": self.error, "desired_digest": self.desired_digest,
+                "facts_digest": self.facts_digest, "removed": self.removed}
+
+
+def redact(text: str) -> str:
+    return _SECRET_KEYS.sub(lambda m: m.group(1) + '"<redacted>"', text)
+
+
+def file_diff(path: str, old: bytes | None, new: bytes, secret: bool) -> str:
+    new_text = new.decode(errors="replace")
+    old_text = old.decode(errors="replace") if old is not None else ""
+    if secret:
+        new_text, old_text = redact(new_text), redact(old_text)
+    lines = list(difflib.unified_diff(old_text.splitlines(), new_text.splitlines(), f"{path} (now)", f"{path} (desired)",
+                                      lineterm="", n=1))
+    if secret and not any(line[:1] in "+-" and not line.startswith(("+++", "---")) for line in lines):
+        return "(only credential values differ; redacted)"
+    return "\n".join(lines[:200]) + ("\n… (diff truncated)" if len(lines) > 200 else "")
+
+
+def preflight(facts: Facts, desired: DesiredServer) -> list[str]:
+    """Reasons this host cannot be served; checked before anything changes."""
+    problems = []
+    if not facts.systemd:
+        problems.append("not a systemd host (/run/systemd/system is missing): the engine runs as a systemd unit")
+    if facts.arch not in SUPPORTED_ARCH:
+        problems.append(f"unsupported architecture {facts.arch!r}; supported: x86_64, aarch64")
+    ours = {"sing-box", ""}
+    for port, proto in desired.listeners:
+        for lst in facts.listeners:
+            if lst.port == port and lst.proto == proto and lst.process not in ours:
+                problems.append(f"port {port}/{proto} is taken by {lst.process!r}; free it or choose another port")
+    return problems
+
+
+def plan_server(desired: DesiredServer, facts: Facts, current_files: dict[str, bytes | None] | None = None,
+                prune: bool = False) -> list[Action]:
+    """The actions that turn ``facts`` into ``desired``. ``current_files``: old contents for diffs."""
+    actions: list[Action] = []
+    current_files = current_files or {}
+    binary_change = False
+    want = desired.binary
+    if facts.engine_version is None:
+        actions.append(Action("+", "install-engine", BINARY, f"install sing-box {want.version} (not installed)"))
+        binary_change = True
+    elif facts.engine_version != want.version:
+        actions.append(Action("~", "install-engine", BINARY, f"sing-box {facts.engine_version} → {want.version}"))
+        binary_change = True
+    elif want.sha256 and facts.engine_sha256 and facts.engine_sha256 != want.sha256:
+        actions.append(Action("~", "install-engine", BINARY, "binary differs from the pinned sha256: reinstall"))
+        binary_change = True
+
+    key_change = False
+    for key in desired.keys:
+        private = key.paths[0] if key.kind == "reality" else key.paths[1]
+        if not facts.present.get(private):
+            what = "REALITY key pair" if key.kind == "reality" else f"self-signed certificate for {key.server_name}"
+            actions.append(Action("+", "generate-key", key.inbound, f"generate a {what} on the server (kept there)"))
+            key_change = True
+
+    unit_change = config_change = False
+    for f in desired.files:
+        have = facts.files.get(f.path)
+        if have == f.sha256:
+            continue
+        if have is None:
+            actions.append(Action("+", "write-file", f.path, "create", file_diff(f.path, None, f.content, f.secret)))
+        else:
+            actions.append(Action("~", "write-file", f.path, "content differs",
+                                  file_diff(f.path, current_files.get(f.path), f.content, f.secret)))
+        if f.path == UNIT:
+            unit_change = True
+        else:
+            config_change = True
+
+    if binary_change or unit_change:
+        actions.append(Action("~", "restart", "sing-box.service",
+                              "restart: " + ("the engine changed" if binary_change else "the unit changed")))
+    elif config_change or key_change:
+        if facts.active == "active":
+            actions.append(Action("~", "reload", "sing-box.service", "reload (SIGHUP): the configuration changed"))
+        else:
+            actions.append(Action("+", "start", "sing-box.service", "start with the new configuration"))
+    elif facts.active != "active":
+        actions.append(Action("+", "start", "sing-box.service", f"the service is {facts.active or 'not running'}"))
+    elif facts.enabled != "enabled":
+        actions.append(Action("~", "start", "sing-box.service", "enable at boot"))
+
+    if prune:
+        wanted = {f.path for f in desired.files} | {p for k in desired.keys for p in k.paths}
+        for path in facts.extra:
+            if path.endswith((".reconciler-new", ".reconciler-old", ".tmp")):
+                continue
+            if path.startswith((f"{CONFIG_DIR}/reality/", f"{CONFIG_DIR}/tls/")) and path not in wanted:
+                actions.append(Action("-", "remove-file", path, "its inbound left the cluster file (prune)"))
+    return actions
+
+
+def plan_removal(facts: Facts) -> list[Action]:
+    """A server that left the cluster file: stop the engine and remove what we installed (prune)."""
+    if facts.engine_version is None and not any(facts.files.values()):
+        return []
+    actions = [Action("-", "stop", "sing-box.service", "the server left the cluster file (prune)")]
+    for path in (TEMPLATE, UNIT, BINARY):
+        if facts.files.get(path) or path == BINARY and facts.engine_version:
+            actions.append(Action("-", "remove-file", path, "the server left the cluster file (prune)"))
+    return actions
+
+
+def summary_line(plans: list[ServerPlan]) -> str:
+    add = sum(p.counts()[0] for p in plans)
+    change = sum(p.counts()[1] for p in plans)
+    destroy = sum(p.counts()[2] for p in plans)
+    return f"Plan: {add} to add, {change} to change, {destroy} to destroy."
+
+
+def render_human(plans: list[ServerPlan], warnings: list[str] | None = None) -> str:
+    out = []
+    for w in warnings or []:
+        out.append(f"warning: {w}")
+    for p in plans:
+        head = f"server {p.server} ({p.host})" + (" — left the cluster file" if p.removed else "")
+        if p.error:
+            out.append(f"! {head}: cannot observe: {p.error}")
+            continue
+        if p.problems:
+            out.append(f"! {head}: refused by preflight:")
+            out.extend(f"    - {x}" for x in p.problems)
+            continue
+        if not p.actions:
+            out.append(f"  {head}: up to date")
+            continue
+        a, c, d = p.counts()
+        out.append(f"  {head}: {a} to add, {c} to change, {d} to destroy")
+        for act in p.actions:
+            out.append(f"    {act.sign} {act.kind} {act.target}: {act.reason}")
+            if act.diff:
+                out.extend("        " + line for line in act.diff.splitlines())
+    out.append("")
+    out.append(summary_line(plans))
+    return "\n".join(out) + "\n"
+
+
+def render_json(plans: list[ServerPlan], fingerprint: str) -> str:
+    add, change, destroy = (sum(p.counts()[i] for p in plans) for i in range(3))
+    return json.dumps({"fingerprint": fingerprint, "summary": {"add": add, "change": change, "destroy": destroy},
+                       "servers": [p.as_json() for p in plans]}, indent=2, ensure_ascii=False) + "\n"

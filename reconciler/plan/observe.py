@@ -1,0 +1,138 @@
+"""Gather facts from servers over SSH and build their plans (the I/O half of planning)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+
+from reconciler.credentials import Secret
+from reconciler.engine import remote
+from reconciler.engine.singbox import BINARY, CONFIG_DIR, SERVICE, TEMPLATE, UNIT, DesiredServer, desired
+from reconciler.model import Cluster
+from reconciler.plan.actions import ServerPlan, plan_removal, plan_server, preflight
+from reconciler.plan.facts import Facts, parse_facts, spki_pin
+from reconciler.ssh import SSHError, SSHPool, Target
+
+LOCK_DIR = "/run/reconciler.lock"
+LOCK_FILE = f"{LOCK_DIR}/holder"
+
+
+def facts_request(d: DesiredServer | None) -> dict[str, object]:
+    files = [TEMPLATE, UNIT] + ([f.path for f in d.files] if d else [])
+    public, private = [], []
+    for k in d.keys if d else ():
+        a, b = k.paths
+        if k.kind == "reality":
+            private.append(a)
+            public.append(b)
+        else:
+            public.append(a)
+            private.append(b)
+    return {"files": sorted(set(files)), "binary": BINARY, "service": SERVICE, "public": public, "private": private,
+            "lock": LOCK_FILE, "dirs": [f"{CONFIG_DIR}/reality", f"{CONFIG_DIR}/tls"]}
+
+
+async def gather(pool: SSHPool, target: Target, d: DesiredServer | None) -> Facts:
+    res = await pool.run(target, f"python3 -c {_q(remote.FACTS)}", input=json.dumps(facts_request(d)))
+    return parse_facts(res.stdout)
+
+
+def _q(text: str) -> str:
+    import shlex
+
+    return shlex.quote(text)
+
+
+async def current_contents(pool: SSHPool, target: Target, paths: list[str]) -> dict[str, bytes | None]:
+    """Old contents of changed files, for diffs (small files only)."""
+    out: dict[str, bytes | None] = {}
+    for path in paths:
+        res = await pool.run(target, f"cat {_q(path)} 2>/dev/null | head -c 1048576", check=False)
+        out[path] = res.stdout.encode() if res.code == 0 else None
+    return out
+
+
+@dataclass
+class Observed:
+    plan: ServerPlan
+    facts: Facts | None
+    desired: DesiredServer | None
+    target: Target
+
+
+async def observe(cluster: Cluster, secret: Secret, pool: SSHPool, base_dir: str, prune: bool,
+                  previous: dict[str, dict] | None = None, now: float | None = None) -> list[Observed]:
+    """Facts and plans for every server in parallel; one server's failure never stops the others."""
+    now = time.time() if now is None else now
+
+    async def one(server) -> Observed:  # type: ignore[no-untyped-def]
+        target = Target.from_server(server)
+        plan = ServerPlan(server.name, server.host)
+        try:
+            d = desired(cluster, server, secret, now, base_dir)
+        except OSError as exc:
+            plan.error = f"cannot read a file the cluster names: {exc}"
+            return Observed(plan, None, None, target)
+        plan.desired_digest = d.digest()
+        try:
+            facts = await gather(pool, target, d)
+        except SSHError as exc:
+            plan.error = str(exc)
+            return Observed(plan, None, d, target)
+        plan.facts_digest = facts.digest()
+        plan.problems = preflight(facts, d)
+        if not plan.problems:
+            changed = [f.path for f in d.files if facts.files.get(f.path) not in (None, f.sha256)]
+            old = await current_contents(pool, target, changed) if changed else {}
+            plan.actions = plan_server(d, facts, old, prune)
+        return Observed(plan, facts, d, target)
+
+    async def gone(name: str, info: dict) -> Observed:
+        target = Target(**info)
+        plan = ServerPlan(name, target.host, removed=True)
+        try:
+            facts = await gather(pool, target, None)
+        except SSHError as exc:
+            plan.error = str(exc)
+            return Observed(plan, None, None, target)
+        plan.facts_digest = facts.digest()
+        plan.actions = plan_removal(facts)
+        return Observed(plan, facts, None, target)
+
+    tasks = [one(s) for s in cluster.servers]
+    if prune and previous:
+        names = {s.name for s in cluster.servers}
+        tasks += [gone(n, info) for n, info in previous.items() if n not in names]
+    return list(await asyncio.gather(*tasks))
+
+
+def fingerprint(observed: list[Observed]) -> str:
+    h = hashlib.sha256()
+    for o in sorted(observed, key=lambda o: o.plan.server):
+        h.update(f"{o.plan.server}\0{o.plan.desired_digest}\0{o.plan.facts_digest}\n".encode())
+    return h.hexdigest()
+
+
+def learned_facts(observed: list[Observed]) -> dict[str, dict[str, str]]:
+    """Public material worth remembering for subscriptions: REALITY public keys, certificate pins."""
+    keys: dict[str, str] = {}
+    pins: dict[str, str] = {}
+    for o in observed:
+        if o.facts is None or o.desired is None:
+            continue
+        for k in o.desired.keys:
+            if k.kind == "reality":
+                pub = o.facts.public.get(k.paths[1])
+                if pub:
+                    keys[k.inbound] = pub.strip()
+            else:
+                cert = o.facts.public.get(k.paths[0])
+                if cert:
+                    try:
+                        pins[k.inbound] = spki_pin(cert)
+                    except ValueError:
+                        pass
+    return {"public_keys": keys, "tls_pins": pins}

@@ -1,0 +1,185 @@
+"""One asyncssh connection per server, host keys pinned (trust on first use, recorded), bounded concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncssh
+
+
+class SSHError(Exception):
+    """Base of the SSH errors."""
+
+
+class ConnectError(SSHError):
+    """The server could not be reached, or refused the connection or our key."""
+
+
+class HostKeyChanged(SSHError):
+    """The server presented a host key other than the pinned one."""
+
+
+class RemoteCommandError(SSHError):
+    def __init__(self, server: str, command: str, code: int | None, stderr: str):
+        self.server, self.command, self.code, self.stderr = server, command, code, stderr
+        super().__init__(f"{server}: `{command[:80]}` exited {code}: {stderr.strip()[-400:]}")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and how to reach one server."""
+
+    name: str
+    host: str
+    port: int = 22
+    user: str = "root"
+    identity: str | None = None
+    host_key: str | None = None  # pinned in the cluster file
+
+    @classmethod
+    def from_server(cls, server: object) -> Target:
+        ssh = server.ssh  # type: ignore[attr-defined]
+        return cls(name=server.name, host=server.host, port=ssh.port, user=ssh.user,  # type: ignore[attr-defined]
+                   identity=os.path.expanduser(ssh.identity) if ssh.identity else None, host_key=ssh.host_key)
+
+
+@dataclass(frozen=True)
+class Result:
+    code: int
+    stdout: str
+    stderr: str
+
+
+class KnownHosts:
+    """Host keys seen on first contact, recorded in a JSON file (`host:port` → `type base64`)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.keys: dict[str, str] = json.loads(path.read_text()) if path.exists() else {}
+
+    def get(self, target: Target) -> str | None:
+        return target.host_key or self.keys.get(f"{target.host}:{target.port}")
+
+    def record(self, target: Target, key: str) -> None:
+        self.keys[f"{target.host}:{target.port}"] = key
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.keys, indent=2, sort_keys=True))
+        tmp.replace(self.path)
+
+
+_RETRYABLE = (OSError, asyncio.TimeoutError, asyncssh.ConnectionLost, asyncssh.DisconnectError)
+
+
+class SSHPool:
+    """Connections by server name. Concurrency is bounded; connection errors retry with backoff."""
+
+    def __init__(self, known_hosts: KnownHosts, concurrency: int = 32, connect_timeout: float = 10.0,
+                 retries: int = 2, backoff: float = 0.5):
+        self.known = known_hosts
+        self.sem = asyncio.Semaphore(concurrency)
+        self.connect_timeout = connect_timeout
+        self.retries = retries
+        self.backoff = backoff
+        self._conns: dict[str, asyncssh.SSHClientConnection] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def connection(self, target: Target) -> asyncssh.SSHClientConnection:
+        lock = self._locks.setdefault(target.name, asyncio.Lock())
+        async with lock:
+            conn = self._conns.get(target.name)
+            if conn is not None and not conn.is_closed():
+                return conn
+            conn = await self._connect(target)
+            self._conns[target.name] = conn
+            return conn
+
+    async def _connect(self, target: Target) -> asyncssh.SSHClientConnection:
+        pinned = self.known.get(target)
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                known = ([asyncssh.import_public_key(pinned)], [], []) if pinned else None
+                kwargs: dict[str, object] = {"client_keys": [target.identity]} if target.identity else {}
+                if not pinned:  # first contact: record the key operators pin, like OpenSSH prefers it
+                    kwargs["server_host_key_algs"] = ["ssh-ed25519", "ecdsa-sha2-nistp256", "rsa-sha2-512", "rsa-sha2-256"]
+                conn = await asyncio.wait_for(asyncssh.connect(
+                    target.host, port=target.port, username=target.user, known_hosts=known,
+                    connect_timeout=self.connect_timeout, keepalive_interval=5, keepalive_count_max=3, **kwargs), self.connect_timeout + 5)
+                if not pinned:  # trust on first use: record what we saw, refuse any change later
+                    key = conn.get_server_host_key()
+                    if key is not None:
+                        self.known.record(target, " ".join(key.export_public_key("openssh").decode().split()[:2]))
+                return conn
+            except asyncssh.HostKeyNotVerifiable as exc:
+                raise HostKeyChanged(
+                    f"{target.name} ({target.host}): the host key differs from the pinned one — refusing to connect. "
+                    "If the server was really reinstalled, remove its entry from the known-hosts state "
+                    "(or update `ssh.host_key` in the cluster file)") from exc
+            except asyncssh.PermissionDenied as exc:
+                raise ConnectError(f"{target.name} ({target.host}): our SSH key was refused as {target.user}") from exc
+            except _RETRYABLE as exc:
+                last = exc
+                if attempt < self.retries:
+                    await asyncio.sleep(self.backoff * (2 ** attempt) * (1 + random.random() / 2))
+        raise ConnectError(f"{target.name} ({target.host}:{target.port}): cannot connect: {last or 'timed out'}")
+
+    async def run(self, target: Target, command: str, check: bool = True, timeout: float = 120.0,
+                  input: str | bytes | None = None) -> Result:
+        async with self.sem:
+            conn = await self.connection(target)
+            try:
+                res = await asyncio.wait_for(conn.run(command, check=False, input=input,
+                                                      encoding=None if isinstance(input, bytes) else "utf-8"), timeout)
+            except _RETRYABLE as exc:
+                self._conns.pop(target.name, None)
+                raise ConnectError(f"{target.name}: connection lost while running a command: {exc}") from exc
+        out = res.stdout if isinstance(res.stdout, str) else (res.stdout or b"").decode(errors="replace")
+        err = res.stderr if isinstance(res.stderr, str) else (res.stderr or b"").decode(errors="replace")
+        code = res.exit_status if res.exit_status is not None else -1
+        if check and code != 0:
+            raise RemoteCommandError(target.name, command, code, err)
+        return Result(code, out or "", err or "")
+
+    async def put(self, target: Target, data: bytes, path: str, mode: int = 0o644) -> None:
+        """Write ``data`` to ``path`` (not atomic: callers write to a temporary name and rename)."""
+        async with self.sem:
+            conn = await self.connection(target)
+            try:
+                async with conn.start_sftp_client() as sftp:
+                    async with sftp.open(path, "wb") as fh:
+                        await fh.write(data)
+                    await sftp.chmod(path, mode)
+            except _RETRYABLE as exc:
+                self._conns.pop(target.name, None)
+                raise ConnectError(f"{target.name}: connection lost while uploading {path}: {exc}") from exc
+
+    async def put_file(self, target: Target, local: str, path: str, mode: int = 0o755) -> None:
+        async with self.sem:
+            conn = await self.connection(target)
+            try:
+                await asyncssh.scp(local, (conn, path), preserve=False)
+                await conn.run(f"chmod {mode:o} {shlex.quote(path)}", check=True)
+            except _RETRYABLE as exc:
+                self._conns.pop(target.name, None)
+                raise ConnectError(f"{target.name}: connection lost while uploading {path}: {exc}") from exc
+
+    async def close(self) -> None:
+        for conn in self._conns.values():
+            conn.close()
+        for conn in self._conns.values():
+            await conn.wait_closed()
+        self._conns.clear()
+
+    async def __aenter__(self) -> SSHPool:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+

@@ -1,0 +1,272 @@
+"""Provisioning real systemd hosts over SSH: plan, apply, real clients, rollback, locks (GITOPS-3,4,6,7)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from pathlib import Path
+
+from reconciler.cli import lab_cluster_yaml
+from tests.lab.conftest import ORIGIN_PORT, Client, blob_sha, reconciler, reset_hosts, ssh
+
+PROTOCOL_INBOUNDS = [
+    ("p-vless", "vless-tls", 443, "tls: {server_name: www.lab.test}"),
+    ("p-trojan", "trojan", 8443, "tls: {server_name: www.lab.test}"),
+    ("p-ss", "shadowsocks-2022", 8388, ""),
+    ("p-hy2", "hysteria2", 443, "tls: {server_name: www.lab.test}"),
+    ("p-tuic", "tuic", 8444, "tls: {server_name: www.lab.test}"),
+]
+
+
+def every_protocol_cluster(lab, users=("alice", "bob"), extra_inbound: str = "") -> str:
+    """vps1 serves every protocol this sing-box build supports, each in a route of its own."""
+    h = lab.state.hosts[0]
+    lines = ["settings: {outputs: {state_dir: .state}, harden: false}", "servers:",
+             f"  - name: {h.name}", f"    host: {h.ip}",
+             f"    ssh: {{identity: {lab.key}, host_key: \"{lab.host_key(h)}\"}}", "    country: DE", "    inbounds:"]
+    for iid, proto, port, extra in PROTOCOL_INBOUNDS:
+        lines.append(f"      - {{id: {iid}, name: \"via {proto}\", protocol: {proto}, port: {port}, route: {iid}"
+                     + (f", {extra}" if extra else "") + "}")
+    if extra_inbound:
+        lines.append(extra_inbound)
+    lines.append("routes:")
+    lines += [f"  - {{id: {iid}, name: {iid}}}" for iid, *_ in PROTOCOL_INBOUNDS]
+    lines.append("users:")
+    lines += [f"  - name: {u}" for u in users]
+    return "\n".join(lines) + "\n"
+
+
+def test_bare_hosts_plan_apply_replan(lab, env):
+    # spec: GITOPS-3, GITOPS-4
+    reset_hosts(lab)
+    Path("c.yaml").write_text(lab_cluster_yaml(lab, lab.state.hosts, ["DE", "DE", "US"]))
+    assert reconciler("validate", "c.yaml").returncode == 0
+    plan = reconciler("plan", "-f", "c.yaml")
+    assert plan.returncode == 2, plan.stdout + plan.stderr
+    assert plan.stdout.strip().endswith("Plan: 12 to add, 3 to change, 0 to destroy.")
+    assert "<redacted>" in plan.stdout and "uuid\": \"<redacted>" in plan.stdout
+    apply = reconciler("apply", "-f", "c.yaml")
+    assert apply.returncode == 0, apply.stdout + apply.stderr
+    assert "Apply: 3 ok, 0 failed, 3 changed." in apply.stdout
+    for phase in ("connect", "preflight", "lock", "install engine", "configure", "start", "verify", "done"):
+        assert f"vps1: {phase}" in apply.stderr  # plain progress lines when not a terminal
+    for h in lab.state.hosts:
+        out = ssh(lab, h, "systemctl is-active sing-box; systemctl is-enabled sing-box; ss -Hltn sport = :443 | wc -l")
+        assert out.stdout.split() == ["active", "enabled", "1"], out
+    again = reconciler("plan", "-f", "c.yaml", "--json")
+    assert again.returncode == 0, again.stdout
+    assert json.loads(again.stdout)["summary"] == {"add": 0, "change": 0, "destroy": 0}
+    facts = json.loads(Path(".reconciler-lab/facts.json").read_text())
+    assert set(facts["tls_pins"]) == {"vps1-in", "vps2-in", "vps3-in"}
+
+
+def test_a_real_client_moves_bytes_through_every_protocol(lab, env):
+    # Real sing-box server and client; the origin in another namespace sees the server's address.
+    reset_hosts(lab)
+    Path("c.yaml").write_text(every_protocol_cluster(lab))
+    apply = reconciler("apply", "-f", "c.yaml")
+    assert apply.returncode == 0, apply.stdout + apply.stderr
+    doc = json.loads(reconciler("subscription", "alice", "--format", "sing-box", "-f", "c.yaml").stdout)
+    client = Client(doc, env)
+    origin = lab.state.hosts[2]
+    try:
+        for tag in client.ports:
+            body = client.fetch(tag, f"http://{origin.ip}:{ORIGIN_PORT}/blob")
+            assert hashlib.sha256(body).hexdigest() == blob_sha(), tag
+            assert client.fetch(tag, f"http://{origin.ip}:{ORIGIN_PORT}/ip").decode() == lab.state.hosts[0].ip, tag
+    finally:
+        client.close()
+    assert len(client.ports) == 5
+
+
+def test_adding_a_user_plans_applies_and_keeps_existing_connections(lab, env):
+    # spec: GITOPS-3, GITOPS-4 (reload, not restart: existing connections survive)
+    reset_hosts(lab)
+    Path("c.yaml").write_text(every_protocol_cluster(lab))
+    assert reconciler("apply", "-f", "c.yaml").returncode == 0
+    alice = Client(json.loads(reconciler("subscription", "alice", "--format", "sing-box", "-f", "c.yaml").stdout), env)
+    origin = lab.state.hosts[2]
+    got: dict[str, bytes] = {}
+    slow = threading.Thread(target=lambda: got.setdefault("blob", alice.fetch(
+        "via vless-tls", f"http://{origin.ip}:{ORIGIN_PORT}/blob", timeout=60, limit="150k")))
+    try:
+        slow.start()
+        time.sleep(1.5)  # the download is under way
+        Path("c.yaml").write_text(every_protocol_cluster(lab, users=("alice", "bob", "carol")))
+        plan = reconciler("plan", "-f", "c.yaml")
+        assert plan.returncode == 2 and "reload" in plan.stdout, plan.stdout
+        assert reconciler("apply", "-f", "c.yaml").returncode == 0
+        slow.join(90)
+        assert hashlib.sha256(got["blob"]).hexdigest() == blob_sha()  # survived the reload
+    finally:
+        alice.close()
+    carol = Client(json.loads(reconciler("subscription", "carol", "--format", "sing-box", "-f", "c.yaml").stdout), env, 22000)
+    try:
+        assert carol.fetch("via trojan", f"http://{origin.ip}:{ORIGIN_PORT}/ip").decode() == lab.state.hosts[0].ip
+    finally:
+        carol.close()
+    assert reconciler("plan", "-f", "c.yaml").returncode == 0
+
+
+def test_a_config_the_engine_rejects_rolls_back_and_the_old_one_keeps_serving(lab, env):
+    # spec: GITOPS-4
+    reset_hosts(lab)
+    Path("c.yaml").write_text(every_protocol_cluster(lab))
+    assert reconciler("apply", "-f", "c.yaml").returncode == 0
+    before = ssh(lab, lab.state.hosts[0], "sha256sum /etc/sing-box/config.json").stdout
+    Path("bad.crt").write_text("-----BEGIN CERTIFICATE-----\nnot a certificate\n-----END CERTIFICATE-----\n")
+    Path("bad.key").write_text("-----BEGIN PRIVATE KEY-----\nnot a key\n-----END PRIVATE KEY-----\n")
+    broken = every_protocol_cluster(lab, extra_inbound=(
+        "      - {id: p-broken, name: broken, protocol: trojan, port: 9443, route: p-trojan, "
+        "tls: {server_name: x.lab.test, certificate: bad.crt, key: bad.key}}"))
+    Path("c.yaml").write_text(broken)
+    apply = reconciler("apply", "-f", "c.yaml")
+    assert apply.returncode == 1
+    assert "sing-box check rejected the new configuration" in apply.stdout, apply.stdout
+    h = lab.state.hosts[0]
+    assert ssh(lab, h, "sha256sum /etc/sing-box/config.json").stdout == before
+    assert ssh(lab, h, "systemctl is-active sing-box").stdout.strip() == "active"
+    assert ssh(lab, h, "test -e /run/reconciler.lock && echo held || echo free").stdout.strip() == "free"
+    Path("c.yaml").write_text(every_protocol_cluster(lab))
+    client = Client(json.loads(reconciler("subscription", "bob", "--format", "sing-box", "-f", "c.yaml").stdout), env, 23000)
+    try:
+        assert client.fetch("via shadowsocks-2022", f"http://{lab.state.hosts[2].ip}:{ORIGIN_PORT}/ip")
+    finally:
+        client.close()
+
+
+def test_a_second_apply_is_refused_while_the_lock_is_held(lab, env):
+    # spec: GITOPS-4
+    reset_hosts(lab)
+    Path("c.yaml").write_text(lab_cluster_yaml(lab, lab.state.hosts, ["DE"]))
+    h = lab.state.hosts[1]
+    ssh(lab, h, "mkdir -p /run/reconciler.lock && printf '%s' '{\"by\": \"ci@runner-7\", \"pid\": 4242, \"since\": 1800000000}' "
+                "> /run/reconciler.lock/holder")
+    apply = reconciler("apply", "-f", "c.yaml")
+    assert apply.returncode == 1
+    assert "another apply holds the lock on vps2: ci@runner-7 (pid 4242) since 2027-01-15" in apply.stdout, apply.stdout
+    assert "Apply: 2 ok, 1 failed" in apply.stdout  # the others were not stopped by it
+    assert ssh(lab, h, "test -e /usr/local/bin/sing-box && echo yes || echo no").stdout.strip() == "no"
+    ssh(lab, h, "rm -rf /run/reconciler.lock")
+    assert reconciler("apply", "-f", "c.yaml").returncode == 0
+
+
+def test_concurrent_applies_never_both_touch_a_server(lab, env):
+    reset_hosts(lab)
+    Path("c.yaml").write_text(lab_cluster_yaml(lab, lab.state.hosts, ["DE"]))
+    import subprocess
+    import sys
+
+    exe = str(Path(sys.executable).with_name("reconciler"))
+    procs = [subprocess.Popen([exe, "apply", "-f", "c.yaml"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    refusals = sum(o.count("another apply holds the lock") for o in outs)
+    changed = sum(int(o.split(" changed.")[0].rsplit(" ", 1)[1]) for o in outs if " changed." in o)
+    assert changed + refusals >= 3 and changed <= 3, outs  # each server changed once; the loser was refused
+    assert reconciler("plan", "-f", "c.yaml").returncode == 0
+
+
+def test_ssh_cut_mid_apply_leaves_old_or_new_and_a_rerun_converges(lab, env):
+    # spec: GITOPS-4: never a mix of old and new
+    reset_hosts(lab)
+    Path("c.yaml").write_text(every_protocol_cluster(lab))
+    assert reconciler("apply", "-f", "c.yaml").returncode == 0
+    h = lab.state.hosts[0]
+    old = ssh(lab, h, "sha256sum /etc/sing-box/config.template.json").stdout.split()[0]
+    Path("c.yaml").write_text(every_protocol_cluster(lab, users=("alice", "bob", "dave")))
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("reconciler")), "apply", "-f", "c.yaml"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and "vps1: configure" not in (proc.stderr.readline() or ""):
+        pass
+    # Cut SSH: drop the controller's traffic to port 22 (and the session with it).
+    import subprocess as sp
+
+    sp.run(["nft", "-f", "-"], input="table inet rlab_cut {\n chain output {\n type filter hook output priority 0;\n"
+                                     f" ip daddr {h.ip} tcp dport 22 drop\n }}\n}}\n", text=True, check=True)
+    try:
+        proc.communicate(timeout=120)  # drains and closes the pipes too
+    finally:
+        sp.run(["nft", "delete", "table", "inet", "rlab_cut"], check=False)
+    time.sleep(3)  # a started commit finishes on the server by itself
+    tpl = ssh(lab, h, "sha256sum /etc/sing-box/config.template.json").stdout.split()[0]
+    users = ssh(lab, h, "python3 -c \"import json;print(sorted(u['name'] for u in "
+                        "json.load(open('/etc/sing-box/config.json'))['inbounds'][0]['users']))\"").stdout.strip()
+    if tpl == old:
+        assert users == "['alice', 'bob']"
+    else:
+        assert users == "['alice', 'bob', 'dave']"
+    assert ssh(lab, h, "systemctl is-active sing-box").stdout.strip() == "active"
+    assert ssh(lab, h, "ls /etc/sing-box | grep -c reconciler-new || true").stdout.strip() in ("", "0")
+    rerun = reconciler("apply", "-f", "c.yaml")
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert reconciler("plan", "-f", "c.yaml").returncode == 0
+
+
+def test_changed_host_key_is_refused(lab, env):
+    # spec: GITOPS-6
+    reset_hosts(lab)
+    text = lab_cluster_yaml(lab, lab.state.hosts[:1], ["DE"])
+    other = lab.host_key(lab.state.hosts[1])
+    Path("c.yaml").write_text(text.replace(lab.host_key(lab.state.hosts[0]), other))
+    plan = reconciler("plan", "-f", "c.yaml")
+    assert plan.returncode == 1 and "host key differs from the pinned one" in plan.stdout, plan.stdout
+    # Trust on first use: without a pinned key the first contact is recorded, later changes refused.
+    unpinned = "\n".join(line.split(", host_key")[0] + "}" if "host_key" in line else line for line in text.splitlines())
+    Path("c.yaml").write_text(unpinned + "\n")
+    assert reconciler("plan", "-f", "c.yaml").returncode == 2
+    known = json.loads(Path(".reconciler-lab/known_hosts.json").read_text())
+    assert known[f"{lab.state.hosts[0].ip}:22"] == lab.host_key(lab.state.hosts[0])
+    known[f"{lab.state.hosts[0].ip}:22"] = other
+    Path(".reconciler-lab/known_hosts.json").write_text(json.dumps(known))
+    assert "host key differs" in reconciler("plan", "-f", "c.yaml").stdout
+
+
+def test_preflight_refuses_a_port_taken_by_something_else(lab, env):
+    reset_hosts(lab)
+    h = lab.state.hosts[0]
+    ssh(lab, h, "systemd-run --unit=squatter python3 -m http.server 443")
+    try:
+        time.sleep(1)
+        Path("c.yaml").write_text(lab_cluster_yaml(lab, [h], ["DE"]))
+        plan = reconciler("plan", "-f", "c.yaml")
+        assert plan.returncode == 1 and "port 443/tcp is taken by 'python3'" in plan.stdout, plan.stdout
+        apply = reconciler("apply", "-f", "c.yaml")
+        assert apply.returncode == 1 and "refused by preflight" in apply.stdout
+        assert ssh(lab, h, "test -e /usr/local/bin/sing-box && echo yes || echo no").stdout.strip() == "no"
+    finally:
+        ssh(lab, h, "systemctl stop squatter")
+
+
+def test_saved_plans_apply_exactly_and_stale_ones_are_refused(lab, env):
+    # spec: GITOPS-3
+    reset_hosts(lab)
+    Path("c.yaml").write_text(lab_cluster_yaml(lab, lab.state.hosts[:2], ["DE"]))
+    assert reconciler("plan", "-f", "c.yaml", "--out", "p.json").returncode == 2
+    Path("c.yaml").write_text(Path("c.yaml").read_text().replace("  - name: bob\n", "  - name: bob\n  - name: erin\n"))
+    stale = reconciler("apply", "p.json")
+    assert stale.returncode == 1 and "the saved plan is stale" in stale.stderr
+    assert reconciler("plan", "-f", "c.yaml", "--out", "p.json").returncode == 2
+    assert reconciler("apply", "p.json").returncode == 0
+    assert reconciler("apply", "p.json").returncode == 1  # the servers changed since: stale now
+
+
+def test_prune_removes_what_left_the_file(lab, env):
+    # spec: GITOPS-7
+    reset_hosts(lab)
+    Path("c.yaml").write_text(lab_cluster_yaml(lab, lab.state.hosts[:2], ["DE"]))
+    assert reconciler("apply", "-f", "c.yaml").returncode == 0
+    Path("c.yaml").write_text(lab_cluster_yaml(lab, lab.state.hosts[:1], ["DE"]))
+    plan = reconciler("plan", "-f", "c.yaml", "--prune")
+    assert plan.returncode == 2 and "left the cluster file" in plan.stdout and "to destroy" in plan.stdout
+    assert "- stop sing-box.service" in plan.stdout
+    assert reconciler("apply", "-f", "c.yaml", "--prune").returncode == 0
+    gone = lab.state.hosts[1]
+    assert ssh(lab, gone, "systemctl is-active sing-box").stdout.strip() != "active"
+    assert ssh(lab, gone, "test -e /usr/local/bin/sing-box && echo yes || echo no").stdout.strip() == "no"
