@@ -99,6 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="show what the reconciler does with the example cluster")
     d.add_argument("-f", "--file", default="cluster.example.yaml")
     d.add_argument("--out-dir", default="demo-output", help="where to write the topology pictures")
+    d.add_argument("--no-lab", action="store_true", help="skip provisioning sandbox servers (needs root)")
+    d.add_argument("--hosts", type=int, default=4, help="sandbox servers to provision")
     return p
 
 
@@ -597,7 +599,8 @@ def cmd_lab(args: argparse.Namespace) -> int:
         return 1
 
 
-def lab_cluster_yaml(lab, hosts, countries: list[str], protocol: str = "vless-tls") -> str:  # type: ignore[no-untyped-def]
+def lab_cluster_yaml(lab, hosts, countries: list[str], protocol: str = "vless-tls",  # type: ignore[no-untyped-def]
+                     prober_index: int | None = None, harden: bool = False) -> str:
     """A valid cluster file for the lab hosts: one inbound each, all in one route, host keys pinned."""
     ports = {"vless-tls": 443, "trojan": 443, "shadowsocks-2022": 8388, "hysteria2": 443, "tuic": 443, "vless-reality": 443}
     lines = [
@@ -605,7 +608,7 @@ def lab_cluster_yaml(lab, hosts, countries: list[str], protocol: str = "vless-tl
         "# Written by `reconciler lab up`: sandbox hosts on this machine (198.18.0.0/24 in network namespaces).",
         "settings:",
         "  outputs: {state_dir: .reconciler-lab}",
-        "  harden: false",
+        f"  harden: {'true' if harden else 'false'}",
         "servers:",
     ]
     for i, h in enumerate(hosts):
@@ -617,6 +620,7 @@ def lab_cluster_yaml(lab, hosts, countries: list[str], protocol: str = "vless-tl
             f"    host: {h.ip}",
             f"    ssh: {{user: root, port: 22, identity: {lab.key}, host_key: \"{lab.host_key(h)}\"}}",
             f"    country: {country}",
+            *(["    prober: true"] if i == prober_index else []),
             "    inbounds:",
             f"      - {{id: {h.name}-in, name: \"{country} {h.name}\", protocol: {protocol}, port: {ports[protocol]}, route: lab"
             + (f", {extra}" if extra else "") + "}",
@@ -725,8 +729,45 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for fmt, ext in (("svg", "svg"), ("mermaid", "mmd"), ("dot", "dot")):
         (out / f"topology.{ext}").write_text(RENDERERS[fmt](cluster), encoding="utf-8")
     console.print(f"topology written to {out}/topology.svg, .mmd and .dot")
-    console.print(RENDERERS["mermaid"](cluster), markup=False, highlight=False)
-    return 0
+    if args.no_lab or os.geteuid() != 0:
+        if not args.no_lab:
+            console.print("[yellow]not root: skipping the sandbox servers (network namespaces need root)[/yellow]")
+        return 0
+    return _demo_lab(console, out, args.hosts)
+
+
+def _demo_lab(console, out: Path, hosts_wanted: int) -> int:  # type: ignore[no-untyped-def]
+    """Sandbox servers on this machine: plan, apply, re-plan, a user's subscription; always torn down."""
+    import secrets as _secrets
+
+    from reconciler.lab import Lab, LabError
+
+    console.rule("provisioning sandbox servers (network namespaces with systemd and sshd)")
+    os.environ.setdefault("RECONCILER_SECRET", _secrets.token_urlsafe(32))  # a throwaway secret for the demo
+    lab = Lab(log=lambda s: console.print(f"[dim]{s}[/dim]"))
+    lab.down()
+    try:
+        hosts = lab.up(hosts_wanted)
+        path = out / "lab-cluster.yaml"
+        path.write_text(lab_cluster_yaml(lab, hosts, ["DE", "DE", "US", "RU"], prober_index=len(hosts) - 1))
+        console.print(f"wrote {path}: {len(hosts)} servers in DE, US and RU (the RU server is a prober)")
+        steps = [("plan", ["plan", "-f", str(path)], 2), ("apply", ["apply", "-f", str(path)], 0),
+                 ("plan again", ["plan", "-f", str(path)], 0),
+                 ("status", ["status", "--user", "alice", "-f", str(path)], 0),
+                 ("subscription", ["subscription", "alice", "--decode", "-f", str(path)], 0)]
+        for title, argv, expected in steps:
+            console.rule(f"reconciler {' '.join(argv[:1])} — {title}")
+            code = main(argv)
+            if code != expected:
+                console.print(f"[red]{title} exited {code}, expected {expected}[/red]")
+                return 1
+        console.print("[green]demo done: servers provisioned, subscriptions rendered; tearing the lab down[/green]")
+        return 0
+    except LabError as exc:
+        console.print(f"[red]lab: {exc}[/red]")
+        return 1
+    finally:
+        lab.down()
 
 
 if __name__ == "__main__":

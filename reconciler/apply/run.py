@@ -20,13 +20,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import asyncssh
+
 from reconciler.engine import remote
 from reconciler.engine.singbox import BINARY, CONFIG, SERVICE, TEMPLATE, UNIT
 from reconciler.plan.observe import LOCK_DIR, LOCK_FILE, Observed
 from reconciler.ssh import RemoteCommandError, SSHError, SSHPool
 
 LEASE_SECONDS = 600  # a lock older than this belongs to an apply that died: every step of ours is bounded far below
-PHASES = ("connect", "preflight", "lock", "install engine", "configure", "start", "verify", "done")
+PHASES = ("connect", "preflight", "lock", "install engine", "configure", "start", "verify", "harden", "done")
 
 
 class LockHeld(SSHError):
@@ -93,11 +95,11 @@ async def apply_one(o: Observed, pool: SSHPool, progress: Progress, verify_timeo
         result.ok = result.changed = True
         if result.ok:
             phase("done")
-    except (LockHeld, CommitFailed) as exc:
-        result.message = str(exc)
-    except RemoteCommandError as exc:
+    except (LockHeld, CommitFailed, RemoteCommandError) as exc:
+        result.ok = False
         result.message = str(exc)
     except SSHError as exc:
+        result.ok = False
         result.message = f"{exc} (the server finishes or rolls back a started commit on its own; run apply again)"
     finally:
         result.seconds = time.monotonic() - start
@@ -183,6 +185,50 @@ async def _transaction(pool: SSHPool, o: Observed, phase, result: ServerResult, 
     for a in o.plan.actions:
         if a.kind == "remove-file":
             await pool.run(t, f"rm -f {shlex.quote(a.target)}", check=False)
+    if "harden" in kinds:
+        phase("harden")
+        await _harden(pool, o)
+
+
+async def _harden(pool: SSHPool, o: Observed, timeout: float = 20.0) -> None:
+    """Load the firewall; keep it only if a brand-new SSH connection still gets in (never lock us out)."""
+    d, t = o.desired, o.target
+    assert d is not None
+    rules, unit = d.firewall
+    await pool.run(t, "mkdir -p /etc/reconciler")
+    await pool.put(t, unit.content, unit.path, unit.mode)
+    await pool.put(t, rules.content, rules.path + ".reconciler-new", rules.mode)
+    req = {"new": rules.path + ".reconciler-new", "path": rules.path, "confirm": "/run/reconciler-firewall.ok",
+           "loaded": "/run/reconciler-firewall.loaded", "timeout": timeout}
+    await pool.put(t, json.dumps(req).encode(), "/run/reconciler-firewall.req", 0o600)
+    script = shlex.quote(remote.FIREWALL)
+    await pool.run(t, "rm -f /run/reconciler-firewall.out /run/reconciler-firewall.ok /run/reconciler-firewall.loaded; "
+                      f"setsid -f sh -c {shlex.quote(f'python3 -c {script} < /run/reconciler-firewall.req > /run/reconciler-firewall.out 2>&1')}"
+                      " < /dev/null > /dev/null 2>&1")  # detached stdio: else SSH waits for the script to end
+    loaded_by = time.monotonic() + 15
+    while time.monotonic() < loaded_by:  # the established session keeps working under any rules
+        res = await pool.run(t, "test -e /run/reconciler-firewall.loaded -o -s /run/reconciler-firewall.out", check=False)
+        if res.code == 0:
+            break
+        await asyncio.sleep(0.2)
+    try:
+        fresh = await pool.fresh(t)  # a new TCP connection: established ones would pass any ruleset
+        try:
+            await fresh.run("touch /run/reconciler-firewall.ok", check=True)
+        finally:
+            fresh.close()
+    except (OSError, TimeoutError, SSHError, asyncssh.Error):
+        pass  # no confirmation: the server restores the previous rules by itself, and says so below
+    deadline = time.monotonic() + timeout + 15
+    while time.monotonic() < deadline:
+        res = await pool.run(t, "cat /run/reconciler-firewall.out 2>/dev/null", check=False)
+        if res.stdout.strip():
+            out = json.loads(res.stdout.strip().splitlines()[-1])
+            if not out.get("ok"):
+                raise CommitFailed(f"firewall: {out.get('error')} — the service itself was applied")
+            return
+        await asyncio.sleep(0.5)
+    raise CommitFailed("firewall: no answer from the server within the timeout")
 
 
 class CommitFailed(SSHError):

@@ -40,14 +40,21 @@ class EditResult:
     warnings: list[Diagnostic] = field(default_factory=list)
 
 
-def assign(path: str, inbound_id: str, route_id: str, pool: str | None = None) -> EditResult:
-    """Put an inbound into a route (moving it out of any other), with a pool when the route has pools."""
+def _load_for_edit(path: str, inbound_id: str):  # type: ignore[no-untyped-def]
+    """The valid cluster and the inbound to edit, or an EditError saying why not."""
     result = load_cluster(path)
     if result.cluster is None:
         raise EditError("the file has errors; fix them first", result.errors)
+    ref = next((r for r in result.cluster.inbounds if r.inbound.id == inbound_id), None)
+    if ref is None:
+        raise EditError(f"no inbound with id {inbound_id!r}; known: {', '.join(r.inbound.id for r in result.cluster.inbounds)}")
+    return result, ref
+
+
+def assign(path: str, inbound_id: str, route_id: str, pool: str | None = None) -> EditResult:
+    """Put an inbound into a route (moving it out of any other), with a pool when the route has pools."""
+    result, ref = _load_for_edit(path, inbound_id)
     cluster = result.cluster
-    if not any(ref.inbound.id == inbound_id for ref in cluster.inbounds):
-        raise EditError(f"no inbound with id {inbound_id!r}; known: {', '.join(r.inbound.id for r in cluster.inbounds)}")
     routes = {r.id: r for r in cluster.routes}
     if route_id not in routes:
         known = ", ".join(routes) or "none (declare `routes:` first)"
@@ -58,7 +65,6 @@ def assign(path: str, inbound_id: str, route_id: str, pool: str | None = None) -
     if not route.pools and pool is not None:
         raise EditError(f"route {route_id!r} has no pools; drop --pool")
     current = cluster.route_of(inbound_id)
-    ref = next(r for r in cluster.inbounds if r.inbound.id == inbound_id)
     if current == route_id and ref.inbound.pool == pool:
         return EditResult(path, False, f"{inbound_id} is already in route {route_id}", result.warnings)
     updates: dict[str, str | None] = {"route": route_id, "pool": pool}
@@ -70,13 +76,8 @@ def assign(path: str, inbound_id: str, route_id: str, pool: str | None = None) -
 
 def unassign(path: str, inbound_id: str) -> EditResult:
     """Take an inbound out of its route (it stays on its server, invisible to clients)."""
-    result = load_cluster(path)
-    if result.cluster is None:
-        raise EditError("the file has errors; fix them first", result.errors)
+    result, ref = _load_for_edit(path, inbound_id)
     cluster = result.cluster
-    if not any(ref.inbound.id == inbound_id for ref in cluster.inbounds):
-        raise EditError(f"no inbound with id {inbound_id!r}")
-    ref = next(r for r in cluster.inbounds if r.inbound.id == inbound_id)
     if ref.inbound.route is None:
         if cluster.route_of(inbound_id) is not None:
             raise EditError(

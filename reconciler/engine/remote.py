@@ -54,6 +54,7 @@ out = {
     "public": {p: read(p) for p in req["public"]},
     "present": {p: os.path.exists(p) for p in req["private"]},
     "lock": read(req["lock"]),
+    "firewall": run(["nft", "list", "table", "inet", "reconciler"])["code"] == 0,
     "extra": sorted(os.path.join(d, f) for d in req["dirs"] if os.path.isdir(d) for f in os.listdir(d)),
 }
 print(json.dumps(out))
@@ -173,4 +174,35 @@ finally:
     if req.get("lock"):
         shutil.rmtree(req["lock"], ignore_errors=True)
 print(json.dumps(result))
+'''
+
+FIREWALL = r'''
+import json, os, subprocess, sys, time
+req = json.load(sys.stdin)
+def sh(cmd, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30, **kw)
+old = sh(["nft", "list", "table", "inet", "reconciler"])
+previous = old.stdout if old.returncode == 0 else None
+ok_file = req["confirm"]
+r = sh(["nft", "-f", req["new"]])
+if r.returncode != 0:
+    print(json.dumps({"ok": False, "error": "nft rejected the rules: " + r.stderr[-500:]}))
+    sys.exit(0)
+open(req["loaded"], "w").close()  # the controller now proves a fresh connection gets through
+# Keep the rules only if the controller proves, over a fresh SSH connection, that it still gets in.
+deadline = time.time() + req["timeout"]
+while time.time() < deadline and not os.path.exists(ok_file):
+    time.sleep(0.2)
+if os.path.exists(ok_file):
+    os.remove(ok_file)
+    os.replace(req["new"], req["path"])
+    sh(["systemctl", "daemon-reload"])
+    sh(["systemctl", "enable", "reconciler-firewall.service"])
+    print(json.dumps({"ok": True}))
+else:
+    sh(["nft", "delete", "table", "inet", "reconciler"])
+    if previous:
+        sh(["nft", "-f", "-"], input=previous)
+    os.remove(req["new"])
+    print(json.dumps({"ok": False, "error": "no fresh SSH connection got through with the new rules: rolled back"}))
 '''

@@ -94,12 +94,14 @@ class DesiredServer:
     keys: tuple[KeyRequest, ...]
     binary: EngineBinary
     listeners: tuple[tuple[int, str], ...]  # (port, tcp|udp) that must be listening after apply
-    firewall_ports: tuple[tuple[int, str], ...] = field(default_factory=tuple)
+    firewall: tuple[ManagedFile, ...] = field(default_factory=tuple)  # harden: rules and their boot unit
 
     def digest(self) -> str:
         h = hashlib.sha256()
         for f in sorted(self.files, key=lambda f: f.path):
             h.update(f"{f.path}\0{f.mode:o}\0{f.sha256}\n".encode())
+        for f in self.firewall:
+            h.update(f"fw\0{f.path}\0{f.sha256}\n".encode())
         for k in self.keys:
             h.update(f"key\0{k.inbound}\0{k.kind}\0{k.server_name}\n".encode())
         h.update(f"bin\0{self.binary.version}\0{self.binary.sha256}\n".encode())
@@ -166,6 +168,53 @@ def server_config(cluster: Cluster, server: Server, secret: Secret, now: float) 
     }
 
 
+FIREWALL = "/etc/reconciler/firewall.nft"
+FIREWALL_UNIT = "/etc/systemd/system/reconciler-firewall.service"
+FIREWALL_UNIT_TEXT = """\
+# Managed by reconciler: loads the firewall at boot.
+[Unit]
+Description=reconciler firewall (SSH and the inbound ports only)
+Before=network-pre.target
+Wants=network-pre.target
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/usr/sbin/nft -f /etc/reconciler/firewall.nft
+ExecStop=/usr/sbin/nft delete table inet reconciler
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def firewall_rules(ssh_port: int, listeners: list[tuple[int, str]]) -> str:
+    """An input policy of drop with SSH, the inbound ports, ICMP and established traffic allowed."""
+    tcp = sorted({p for p, t in listeners if t == "tcp"} - {ssh_port})
+    udp = sorted({p for p, t in listeners if t == "udp"})
+    lines = [
+        "# Managed by reconciler (settings.harden): SSH and the inbound ports only.",
+        "table inet reconciler",
+        "delete table inet reconciler",
+        "table inet reconciler {",
+        "  chain input {",
+        "    type filter hook input priority 0; policy drop;",
+        "    iif lo accept",
+        # SSH before any state rule: sessions that began before conntrack saw them count as invalid,
+        # and the session loading these rules is one of them.
+        f"    tcp dport {ssh_port} accept",
+        "    ct state established,related accept",
+        "    ct state invalid drop",
+        "    meta l4proto { 1, 58 } accept  # ICMP, ICMPv6 (numbers: minimal systems lack /etc/protocols)",
+    ]
+    if tcp:
+        lines.append(f"    tcp dport {{ {', '.join(map(str, tcp))} }} accept")
+    if udp:
+        lines.append(f"    udp dport {{ {', '.join(map(str, udp))} }} accept")
+    lines += ["  }", "}"]
+    return "\n".join(lines) + "\n"
+
+
 def engine_binary(cluster: Cluster) -> EngineBinary:
     eng = cluster.settings.engine
     local = eng.binary
@@ -198,5 +247,9 @@ def desired(cluster: Cluster, server: Server, secret: Secret, now: float, base_d
             else:
                 keys.append(KeyRequest(ib.id, "self-signed", tls.server_name))
     listeners = sorted({(ib.port, t) for ib in server.inbounds for t in ib.transports})
+    firewall = ()
+    if cluster.settings.harden:
+        firewall = (ManagedFile(FIREWALL, firewall_rules(server.ssh.port, listeners).encode(), 0o644),
+                    ManagedFile(FIREWALL_UNIT, FIREWALL_UNIT_TEXT.encode(), 0o644))
     return DesiredServer(server=server.name, files=tuple(files), keys=tuple(keys), binary=engine_binary(cluster),
-                         listeners=tuple(listeners), firewall_ports=tuple(listeners))
+                         listeners=tuple(listeners), firewall=firewall)

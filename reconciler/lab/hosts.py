@@ -222,6 +222,7 @@ class Lab:
             f"for h in systemd unified; do d=/sys/fs/cgroup/$h/reconciler-lab/{name}; mkdir -p $d; "
             f"echo $$ > $d/cgroup.procs 2>/dev/null || true; done; "
             f"exec setsid systemd-nspawn -q -D {host.merged} -M rlab-{name} -b --register=no --keep-unit "
+            f"--capability=CAP_NET_ADMIN "  # root on a real VPS can manage its firewall
             f"--network-namespace-path=/run/netns/{host.netns}"
         )
         with open(hdir / "console.log", "wb") as log:  # the child keeps its own descriptor
@@ -282,23 +283,30 @@ class Lab:
                 os.kill(host.pid, signal.SIGTERM)  # nspawn asks the container's systemd to power off
             _wait_gone(host.pid, 15.0)
             _kill_group(host.pid)
-        # Anything still inside the namespace was started by this lab.
-        out = _run(["ip", "netns", "pids", host.netns], check=False)
-        for pid in out.stdout.split():
-            with contextlib.suppress(ProcessLookupError, ValueError):
+        # Anything still inside the host's cgroup or namespace was started by this lab. The cgroup is the
+        # reliable record: `setsid` may have forked, so the PID we started need not be nspawn's.
+        pids = set(_run(["ip", "netns", "pids", host.netns], check=False).stdout.split())
+        for h in ("systemd", "unified"):
+            root = Path(f"/sys/fs/cgroup/{h}/reconciler-lab/{host.name}")
+            if root.exists():
+                for procs in root.rglob("cgroup.procs"):
+                    with contextlib.suppress(OSError):
+                        pids.update(procs.read_text().split())
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
                 os.kill(int(pid), signal.SIGKILL)
         _run(["umount", "-l", str(host.merged)], check=False)
         _run(["ip", "link", "del", host.veth], check=False)
         _run(["ip", "netns", "del", host.netns], check=False)
         for h in ("systemd", "unified"):
-            d = Path(f"/sys/fs/cgroup/{h}/reconciler-lab/{host.name}")
-            for _ in range(20):
-                try:
-                    if d.exists():
-                        os.rmdir(d)
+            root = Path(f"/sys/fs/cgroup/{h}/reconciler-lab/{host.name}")
+            for _ in range(30):
+                if not root.exists():
                     break
-                except OSError:
-                    time.sleep(0.1)
+                for d in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [root]:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(d)
+                time.sleep(0.1)
 
     # ------------------------------------------------------------------ helpers for tests and the demo
 

@@ -140,6 +140,14 @@ def plan_server(desired: DesiredServer, facts: Facts, current_files: dict[str, b
     elif facts.enabled != "enabled":
         actions.append(Action("~", "start", "sing-box.service", "enable at boot"))
 
+    if desired.firewall:
+        stale = [f for f in desired.firewall if facts.files.get(f.path) != f.sha256]
+        if stale or not facts.firewall:
+            sign = "+" if all(facts.files.get(f.path) is None for f in desired.firewall) else "~"
+            ports = ", ".join(f"{p}/{t}" for p, t in desired.listeners)
+            actions.append(Action(sign, "harden", "nftables", f"allow SSH and the inbound ports only ({ports}); "
+                                  "kept only if a fresh SSH connection still gets in"))
+
     if prune:
         wanted = {f.path for f in desired.files} | {p for k in desired.keys for p in k.paths}
         for path in facts.extra:

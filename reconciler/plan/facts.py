@@ -41,11 +41,13 @@ class Facts:
     present: dict[str, bool]  # path → private material exists
     lock: dict[str, object] | None
     extra: tuple[str, ...] = field(default_factory=tuple)  # files found in managed folders
+    firewall: bool = False  # our nftables table is loaded
 
     def digest(self) -> str:
         """What a saved plan was computed from; a different digest makes the plan stale."""
         stable = {"files": self.files, "engine": [self.engine_version, self.engine_sha256], "active": self.active,
-                  "enabled": self.enabled, "public": self.public, "present": self.present, "extra": self.extra}
+                  "enabled": self.enabled, "public": self.public, "present": self.present, "extra": self.extra,
+                  "firewall": self.firewall}
         return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()
 
 
@@ -110,4 +112,5 @@ def parse_facts(raw: str) -> Facts:
         present=dict(data.get("present") or {}),
         lock=parse_lock(data.get("lock")),
         extra=tuple(data.get("extra") or ()),
+        firewall=bool(data.get("firewall")),
     )

@@ -21,7 +21,7 @@ LOCK_FILE = f"{LOCK_DIR}/holder"
 
 
 def facts_request(d: DesiredServer | None) -> dict[str, object]:
-    files = [TEMPLATE, UNIT] + ([f.path for f in d.files] if d else [])
+    files = [TEMPLATE, UNIT] + ([f.path for f in (*d.files, *d.firewall)] if d else [])
     public, private = [], []
     for k in d.keys if d else ():
         a, b = k.paths

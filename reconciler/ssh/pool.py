@@ -130,6 +130,10 @@ class SSHPool:
                     await asyncio.sleep(self.backoff * (2 ** attempt) * (1 + random.random() / 2))
         raise ConnectError(f"{target.name} ({target.host}:{target.port}): cannot connect: {last or 'timed out'}")
 
+    async def fresh(self, target: Target) -> asyncssh.SSHClientConnection:
+        """A new connection outside the pool (to prove a new session still gets through); caller closes it."""
+        return await self._connect(target)
+
     async def run(self, target: Target, command: str, check: bool = True, timeout: float = 120.0,
                   input: str | bytes | None = None) -> Result:
         async with self.sem:

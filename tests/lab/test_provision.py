@@ -270,3 +270,87 @@ def test_prune_removes_what_left_the_file(lab, env):
     gone = lab.state.hosts[1]
     assert ssh(lab, gone, "systemctl is-active sing-box").stdout.strip() != "active"
     assert ssh(lab, gone, "test -e /usr/local/bin/sing-box && echo yes || echo no").stdout.strip() == "no"
+
+
+def test_harden_allows_ssh_and_inbounds_only_and_never_locks_us_out(lab, env):
+    # Issue: securing the server — nftables, confirmed over a fresh SSH connection or rolled back.
+    import socket
+    import subprocess as sp
+
+    from reconciler.engine import remote
+
+    reset_hosts(lab)
+    h = lab.state.hosts[0]
+    for host in lab.state.hosts:
+        ssh(lab, host, "nft delete table inet reconciler 2>/dev/null; systemctl disable reconciler-firewall 2>/dev/null; true")
+    ssh(lab, h, "systemd-run --unit=other-service python3 -m http.server 9999")
+    try:
+        time.sleep(1)
+        socket.create_connection((h.ip, 9999), timeout=3).close()  # open before hardening
+        Path("c.yaml").write_text(lab_cluster_yaml(lab, [h], ["DE"], harden=True))
+        plan = reconciler("plan", "-f", "c.yaml")
+        assert "+ harden nftables: allow SSH and the inbound ports only (443/tcp)" in plan.stdout, plan.stdout
+        apply = reconciler("apply", "-f", "c.yaml")
+        assert apply.returncode == 0, apply.stdout + apply.stderr
+        assert "table inet reconciler" in ssh(lab, h, "nft list ruleset").stdout
+        assert ssh(lab, h, "systemctl is-enabled reconciler-firewall").stdout.strip() == "enabled"
+        socket.create_connection((h.ip, 443), timeout=3).close()  # the inbound
+        try:
+            socket.create_connection((h.ip, 9999), timeout=3).close()
+            raise AssertionError("port 9999 is still reachable")
+        except OSError:
+            pass
+        assert reconciler("plan", "-f", "c.yaml").returncode == 0
+        # Without a confirmation from a fresh connection, the server restores the previous rules itself.
+        ssh(lab, h, "nft delete table inet reconciler; cp /etc/reconciler/firewall.nft /tmp/fw.nft")
+        req = json.dumps({"new": "/tmp/fw.nft", "path": "/tmp/fw-kept.nft", "confirm": "/run/never", "loaded": "/tmp/loaded",
+                          "timeout": 2})
+        out = sp.run(["ssh", "-i", str(lab.key), "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+                      "-o", "LogLevel=ERROR", f"root@{h.ip}", f"python3 -c {shlex_quote(remote.FIREWALL)}"],
+                     input=req, capture_output=True, text=True, timeout=60)
+        assert json.loads(out.stdout)["ok"] is False and "rolled back" in out.stdout
+        assert "table inet reconciler" not in ssh(lab, h, "nft list ruleset").stdout
+    finally:
+        ssh(lab, h, "systemctl stop other-service; nft delete table inet reconciler; "
+                    "systemctl disable reconciler-firewall; true")
+
+
+def shlex_quote(text: str) -> str:
+    import shlex
+
+    return shlex.quote(text)
+
+
+def test_engine_downloaded_on_the_server_from_a_mirror_and_checked_by_sha256(lab, env):
+    # Issue: install by download from a configurable URL, pinned by version and sha256.
+    import shutil
+    import subprocess as sp
+    import sys
+
+    from tests.lab.conftest import SING_BOX
+
+    reset_hosts(lab)
+    mirror = env / "mirror"
+    mirror.mkdir()
+    shutil.copy(SING_BOX, mirror / "sing-box-1.14.4-amd64")
+    digest = hashlib.sha256((mirror / "sing-box-1.14.4-amd64").read_bytes()).hexdigest()
+    server = sp.Popen([sys.executable, "-m", "http.server", "18080", "--bind", "198.18.0.1", "--directory", str(mirror)],
+                      stdout=sp.DEVNULL, stderr=sp.DEVNULL)
+    try:
+        text = lab_cluster_yaml(lab, lab.state.hosts[:1], ["DE"])
+        url = "http://198.18.0.1:18080/sing-box-{version}-{arch}"
+        engine = f"  engine: {{version: 1.14.4, install: download, sha256: {digest}, url: \"{url}\"}}\n"
+        Path("c.yaml").write_text(text.replace("settings:\n", "settings:\n" + engine, 1))
+        apply = reconciler("apply", "-f", "c.yaml")
+        assert apply.returncode == 0, apply.stdout + apply.stderr
+        h = lab.state.hosts[0]
+        assert ssh(lab, h, "cat /usr/local/bin/sing-box.sha256").stdout.strip() == digest
+        assert reconciler("plan", "-f", "c.yaml").returncode == 0
+        wrong = Path("c.yaml").read_text().replace(digest, "ab" * 32)
+        Path("c.yaml").write_text(wrong)
+        ssh(lab, h, "rm -f /usr/local/bin/sing-box /usr/local/bin/sing-box.sha256")
+        bad = reconciler("apply", "-f", "c.yaml")
+        assert bad.returncode == 1 and "differs from the pinned" in bad.stdout, bad.stdout
+    finally:
+        server.terminate()
+        server.wait(10)

@@ -1,0 +1,182 @@
+"""Facts parsers and plan diffs, table-driven (GITOPS-3): raw output in, typed value out; facts in, actions out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from reconciler.credentials import Secret
+from reconciler.engine.singbox import BINARY, TEMPLATE, UNIT, desired
+from reconciler.model import Cluster
+from reconciler.plan.actions import ServerPlan, plan_removal, plan_server, preflight, redact, render_human, summary_line
+from reconciler.plan.facts import Facts, Listener, parse_facts, parse_lock, parse_ss, parse_version
+
+SECRET = Secret(b"plan-test-secret-0123456789abcdef")
+
+
+@pytest.mark.parametrize("output,version", [
+    ("sing-box version 1.14.4\n\nEnvironment: go1.27.3 linux/amd64\nTags: with_quic\n", "1.14.4"),
+    ("sing-box version 1.13.0-beta.2\n", "1.13.0-beta.2"),
+    ("bash: /usr/local/bin/sing-box: No such file or directory\n", None),
+    ("", None),
+])
+def test_parse_version(output, version):
+    assert parse_version(output) == version
+
+
+SS = """\
+tcp   LISTEN 0      4096         0.0.0.0:22        0.0.0.0:*    users:(("sshd",pid=96,fd=3))
+tcp   LISTEN 0      4096       127.0.0.1:9090      0.0.0.0:*    users:(("sing-box",pid=301,fd=9))
+tcp   LISTEN 0      4096               *:443             *:*    users:(("sing-box",pid=301,fd=7))
+udp   UNCONN 0      0                  *:443             *:*    users:(("sing-box",pid=301,fd=8))
+tcp   LISTEN 0      5               [::]:8080         [::]:*    users:(("python3",pid=77,fd=3))
+garbage line
+"""
+
+
+def test_parse_ss():
+    assert parse_ss(SS) == (
+        Listener("tcp", 22, "sshd"), Listener("tcp", 443, "sing-box"), Listener("udp", 443, "sing-box"),
+        Listener("tcp", 8080, "python3"), Listener("tcp", 9090, "sing-box"))
+    assert parse_ss("tcp LISTEN 0 5 *:443 *:*\n") == (Listener("tcp", 443, ""),)  # no -p rights: no process
+
+
+@pytest.mark.parametrize("text,value", [
+    (None, None), ("", None), ('{"by": "a@b", "pid": 1, "since": 2}', {"by": "a@b", "pid": 1, "since": 2}),
+    ("someone else\n", {"holder": "someone else"}), ("[1]", {"holder": "[1]"}),
+])
+def test_parse_lock(text, value):
+    assert parse_lock(text) == value
+
+
+def cluster(users=("alice",), inbound_extra=None) -> Cluster:
+    ib = {"id": "a-in", "name": "A", "protocol": "trojan", "port": 443, "route": "r", "tls": {"server_name": "x.test"}}
+    ib.update(inbound_extra or {})
+    return Cluster.model_validate({"servers": [{"name": "a", "host": "192.0.2.1", "country": "DE", "inbounds": [ib]}],
+                                   "routes": [{"id": "r", "name": "R"}], "users": [{"name": u} for u in users]})
+
+
+def facts(**kw) -> Facts:
+    base = dict(arch="x86_64", systemd=True, python="3.11.2", files={}, engine_version=None, engine_sha256=None,
+                engine_size=None, active="inactive", enabled="disabled", listeners=(), public={}, present={}, lock=None)
+    base.update(kw)
+    return Facts(**base)
+
+
+def converged(d, **kw) -> Facts:
+    """Facts of a server that already runs exactly ``d``."""
+    return facts(files={f.path: f.sha256 for f in (*d.files, *d.firewall)}, engine_version=d.binary.version,
+                 active="active", enabled="enabled", present={k.paths[1]: True for k in d.keys}, firewall=True, **kw)
+
+
+def kinds(actions) -> list[tuple[str, str]]:
+    return [(a.sign, a.kind) for a in actions]
+
+
+def test_bare_host_plan():
+    d = desired(cluster(), cluster().servers[0], SECRET, 1.8e9)
+    acts = plan_server(d, facts())
+    assert kinds(acts) == [("+", "install-engine"), ("+", "generate-key"), ("+", "write-file"), ("+", "write-file"),
+                           ("~", "restart"), ("+", "harden")]
+    assert {a.target for a in acts if a.kind == "write-file"} == {TEMPLATE, UNIT}
+
+
+def test_converged_host_has_nothing_to_do():
+    d = desired(cluster(), cluster().servers[0], SECRET, 1.8e9)
+    assert plan_server(d, converged(d)) == []
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({"users": ("alice", "bob")}, [("~", "write-file"), ("~", "reload")]),
+    ({"active": "failed"}, [("+", "start")]),
+    ({"enabled": "disabled"}, [("~", "start")]),
+    ({"engine_version": "1.13.0"}, [("~", "install-engine"), ("~", "restart")]),
+    ({"unit": "edited"}, [("~", "write-file"), ("~", "restart")]),
+    ({"key_missing": True}, [("+", "generate-key"), ("~", "reload")]),
+])
+def test_one_difference_one_plan(change, expected):
+    base = cluster()
+    d = desired(base, base.servers[0], SECRET, 1.8e9)
+    f = converged(d)
+    if "users" in change:
+        c2 = cluster(users=change["users"])
+        d = desired(c2, c2.servers[0], SECRET, 1.8e9)
+    if "active" in change:
+        f = facts(**{**f.__dict__, "active": change["active"]})
+    if "enabled" in change:
+        f = facts(**{**f.__dict__, "enabled": change["enabled"]})
+    if "engine_version" in change:
+        f = facts(**{**f.__dict__, "engine_version": change["engine_version"]})
+    if "unit" in change:
+        f = facts(**{**f.__dict__, "files": {**f.files, UNIT: "0" * 64}})
+    if "key_missing" in change:
+        f = facts(**{**f.__dict__, "present": {}})
+    assert kinds(plan_server(d, f)) == expected
+
+
+def test_diffs_of_credential_files_are_redacted():
+    c1, c2 = cluster(), cluster(users=("alice", "bob"))
+    d1, d2 = desired(c1, c1.servers[0], SECRET, 1.8e9), desired(c2, c2.servers[0], SECRET, 1.8e9)
+    old = {TEMPLATE: next(f.content for f in d1.files if f.path == TEMPLATE)}
+    acts = plan_server(d2, converged(d1), old)
+    diff = next(a.diff for a in acts if a.kind == "write-file")
+    assert '+          "name": "bob",' in diff and '"password": "<redacted>"' in diff
+    from reconciler.credentials import user_credentials
+
+    for secret_value in (user_credentials(SECRET, "bob").password, user_credentials(SECRET, "alice").password):
+        assert secret_value not in diff
+    assert redact('"uuid": "abc", "short_id": ["", "0a"]') == '"uuid": "<redacted>", "short_id": "<redacted>"'
+
+
+def test_harden_plans_a_firewall_with_ssh_and_the_inbound_ports():
+    d = desired(cluster(), cluster().servers[0], SECRET, 1.8e9)
+    rules = d.firewall[0].content.decode()
+    assert "policy drop" in rules and "tcp dport 22 accept" in rules and "tcp dport { 443 } accept" in rules
+    assert rules.index("dport 22 accept") < rules.index("ct state invalid drop")  # never cut our own session
+    lost = facts(**{**converged(d).__dict__, "firewall": False})  # someone flushed the rules: drift
+    assert kinds(plan_server(d, lost)) == [("~", "harden")]
+    off = Cluster.model_validate({**cluster().model_dump(mode="json", exclude={"routes": {0: {"implicit"}}}),
+                                  "settings": {"harden": False}})
+    assert desired(off, off.servers[0], SECRET, 1.8e9).firewall == ()
+
+
+def test_preflight_refusals():
+    d = desired(cluster(), cluster().servers[0], SECRET, 1.8e9)
+    assert preflight(facts(), d) == []
+    assert "not a systemd host" in preflight(facts(systemd=False), d)[0]
+    assert "unsupported architecture 'mips'" in preflight(facts(arch="mips"), d)[0]
+    taken = preflight(facts(listeners=(Listener("tcp", 443, "nginx"),)), d)
+    assert taken == ["port 443/tcp is taken by 'nginx'; free it or choose another port"]
+    assert preflight(facts(listeners=(Listener("tcp", 443, "sing-box"),)), d) == []
+
+
+def test_prune_removes_keys_of_inbounds_that_left_and_whole_servers():
+    d = desired(cluster(), cluster().servers[0], SECRET, 1.8e9)
+    f = facts(**{**converged(d).__dict__, "extra": ("/etc/sing-box/tls/a-in.crt", "/etc/sing-box/tls/a-in.key",
+                                                     "/etc/sing-box/tls/gone.crt", "/etc/sing-box/reality/gone.key")})
+    assert plan_server(d, f) == []  # nothing without --prune
+    pruned = plan_server(d, f, prune=True)
+    assert [(a.sign, a.target) for a in pruned] == [("-", "/etc/sing-box/tls/gone.crt"), ("-", "/etc/sing-box/reality/gone.key")]
+    removal = plan_removal(converged(d))
+    assert kinds(removal)[0] == ("-", "stop") and {a.target for a in removal[1:]} == {TEMPLATE, UNIT, BINARY}
+    assert plan_removal(facts()) == []
+
+
+def test_human_output_ends_like_terraform():
+    p = ServerPlan("a", "192.0.2.1", actions=plan_server(desired(cluster(), cluster().servers[0], SECRET, 1.8e9), facts()))
+    text = render_human([p, ServerPlan("b", "192.0.2.2", error="cannot connect")])
+    assert text.strip().endswith("Plan: 5 to add, 1 to change, 0 to destroy.")
+    assert "! server b (192.0.2.2): cannot observe: cannot connect" in text
+    assert summary_line([]) == "Plan: 0 to add, 0 to change, 0 to destroy."
+
+
+def test_parse_facts_of_a_real_payload():
+    raw = json.dumps({"arch": "x86_64", "systemd": True, "python": "3.11.2", "files": {TEMPLATE: None},
+                      "binary": {"exists": True, "size": 10, "sha256": "ab", "version": {"out": "sing-box version 1.14.4\n"}},
+                      "active": "active", "enabled": "enabled", "ss": SS, "public": {}, "present": {}, "lock": None,
+                      "extra": []})
+    f = parse_facts(raw)
+    assert f.engine_version == "1.14.4" and f.engine_sha256 == "ab" and f.files == {TEMPLATE: None}
+    assert Listener("udp", 443, "sing-box") in f.listeners
+    assert f.digest() == parse_facts(raw).digest()
