@@ -193,3 +193,17 @@ def test_subscription_and_status_commands(cli, monkeypatch, tmp_path):
     monkeypatch.delenv("RECONCILER_SECRET")
     run = cli("subscription", "bob", "-f", str(EXAMPLE))
     assert run.rc == 1 and "openssl rand" in run.err
+
+
+def test_clients_that_cannot_pin_skip_verification_of_self_signed_certificates(reality_key):
+    # sing-box pins the server's key; share links and Clash cannot, so they must not verify a self-signed cert.
+    pins = {p: base64.b64encode(bytes(32)).decode() for p in PROTOCOLS}
+    snap = snapshot(one_route_per_protocol(), reality_key, tls_pins=pins)
+    sb = json.loads(render(snap, "alice", "sing-box", SECRET).body)
+    trojan = next(o for o in sb["outbounds"] if o["type"] == "trojan")
+    assert trojan["tls"]["certificate_public_key_sha256"] == [pins["trojan"]] and "insecure" not in trojan["tls"]
+    links = base64.b64decode(render(snap, "alice", "links", SECRET).body).decode()
+    assert "trojan://" in links and all("nsecure=1" in line for line in links.splitlines()
+                                        if line.startswith(("trojan", "hysteria2", "tuic")) or "security=tls" in line)
+    clash_doc = YAML(typ="safe").load(render(snap, "alice", "clash", SECRET).body.decode())
+    assert all(p.get("skip-cert-verify") for p in clash_doc["proxies"] if p["type"] in ("trojan", "hysteria2", "tuic"))

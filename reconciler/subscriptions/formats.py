@@ -36,12 +36,12 @@ def share_link(o: ClientOutbound) -> str:
             q.update(security="reality", sni=o.sni, fp=o.fingerprint, pbk=o.public_key, sid=o.short_id)
         else:
             q.update(security="tls", sni=o.sni, fp=o.fingerprint or "chrome")
-            if o.insecure:
+            if o.self_signed:
                 q["allowInsecure"] = "1"
         return f"vless://{o.uuid}@{o.url_host}:{o.port}?{urlencode(q)}{tag}"
     if o.protocol == "trojan":
         q = {"security": "tls", "sni": o.sni, "type": "tcp"}
-        if o.insecure:
+        if o.self_signed:
             q["allowInsecure"] = "1"
         return f"trojan://{quote(o.password, safe='')}@{o.url_host}:{o.port}?{urlencode(q)}{tag}"
     if o.protocol == "shadowsocks-2022":
@@ -49,12 +49,12 @@ def share_link(o: ClientOutbound) -> str:
         return f"ss://{userinfo}@{o.url_host}:{o.port}{tag}"
     if o.protocol == "hysteria2":
         q = {"sni": o.sni}
-        if o.insecure:
+        if o.self_signed:
             q["insecure"] = "1"
         return f"hysteria2://{quote(o.password, safe='')}@{o.url_host}:{o.port}/?{urlencode(q)}{tag}"
     if o.protocol == "tuic":
         q = {"congestion_control": o.congestion_control, "alpn": ",".join(o.alpn), "sni": o.sni, "udp_relay_mode": "native"}
-        if o.insecure:
+        if o.self_signed:
             q["allow_insecure"] = "1"
         return f"tuic://{o.uuid}:{quote(o.password, safe='')}@{o.url_host}:{o.port}?{urlencode(q)}{tag}"
     raise ValueError(f"no share link for {o.protocol}")
@@ -157,19 +157,19 @@ def clash_proxy(o: ClientOutbound, name: str) -> dict[str, object]:
             p["flow"] = o.flow
         if o.protocol == "vless-reality":
             p["reality-opts"] = {"public-key": o.public_key, "short-id": o.short_id}
-        elif o.insecure:
+        elif o.self_signed:
             p["skip-cert-verify"] = True
         return p
     if o.protocol == "trojan":
-        return {**base, "type": "trojan", "password": o.password, "sni": o.sni, "skip-cert-verify": o.insecure}
+        return {**base, "type": "trojan", "password": o.password, "sni": o.sni, "skip-cert-verify": o.self_signed}
     if o.protocol == "shadowsocks-2022":
         return {**base, "type": "ss", "cipher": o.method, "password": o.password}
     if o.protocol == "hysteria2":
-        return {**base, "type": "hysteria2", "password": o.password, "sni": o.sni, "skip-cert-verify": o.insecure,
+        return {**base, "type": "hysteria2", "password": o.password, "sni": o.sni, "skip-cert-verify": o.self_signed,
                 "alpn": list(o.alpn)}
     if o.protocol == "tuic":
         return {**base, "type": "tuic", "uuid": o.uuid, "password": o.password, "sni": o.sni, "alpn": list(o.alpn),
-                "congestion-controller": o.congestion_control, "udp-relay-mode": "native", "skip-cert-verify": o.insecure}
+                "congestion-controller": o.congestion_control, "udp-relay-mode": "native", "skip-cert-verify": o.self_signed}
     raise ValueError(o.protocol)
 
 

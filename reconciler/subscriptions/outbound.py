@@ -27,8 +27,9 @@ class ClientOutbound:
     method: str = ""
     flow: str = ""
     sni: str = ""
-    insecure: bool = False
+    insecure: bool = False  # for clients that can pin (sing-box): skip verification only without a pin
     pin_sha256: str = ""  # base64 SHA-256 of the certificate's public key
+    self_signed: bool = False  # clients that cannot pin (share links, Clash) must skip verification
     fingerprint: str = ""
     public_key: str = ""
     short_id: str = ""
@@ -54,7 +55,8 @@ def client_outbound(entry: Entry, snapshot: Snapshot, secret: Secret, creds: Use
     tls = ib.tls  # type: ignore[union-attr]
     self_signed = tls.certificate is None
     pin = snapshot.tls_pins.get(ib.id, "") if self_signed else ""
-    verify = {"sni": tls.server_name, "insecure": tls.insecure or (self_signed and not pin), "pin_sha256": pin}
+    verify = {"sni": tls.server_name, "insecure": tls.insecure or (self_signed and not pin), "pin_sha256": pin,
+              "self_signed": self_signed or tls.insecure}
     if ib.protocol == "vless-tls":
         return ClientOutbound(**base, **verify, uuid=creds.uuid, flow=ib.flow, fingerprint="chrome")
     if ib.protocol == "trojan":
