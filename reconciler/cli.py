@@ -90,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("-f", "--file", default=DEFAULT_FILE)
     sp.add_argument("--headers", action="store_true", help="print the HTTP headers too")
     sp.add_argument("--decode", action="store_true", help="links: print the share links, not base64")
+    sp.add_argument("--address", help="the client's IP: its region (settings.steering.geoip_database) steers geo routes")
 
     st = sub.add_parser("status", help="what each user's entries are and why (HEALTH-13)")
     st.add_argument("-f", "--file", default=DEFAULT_FILE)
@@ -414,7 +415,22 @@ def cmd_subscription(args: argparse.Namespace) -> int:
     secret = _secret_for(snapshot.cluster)
     if secret is None:
         return 1
-    doc = render(snapshot, args.user, args.format, secret)
+    region = None
+    if args.address:
+        db = snapshot.cluster.settings.steering.geoip_database
+        if not db:
+            print("error: --address needs settings.steering.geoip_database (a MaxMind-format file)", file=sys.stderr)
+            return 1
+        from reconciler.balance.geoip import open_geoip
+
+        path = Path(args.file).resolve().parent / os.path.expanduser(db)
+        try:
+            region = open_geoip(str(path)).region(args.address)
+        except (OSError, ValueError) as exc:
+            print(f"error: cannot read the GeoIP database {path}: {exc}", file=sys.stderr)
+            return 1
+        print(f"note: {args.address} → region {region or 'unknown (failover order)'}", file=sys.stderr)
+    doc = render(snapshot, args.user, args.format, secret, region=region)
     if not doc.entries:
         print(f"note: {args.user} gets no entries (disabled, expired, or no route has a usable inbound)", file=sys.stderr)
     if args.headers:

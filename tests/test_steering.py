@@ -99,3 +99,24 @@ def test_the_batch_steers_like_the_request_path():
         for i in range(0, 400, 7):
             assert decide(snap, f"u{i}")[0].pool == next(r.inbound.pool for r in c.members["r"]
                                                          if r.inbound.id == table[(f"u{i}", "r")])
+
+
+def test_geo_region_of_a_live_request_comes_from_a_maxmind_database(tmp_path):
+    # spec: STEER-4: "from the client address" through an operator-supplied MaxMind-format database
+    from mmdb_writer import MMDBWriter
+    from netaddr import IPSet
+
+    from reconciler.balance.geoip import GeoIP
+
+    writer = MMDBWriter(ip_version=6, ipv4_compatible=True, database_type="GeoLite2-Country")
+    writer.insert_network(IPSet(["203.0.113.0/24"]), {"country": {"iso_code": "US"}})
+    writer.insert_network(IPSet(["198.51.100.0/24"]), {"registered_country": {"iso_code": "de"}})
+    path = tmp_path / "country.mmdb"
+    writer.to_db_file(str(path))
+    geo = GeoIP(str(path))
+    assert geo.region("203.0.113.7") == "ENAM" and geo.country("198.51.100.9") == "DE"
+    assert geo.region("192.0.2.1") is None and geo.region("not an address") is None
+    c = pooled("geo", geo={"ENAM": ["us", "eu"]})
+    assert decide(snapshot(c), "u3", region=geo.region("203.0.113.7"))[0].pool == "us"
+    assert decide(snapshot(c), "u3", region=geo.region("192.0.2.1"))[0].pool == "eu"  # unknown → failover order
+    geo.close()
