@@ -562,7 +562,9 @@ def cmd_apply(args: argparse.Namespace) -> int:
     async def go():  # type: ignore[no-untyped-def]
         async with state.pool() as pool:
             results = await apply_all(observed, pool, progress)
-            # Remember what we manage and what the servers generated (public keys, certificate pins).
+            # Remember what the servers generated (public keys, certificate pins); nothing new when nothing changed.
+            if not any(r.changed for r in results) and state.read("facts.json"):
+                return results, observed
             after = await observe(cluster, secret, pool, str(Path(args.file).resolve().parent), False)
             return results, after
 

