@@ -159,7 +159,6 @@ def bench_hosts(lab: Lab, n: int, runs: int, work: Path, log) -> dict[str, float
         "_pyinfra": lambda: timed([str(pyinfra), str(inv), str(deploy), "-y", "--parallel", str(n)], cwd=work),
         "_ansible": lambda: timed([str(ansible), "-i", str(ini), str(play)], env=ansible_env, cwd=work),
     }
-    saved = {h.ip: None for h in hosts}
     result: dict[str, float] = {}
     for suffix, run in tools.items():
         colds, noops = [], []
@@ -173,7 +172,6 @@ def bench_hosts(lab: Lab, n: int, runs: int, work: Path, log) -> dict[str, float
         result[f"noop{suffix}_s"] = statistics.median(noops)
         log(f"  N={n:3d} {suffix.strip('_') or 'reconciler':10s} cold {result[f'cold{suffix}_s']:6.2f} s   "
             f"no-op {result[f'noop{suffix}_s']:6.2f} s")
-    del saved
     floors = [floor_subset(lab, hosts) for _ in range(max(3, runs))]
     result["noop_floor_s"] = statistics.median(floors)
     log(f"  N={n:3d} floor      one asyncssh round trip per host in parallel: {result['noop_floor_s']:.2f} s")
@@ -237,7 +235,7 @@ def main() -> int:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print("== ratios (headline: %d hosts)" % headline["hosts"])
+        print(f"== ratios (headline: {headline['hosts']} hosts)")
         for k, v in targets.items():
             print(f"  {k:24s} {out[k]:6.3f}  target <= {v:.3f}  {'met' if out['targets_met'][k] else 'MISSED'}")
     return 0
