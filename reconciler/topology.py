@@ -9,7 +9,8 @@ distribution node, since they are hidden from subscriptions (ROUTE-5).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from xml.sax.saxutils import escape
 
 from reconciler.model import Cluster
@@ -33,74 +34,105 @@ def _route_label(route_name: str, flag: str | None) -> str:
     return f"{flag} {route_name}" if flag else route_name
 
 
-def mermaid(cluster: Cluster, health: Mapping[str, str] | None = None) -> str:
+@dataclass(frozen=True)
+class _Syntax:
+    """How one text format writes the parts of the picture; ``_text`` walks the cluster once for all."""
+
+    quote: Callable[[str], str]
+    head: tuple[str, ...]
+    server_open: str  # {id} {label} {colour}
+    inbound: str  # {id} {label} {detail}
+    no_inbounds: str  # {id}
+    server_close: str  # {id} {colour}
+    dist: str
+    route: str  # {id} {label}
+    empty_route: str  # {id} {label}
+    route_link: str  # {id}
+    member: str  # {inbound} {route} {pool}: pool is already formatted, or ""
+    pool: str  # {pool}
+    unassigned: str
+    unassigned_link: str  # {inbound}
+    tail: tuple[str, ...]
+
+
+def _text(cluster: Cluster, health: Mapping[str, str] | None, syn: _Syntax) -> str:
     health = health or {}
-    q = lambda s: s.replace('"', "#quot;")  # noqa: E731
-    lines = ["flowchart LR"]
+    q = syn.quote
+    lines = list(syn.head)
     for server in cluster.servers:
-        status = health.get(server.name, "unknown")
+        sid = _ident("srv", server.name)
+        colour = STATUS_COLOURS.get(health.get(server.name, "unknown"), STATUS_COLOURS["unknown"])
         badge = " · prober" if server.prober else ""
-        lines.append(f'  subgraph {_ident("srv", server.name)}["{q(server.name)} · {server.country}/{server.region}{badge}"]')
-        for inbound in server.inbounds:
-            lines.append(f'    {_ident("in", inbound.id)}["{q(inbound.name)}<br/>{inbound.protocol}:{inbound.port}"]')
+        label = f"{q(server.name)} · {server.country}/{server.region}{badge}"
+        lines.append(syn.server_open.format(id=sid, label=label, colour=colour))
+        for ib in server.inbounds:
+            lines.append(syn.inbound.format(id=_ident("in", ib.id), label=q(ib.name), detail=f"{ib.protocol}:{ib.port}"))
         if not server.inbounds:
-            lines.append(f'    {_ident("none", server.name)}["(no inbounds)"]')
-        lines.append("  end")
-        lines.append(f"  style {_ident('srv', server.name)} stroke:{STATUS_COLOURS.get(status, STATUS_COLOURS['unknown'])},stroke-width:2px")
-    lines.append('  dist[["subscriptions"]]')
+            lines.append(syn.no_inbounds.format(id=_ident("none", server.name)))
+        lines.append(syn.server_close.format(id=sid, colour=colour))
+    lines.append(syn.dist)
     for route in cluster.effective_routes:
         rid = _ident("route", route.id)
         members = cluster.members[route.id]
         label = q(_route_label(route.name, route.flag))
         if members:
-            lines.append(f'  {rid}(["{label}"])')
-            lines.append(f"  {rid} --> dist")
+            lines.append(syn.route.format(id=rid, label=label))
+            lines.append(syn.route_link.format(id=rid))
         else:
-            lines.append(f'  {rid}(["{label} (empty)"]):::empty')
+            lines.append(syn.empty_route.format(id=rid, label=label))
         for ref in members:
-            pool = f"|{ref.inbound.pool}|" if ref.inbound.pool else ""
-            lines.append(f"  {_ident('in', ref.inbound.id)} -->{pool} {rid}")
+            pool = syn.pool.format(pool=q(ref.inbound.pool)) if ref.inbound.pool else ""
+            lines.append(syn.member.format(inbound=_ident("in", ref.inbound.id), route=rid, pool=pool))
     if cluster.unassigned:
-        lines.append('  unassigned{{"unassigned — clients cannot see these"}}')
-        for ref in cluster.unassigned:
-            lines.append(f"  {_ident('in', ref.inbound.id)} -.-> unassigned")
-    lines.append("  classDef empty stroke-dasharray: 5 5")
-    return "\n".join(lines) + "\n"
+        lines.append(syn.unassigned)
+        lines.extend(syn.unassigned_link.format(inbound=_ident("in", ref.inbound.id)) for ref in cluster.unassigned)
+    lines.extend(syn.tail)
+    return "\n".join(line for line in lines if line) + "\n"
+
+
+_MERMAID = _Syntax(
+    quote=lambda s: s.replace('"', "#quot;"),
+    head=("flowchart LR",),
+    server_open='  subgraph {id}["{label}"]',
+    inbound='    {id}["{label}<br/>{detail}"]',
+    no_inbounds='    {id}["(no inbounds)"]',
+    server_close="  end\n  style {id} stroke:{colour},stroke-width:2px",
+    dist='  dist[["subscriptions"]]',
+    route='  {id}(["{label}"])',
+    empty_route='  {id}(["{label} (empty)"]):::empty',
+    route_link="  {id} --> dist",
+    member="  {inbound} -->{pool} {route}",
+    pool="|{pool}|",
+    unassigned='  unassigned{{"unassigned — clients cannot see these"}}',  # written as is, not formatted
+    unassigned_link="  {inbound} -.-> unassigned",
+    tail=("  classDef empty stroke-dasharray: 5 5",),
+)
+
+_DOT = _Syntax(
+    quote=lambda s: s.replace("\\", "\\\\").replace('"', '\\"'),
+    head=("digraph topology {", "  rankdir=LR;", '  node [shape=box, fontname="sans-serif"];'),
+    server_open='  subgraph cluster_{id} {{\n    label="{label}"; color="{colour}"; penwidth=2;',
+    inbound='    {id} [label="{label}\\n{detail}"];',
+    no_inbounds='    {id} [label="(no inbounds)", style=dotted];',
+    server_close="  }}",
+    dist='  dist [label="subscriptions", shape=doubleoctagon];',
+    route='  {id} [label="{label}", shape=ellipse];',
+    empty_route='  {id} [label="{label} (empty)", shape=ellipse, style=dashed];',
+    route_link="  {id} -> dist;",
+    member="  {inbound} -> {route}{pool};",
+    pool=' [label="{pool}"]',
+    unassigned='  unassigned [label="unassigned — clients cannot see these", shape=note, style=dashed];',
+    unassigned_link="  {inbound} -> unassigned [style=dotted];",
+    tail=("}",),
+)
+
+
+def mermaid(cluster: Cluster, health: Mapping[str, str] | None = None) -> str:
+    return _text(cluster, health, _MERMAID)
 
 
 def dot(cluster: Cluster, health: Mapping[str, str] | None = None) -> str:
-    health = health or {}
-    q = lambda s: s.replace("\\", "\\\\").replace('"', '\\"')  # noqa: E731
-    lines = ["digraph topology {", "  rankdir=LR;", '  node [shape=box, fontname="sans-serif"];']
-    for server in cluster.servers:
-        colour = STATUS_COLOURS.get(health.get(server.name, "unknown"), STATUS_COLOURS["unknown"])
-        badge = " · prober" if server.prober else ""
-        lines.append(f"  subgraph cluster_{_ident('srv', server.name)} {{")
-        lines.append(f'    label="{q(server.name)} · {server.country}/{server.region}{badge}"; color="{colour}"; penwidth=2;')
-        for inbound in server.inbounds:
-            lines.append(f'    {_ident("in", inbound.id)} [label="{q(inbound.name)}\\n{inbound.protocol}:{inbound.port}"];')
-        if not server.inbounds:
-            lines.append(f'    {_ident("none", server.name)} [label="(no inbounds)", style=dotted];')
-        lines.append("  }")
-    lines.append('  dist [label="subscriptions", shape=doubleoctagon];')
-    for route in cluster.effective_routes:
-        rid = _ident("route", route.id)
-        members = cluster.members[route.id]
-        label = q(_route_label(route.name, route.flag))
-        if members:
-            lines.append(f'  {rid} [label="{label}", shape=ellipse];')
-            lines.append(f"  {rid} -> dist;")
-        else:
-            lines.append(f'  {rid} [label="{label} (empty)", shape=ellipse, style=dashed];')
-        for ref in members:
-            pool = f' [label="{q(ref.inbound.pool)}"]' if ref.inbound.pool else ""
-            lines.append(f"  {_ident('in', ref.inbound.id)} -> {rid}{pool};")
-    if cluster.unassigned:
-        lines.append('  unassigned [label="unassigned — clients cannot see these", shape=note, style=dashed];')
-        for ref in cluster.unassigned:
-            lines.append(f"  {_ident('in', ref.inbound.id)} -> unassigned [style=dotted];")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+    return _text(cluster, health, _DOT)
 
 
 # --------------------------------------------------------------------------- SVG

@@ -28,7 +28,6 @@ from reconciler.plan.observe import LOCK_DIR, LOCK_FILE, Observed
 from reconciler.ssh import RemoteCommandError, SSHError, SSHPool
 
 LEASE_SECONDS = 600  # a lock older than this belongs to an apply that died: every step of ours is bounded far below
-PHASES = ("connect", "preflight", "lock", "install engine", "configure", "start", "verify", "harden", "done")
 
 
 class LockHeld(SSHError):

@@ -191,7 +191,10 @@ def decide(snapshot: Snapshot, user_name: str, region: str | None = None) -> lis
 
 
 def _cached(snapshot: Snapshot, key: tuple, make):  # type: ignore[no-untyped-def]
-    """Per-snapshot memo for what every request on a snapshot shares (candidates, weights)."""
+    """Per-snapshot memo for what every request on a snapshot shares (candidates, weights, counts).
+
+    The snapshot is immutable, so anything derived from it may be kept on it.
+    """
     cache = snapshot.__dict__.setdefault("_memo", {})
     if key not in cache:
         cache[key] = make()
@@ -200,14 +203,15 @@ def _cached(snapshot: Snapshot, key: tuple, make):  # type: ignore[no-untyped-de
 
 def _placement(snapshot: Snapshot, route: Route, cands: tuple[InboundRef, ...]) -> tuple[Weights, np.ndarray, np.ndarray]:
     """Weights, candidate keys and deficits for placing a new user; once per snapshot and candidate set."""
-    cache = snapshot.__dict__.setdefault("_placement", {})
-    key = (route.id, tuple(r.inbound.id for r in cands))
-    if key not in cache:
-        held = _held(snapshot, route.id, key[1])
+    ids = tuple(r.inbound.id for r in cands)
+
+    def make():  # type: ignore[no-untyped-def]
+        held = _held(snapshot, route.id, ids)
         w = weights(snapshot, route, cands, int(held.sum()) + 1, held)
-        keys = np.array([snapshot.inbound_keys[r.inbound.id] for r in cands], dtype=np.uint64)
-        cache[key] = (w, keys, _deficit(w, held, int(held.sum()) + 1))
-    return cache[key]
+        keys = np.array([snapshot.inbound_keys[i] for i in ids], dtype=np.uint64)
+        return w, keys, _deficit(w, held, int(held.sum()) + 1)
+
+    return _cached(snapshot, ("placement", route.id, ids), make)
 
 
 def _held(snapshot: Snapshot, route_id: str, inbound_ids: tuple[str, ...]) -> np.ndarray:
@@ -217,13 +221,14 @@ def _held(snapshot: Snapshot, route_id: str, inbound_ids: tuple[str, ...]) -> np
 
 def _assignment_counts(snapshot: Snapshot) -> dict[tuple[str, str], int]:
     """(route, inbound) → users assigned in the snapshot; computed once per snapshot."""
-    cache = snapshot.__dict__.get("_counts")
-    if cache is None:
-        cache = {}
+
+    def make() -> dict[tuple[str, str], int]:
+        counts: dict[tuple[str, str], int] = {}
         for (_, route), inbound in snapshot.assignments.items():
-            cache[(route, inbound)] = cache.get((route, inbound), 0) + 1
-        snapshot.__dict__["_counts"] = cache
-    return cache
+            counts[(route, inbound)] = counts.get((route, inbound), 0) + 1
+        return counts
+
+    return _cached(snapshot, ("counts",), make)
 
 
 def _deficit(w: Weights, held: np.ndarray, population: int) -> np.ndarray:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime
+from datetime import UTC, datetime, time
 from functools import cached_property
 
 import numpy as np
@@ -93,14 +93,8 @@ class Snapshot:
     def user_active(self, user: User) -> bool:
         if not user.enabled:
             return False
-        if user.expires is None:
-            return True
-        expires = user.expires
-        if isinstance(expires, datetime):
-            deadline = expires if expires.tzinfo else expires.replace(tzinfo=UTC)
-        else:
-            deadline = datetime.combine(expires + _ONE_DAY, datetime.min.time(), tzinfo=UTC)
-        return self.now < deadline.timestamp()
+        end = expires_at(user)
+        return end is None or self.now <= end
 
     @cached_property
     def user_keys(self) -> dict[str, int]:
@@ -115,7 +109,14 @@ class Snapshot:
         return self.loads.get(server, ServerLoad())
 
 
-_ONE_DAY = date(2000, 1, 2) - date(2000, 1, 1)
+def expires_at(user: User) -> float | None:
+    """When a user's access ends (epoch seconds, UTC); a date means the end of that day. None: never."""
+    expires = user.expires
+    if expires is None:
+        return None
+    if isinstance(expires, datetime):
+        return (expires if expires.tzinfo else expires.replace(tzinfo=UTC)).timestamp()
+    return datetime.combine(expires, time.max, tzinfo=UTC).timestamp()
 
 
 def key_array(keys: list[int]) -> np.ndarray:

@@ -278,9 +278,8 @@ class Lab:
         self.state.save(self.state_path)
 
     def _stop_host(self, host: Host) -> None:
+        """After ``down`` asked every container to power off: wait, then remove what is left."""
         if host.pid:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(host.pid, signal.SIGTERM)  # nspawn asks the container's systemd to power off
             _wait_gone(host.pid, 15.0)
             _kill_group(host.pid)
         # Anything still inside the host's cgroup or namespace was started by this lab. The cgroup is the

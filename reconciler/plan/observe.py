@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import shlex
 import time
 from dataclasses import dataclass
 
@@ -36,21 +37,15 @@ def facts_request(d: DesiredServer | None) -> dict[str, object]:
 
 
 async def gather(pool: SSHPool, target: Target, d: DesiredServer | None) -> Facts:
-    res = await pool.run(target, f"python3 -c {_q(remote.FACTS)}", input=json.dumps(facts_request(d)))
+    res = await pool.run(target, f"python3 -c {shlex.quote(remote.FACTS)}", input=json.dumps(facts_request(d)))
     return parse_facts(res.stdout)
-
-
-def _q(text: str) -> str:
-    import shlex
-
-    return shlex.quote(text)
 
 
 async def current_contents(pool: SSHPool, target: Target, paths: list[str]) -> dict[str, bytes | None]:
     """Old contents of changed files, for diffs (small files only)."""
     out: dict[str, bytes | None] = {}
     for path in paths:
-        res = await pool.run(target, f"cat {_q(path)} 2>/dev/null | head -c 1048576", check=False)
+        res = await pool.run(target, f"cat {shlex.quote(path)} 2>/dev/null | head -c 1048576", check=False)
         out[path] = res.stdout.encode() if res.code == 0 else None
     return out
 

@@ -10,10 +10,9 @@ import base64
 import hashlib
 import re
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, time
 
 from reconciler.balance.decide import Entry, decide
-from reconciler.balance.snapshot import Snapshot
+from reconciler.balance.snapshot import Snapshot, expires_at
 from reconciler.credentials import Secret, user_credentials
 from reconciler.subscriptions.formats import FORMATS, clash, links, singbox
 from reconciler.subscriptions.outbound import client_outbound
@@ -50,15 +49,6 @@ def choose_format(requested: str | None, user_agent: str | None) -> str:
     return "links"
 
 
-def _expire(snapshot: Snapshot, user_name: str) -> int:
-    expires = snapshot.cluster.user(user_name).expires
-    if expires is None:
-        return 0
-    if isinstance(expires, datetime):
-        return int((expires if expires.tzinfo else expires.replace(tzinfo=UTC)).timestamp())
-    return int(datetime.combine(expires, time.max, tzinfo=UTC).timestamp())
-
-
 def headers(snapshot: Snapshot, user_name: str, fmt: str) -> dict[str, str]:
     out = snapshot.cluster.settings.outputs
     user = snapshot.cluster.user(user_name)
@@ -66,7 +56,7 @@ def headers(snapshot: Snapshot, user_name: str, fmt: str) -> dict[str, str]:
     ascii_name = re.sub(r"[^A-Za-z0-9._-]+", "_", title).strip("_") or "subscription"
     return {
         "content-type": CONTENT_TYPES[fmt],
-        "subscription-userinfo": f"upload=0; download=0; total={user.data_limit or 0}; expire={_expire(snapshot, user_name)}",
+        "subscription-userinfo": f"upload=0; download=0; total={user.data_limit or 0}; expire={int(expires_at(user) or 0)}",
         "profile-update-interval": str(max(1, round(out.profile_update_interval / 3600))),
         "profile-title": "base64:" + base64.b64encode(title.encode()).decode(),
         "content-disposition": f'attachment; filename="{ascii_name}.{EXTENSIONS[fmt]}"',
