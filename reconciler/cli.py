@@ -97,11 +97,23 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--user", required=True)
     st.add_argument("--json", action="store_true")
 
+    rn = sub.add_parser("run", help="the reconcile loop: collect, verdicts, outlets, drift correction (GITOPS-5)")
+    rn.add_argument("-f", "--file", default=DEFAULT_FILE)
+    rn.add_argument("--listen", help="HTTP address (default: settings.outputs.listen)")
+    rn.add_argument("--duration", type=float, help="stop after this many seconds (tests, demos)")
+    rn.add_argument("--ticks", type=int, help="stop after this many intervals")
+    rn.add_argument("--no-watch", action="store_true", help="do not watch the file for changes")
+    rn.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
     d = sub.add_parser("demo", help="show what the reconciler does with the example cluster")
     d.add_argument("-f", "--file", default="cluster.example.yaml")
     d.add_argument("--out-dir", default="demo-output", help="where to write the topology pictures")
     d.add_argument("--no-lab", action="store_true", help="skip provisioning sandbox servers (needs root)")
-    d.add_argument("--hosts", type=int, default=4, help="sandbox servers to provision")
+    d.add_argument("--hosts", type=int, default=5, help="sandbox servers to provision (at least 4)")
+    d.add_argument("--duration", type=float, default=120.0, help="seconds the loop runs against the sandbox")
+    d.add_argument("--scenario", choices=["none", "block"], default="none",
+                   help="block: block one server from its same-country witnesses, then unblock it")
+    d.add_argument("--interval", type=float, default=3.0, help="report interval of the demo cluster (seconds)")
     return p
 
 
@@ -145,6 +157,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "status": cmd_status,
         "plan": cmd_plan,
         "apply": cmd_apply,
+        "run": cmd_run,
         "lab": cmd_lab,
     }[args.command]
     return handler(args)
@@ -377,7 +390,16 @@ def _snapshot(path: str):  # type: ignore[no-untyped-def]
             facts = json.loads(facts_path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             print(f"warning: ignoring unreadable {facts_path}: {exc}", file=sys.stderr)
-    snapshot = Snapshot(cluster=cluster, now=time.time(), public_keys=facts.get("public_keys", {}),
+    from reconciler.loop.learned import Learned
+    from reconciler.loop.service import STATE_FILE
+
+    learned, note = Learned.load(facts_path.parent / STATE_FILE, cluster)
+    if note:
+        print(f"warning: {note}", file=sys.stderr)
+    now = time.time()
+    verdicts = learned.current_verdicts(cluster, now) if learned.ticks else None
+    snapshot = Snapshot(cluster=cluster, now=now, verdicts=verdicts, loads=learned.loads(now),
+                        assignments=learned.assignments, public_keys=facts.get("public_keys", {}),
                         tls_pins=facts.get("tls_pins", {}))
     pending = [r.inbound.id for r in cluster.inbounds
                if r.inbound.protocol == "vless-reality" and r.inbound.id not in snapshot.public_keys]
@@ -534,8 +556,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
     import asyncio
 
     from reconciler.apply.run import apply_all
-    from reconciler.apply.session import Progress
-    from reconciler.plan.observe import learned_facts, observe
+    from reconciler.apply.session import Progress, remember
+    from reconciler.plan.observe import observe
 
     saved = None
     if args.plan:
@@ -572,17 +594,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         results, after = asyncio.run(go())
     finally:
         progress.close()
-    managed = state.read("managed.json")
-    for s in cluster.servers:
-        managed[s.name] = {"name": s.name, "host": s.host, "port": s.ssh.port, "user": s.ssh.user,
-                           "identity": s.ssh.identity, "host_key": s.ssh.host_key}
-    for r in results:
-        if r.ok and any(o.plan.removed and o.plan.server == r.server for o in observed):
-            managed.pop(r.server, None)
-    state.write("managed.json", managed)
-    learned = learned_facts(after)
-    old = state.read("facts.json")
-    state.write("facts.json", {k: {**old.get(k, {}), **v} for k, v in learned.items()})
+    remember(state, cluster, observed, results, after)
     if args.json:
         print(json.dumps([r.__dict__ for r in results], indent=2, default=str))
     else:
@@ -592,6 +604,37 @@ def cmd_apply(args: argparse.Namespace) -> int:
         failed = [r for r in results if not r.ok]
         print(f"Apply: {sum(r.ok for r in results)} ok, {len(failed)} failed, {sum(r.changed for r in results)} changed.")
     return 0 if all(r.ok for r in results) else 1
+
+
+# --------------------------------------------------------------------------- run
+
+
+def setup_logging(level: str = "info") -> None:
+    import logging
+
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)-7s %(message)s", datefmt="%H:%M:%S", force=True)
+    logging.getLogger("asyncssh").setLevel(logging.WARNING)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from reconciler.loop.service import run_loop
+
+    setup_logging(args.log_level)
+    cluster = _load_or_report(args.file)
+    if cluster is None:
+        return 1
+    secret = _secret_for(cluster)
+    if secret is None:
+        return 1
+    try:
+        return asyncio.run(run_loop(args.file, cluster, secret, listen=args.listen, duration=args.duration,
+                                    max_ticks=args.ticks, watch=not args.no_watch))
+    except KeyboardInterrupt:
+        return 130
 
 
 # --------------------------------------------------------------------------- lab
@@ -618,15 +661,19 @@ def cmd_lab(args: argparse.Namespace) -> int:
 
 
 def lab_cluster_yaml(lab, hosts, countries: list[str], protocol: str = "vless-tls",  # type: ignore[no-untyped-def]
-                     prober_index: int | None = None, harden: bool = False) -> str:
+                     prober_index: int | None = None, harden: bool = False, report_interval: float | None = None,
+                     listen: str | None = None, extra_settings: tuple[str, ...] = (), users: int = 2) -> str:
     """A valid cluster file for the lab hosts: one inbound each, all in one route, host keys pinned."""
     ports = {"vless-tls": 443, "trojan": 443, "shadowsocks-2022": 8388, "hysteria2": 443, "tuic": 443, "vless-reality": 443}
     lines = [
         "# yaml-language-server: $schema=schemas/cluster.schema.json",
         "# Written by `reconciler lab up`: sandbox hosts on this machine (198.18.0.0/24 in network namespaces).",
         "settings:",
-        "  outputs: {state_dir: .reconciler-lab}",
+        "  outputs: {state_dir: .reconciler-lab, subscriptions_dir: subscriptions-lab"
+        + (f", listen: \"{listen}\"" if listen else "") + "}",
         f"  harden: {'true' if harden else 'false'}",
+        *([f"  health: {{report_interval: {report_interval:g}s}}"] if report_interval else []),
+        *(f"  {line}" for line in extra_settings),
         "servers:",
     ]
     for i, h in enumerate(hosts):
@@ -643,7 +690,9 @@ def lab_cluster_yaml(lab, hosts, countries: list[str], protocol: str = "vless-tl
             f"      - {{id: {h.name}-in, name: \"{country} {h.name}\", protocol: {protocol}, port: {ports[protocol]}, route: lab"
             + (f", {extra}" if extra else "") + "}",
         ]
-    lines += ["routes:", "  - {id: lab, name: Lab}", "users:", "  - name: alice", "  - name: bob", ""]
+    names = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi"]
+    names += [f"user{i}" for i in range(len(names), users)]
+    lines += ["routes:", "  - {id: lab, name: Lab}", "users:", *(f"  - name: {n}" for n in names[:users]), ""]
     return "\n".join(lines)
 
 
@@ -723,7 +772,7 @@ def _simulate_table(scenario, topology, settings, run, show_all: bool) -> int:  
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Until provisioning lands: validate the example, list its routes, draw its topology."""
+    """Validate the example and draw it; as root, also provision sandbox servers and run the loop against them."""
     from rich.console import Console
 
     from reconciler.config import load_cluster
@@ -751,41 +800,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if not args.no_lab:
             console.print("[yellow]not root: skipping the sandbox servers (network namespaces need root)[/yellow]")
         return 0
-    return _demo_lab(console, out, args.hosts)
+    from reconciler.loop.demo import run_lab_demo
 
-
-def _demo_lab(console, out: Path, hosts_wanted: int) -> int:  # type: ignore[no-untyped-def]
-    """Sandbox servers on this machine: plan, apply, re-plan, a user's subscription; always torn down."""
-    import secrets as _secrets
-
-    from reconciler.lab import Lab, LabError
-
-    console.rule("provisioning sandbox servers (network namespaces with systemd and sshd)")
-    os.environ.setdefault("RECONCILER_SECRET", _secrets.token_urlsafe(32))  # a throwaway secret for the demo
-    lab = Lab(log=lambda s: console.print(f"[dim]{s}[/dim]"))
-    lab.down()
-    try:
-        hosts = lab.up(hosts_wanted)
-        path = out / "lab-cluster.yaml"
-        path.write_text(lab_cluster_yaml(lab, hosts, ["DE", "DE", "US", "RU"], prober_index=len(hosts) - 1))
-        console.print(f"wrote {path}: {len(hosts)} servers in DE, US and RU (the RU server is a prober)")
-        steps = [("plan", ["plan", "-f", str(path)], 2), ("apply", ["apply", "-f", str(path)], 0),
-                 ("plan again", ["plan", "-f", str(path)], 0),
-                 ("status", ["status", "--user", "alice", "-f", str(path)], 0),
-                 ("subscription", ["subscription", "alice", "--decode", "-f", str(path)], 0)]
-        for title, argv, expected in steps:
-            console.rule(f"reconciler {' '.join(argv[:1])} — {title}")
-            code = main(argv)
-            if code != expected:
-                console.print(f"[red]{title} exited {code}, expected {expected}[/red]")
-                return 1
-        console.print("[green]demo done: servers provisioned, subscriptions rendered; tearing the lab down[/green]")
-        return 0
-    except LabError as exc:
-        console.print(f"[red]lab: {exc}[/red]")
-        return 1
-    finally:
-        lab.down()
+    return run_lab_demo(console, out, args.hosts, args.duration, args.scenario, args.interval, main, lab_cluster_yaml)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from reconciler.credentials import Secret
-from reconciler.engine.singbox import BINARY, TEMPLATE, UNIT, desired
+from reconciler.engine.singbox import AGENT, BINARY, TEMPLATE, UNIT, desired
 from reconciler.model import Cluster
 from reconciler.plan.actions import ServerPlan, plan_removal, plan_server, preflight, redact, render_human, summary_line
 from reconciler.plan.facts import Facts, Listener, parse_facts, parse_lock, parse_ss, parse_version
@@ -78,8 +78,18 @@ def test_bare_host_plan():
     d = desired(cluster(), cluster().servers[0], SECRET, 1.8e9)
     acts = plan_server(d, facts())
     assert kinds(acts) == [("+", "install-engine"), ("+", "generate-key"), ("+", "write-file"), ("+", "write-file"),
-                           ("~", "restart"), ("+", "harden")]
-    assert {a.target for a in acts if a.kind == "write-file"} == {TEMPLATE, UNIT}
+                           ("+", "write-file"), ("~", "restart"), ("+", "harden")]
+    assert {a.target for a in acts if a.kind == "write-file"} == {TEMPLATE, UNIT, AGENT}
+
+
+def test_agent_change_does_not_reload_the_engine():
+    # spec: HEALTH-1 — the collection agent is a managed file, but a new agent must not interrupt users
+    d = desired(cluster(), cluster().servers[0], SECRET, 1.8e9)
+    f = converged(d)
+    f = facts(**{**f.__dict__, "files": {**f.files, AGENT: "0" * 64}})
+    acts = plan_server(d, f)
+    assert kinds(acts) == [("~", "write-file")]
+    assert acts[0].target == AGENT
 
 
 def test_converged_host_has_nothing_to_do():
@@ -166,7 +176,7 @@ def test_prune_removes_keys_of_inbounds_that_left_and_whole_servers():
 def test_human_output_ends_like_terraform():
     p = ServerPlan("a", "192.0.2.1", actions=plan_server(desired(cluster(), cluster().servers[0], SECRET, 1.8e9), facts()))
     text = render_human([p, ServerPlan("b", "192.0.2.2", error="cannot connect")])
-    assert text.strip().endswith("Plan: 5 to add, 1 to change, 0 to destroy.")
+    assert text.strip().endswith("Plan: 6 to add, 1 to change, 0 to destroy.")
     assert "! server b (192.0.2.2): cannot observe: cannot connect" in text
     assert summary_line([]) == "Plan: 0 to add, 0 to change, 0 to destroy."
 

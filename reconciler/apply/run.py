@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import posixpath
 import shlex
 import socket
 import time
@@ -146,7 +147,8 @@ async def _transaction(pool: SSHPool, o: Observed, phase, result: ServerResult, 
         phase("install engine")
         await _install_engine(pool, o)
     phase("configure")
-    await pool.run(t, "mkdir -p /etc/sing-box/tls /etc/sing-box/reality && chmod 700 /etc/sing-box/reality")
+    dirs = sorted({"/etc/sing-box/tls", "/etc/sing-box/reality", *(posixpath.dirname(f.path) for f in d.files)})
+    await pool.run(t, f"mkdir -p {' '.join(map(shlex.quote, dirs))} && chmod 700 /etc/sing-box/reality")
     if "generate-key" in kinds or d.keys:
         keys = [{"inbound": k.inbound, "kind": k.kind, "server_name": k.server_name, "paths": list(k.paths)} for k in d.keys]
         await pool.run(t, f"python3 -c {shlex.quote(remote.KEYS)}", input=json.dumps({"keys": keys, "binary": BINARY}))
@@ -157,7 +159,7 @@ async def _transaction(pool: SSHPool, o: Observed, phase, result: ServerResult, 
         tmp = f"{f.path}.reconciler-new"
         await pool.put(t, f.content, tmp, f.mode)
         moves.append([tmp, f.path])
-    action = next((a.kind for a in o.plan.actions if a.kind in ("restart", "reload", "start")), "reload")
+    action = next((a.kind for a in o.plan.actions if a.kind in ("restart", "reload", "start")), "none")
     phase("start")
     req = {
         "moves": moves, "template": TEMPLATE, "template_new": f"{TEMPLATE}.reconciler-new", "config": CONFIG,

@@ -38,12 +38,30 @@ class StateDir:
         return SSHPool(KnownHosts(self.path / "known_hosts.json"), concurrency=concurrency)
 
 
+def remember(state: StateDir, cluster: Cluster, observed: list, results: list, after: list) -> None:
+    """After an apply: which servers are managed (for --prune) and the public material they generated."""
+    from reconciler.plan.observe import learned_facts
+
+    managed = state.read("managed.json")
+    for s in cluster.servers:
+        managed[s.name] = {"name": s.name, "host": s.host, "port": s.ssh.port, "user": s.ssh.user,
+                           "identity": s.ssh.identity, "host_key": s.ssh.host_key}
+    for r in results:
+        if r.ok and any(o.plan.removed and o.plan.server == r.server for o in observed):
+            managed.pop(r.server, None)
+    state.write("managed.json", managed)
+    learned = learned_facts(after)
+    old = state.read("facts.json")
+    state.write("facts.json", {k: {**old.get(k, {}), **v} for k, v in learned.items()})
+
+
 class Progress:
     """Per-server phases: a live table on a terminal, plain lines otherwise (CI logs)."""
 
-    def __init__(self, servers: list[str], stream=None):  # type: ignore[no-untyped-def]
+    def __init__(self, servers: list[str], stream=None, log=None):  # type: ignore[no-untyped-def]
         self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
+        self.log = log  # a callable taking one line (the loop's logger): no live table then
+        self.tty = self.stream.isatty() and log is None
         self.phase = {s: "waiting" for s in servers}
         self._live = None
         if self.tty:
@@ -67,6 +85,8 @@ class Progress:
         self.phase[server] = phase
         if self._live is not None:
             self._live.update(self._table())
+        elif self.log is not None:
+            self.log(f"{server}: {phase}")
         else:
             print(f"{server}: {phase}", file=self.stream, flush=True)
 

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from reconciler.credentials import Secret, clash_api_secret, reality_short_id, ss_server_key, user_credentials
 from reconciler.model import Cluster, Server
@@ -31,6 +32,8 @@ CONFIG = f"{CONFIG_DIR}/config.json"
 UNIT = "/etc/systemd/system/sing-box.service"
 SERVICE = "sing-box.service"
 CLASH_API = "127.0.0.1:9090"
+AGENT = "/usr/local/lib/reconciler/agent.py"
+AGENT_SOURCE = (Path(__file__).with_name("agent.py")).read_bytes()
 REALITY_PLACEHOLDER = "@@REALITY_PRIVATE_KEY:{id}@@"
 
 UNIT_TEXT = """\
@@ -58,6 +61,7 @@ class ManagedFile:
     content: bytes
     mode: int = 0o644
     secret: bool = False  # holds credentials: diffs are redacted
+    engine: bool = True  # a change reloads the engine (the collection agent's does not)
 
     @property
     def sha256(self) -> str:
@@ -231,7 +235,8 @@ def engine_binary(cluster: Cluster) -> EngineBinary:
 
 def desired(cluster: Cluster, server: Server, secret: Secret, now: float, base_dir: str = ".") -> DesiredServer:
     config = json.dumps(server_config(cluster, server, secret, now), indent=2, sort_keys=True).encode() + b"\n"
-    files = [ManagedFile(TEMPLATE, config, 0o600, secret=True), ManagedFile(UNIT, UNIT_TEXT.encode(), 0o644)]
+    files = [ManagedFile(TEMPLATE, config, 0o600, secret=True), ManagedFile(UNIT, UNIT_TEXT.encode(), 0o644),
+             ManagedFile(AGENT, AGENT_SOURCE, 0o755, engine=False)]
     keys = []
     for ib in server.inbounds:
         if ib.protocol == "vless-reality":

@@ -155,6 +155,7 @@ class OutputSettings(_Model):
     public_url: str | None = Field(None, description="External base URL of the subscription endpoint.")
     profile_title: str = Field("VPN", description="Title clients show for the subscription.")
     profile_update_interval: Duration = Field(43200.0, description="How often clients refresh the subscription.")
+    webhook_url: str | None = Field(None, description="POST a JSON event here when a server is judged blocked (`run`).")
 
 
 class Settings(_Model):

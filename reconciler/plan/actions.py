@@ -124,7 +124,7 @@ def plan_server(desired: DesiredServer, facts: Facts, current_files: dict[str, b
                                   file_diff(f.path, current_files.get(f.path), f.content, f.secret)))
         if f.path == UNIT:
             unit_change = True
-        else:
+        elif f.engine:
             config_change = True
 
     if binary_change or unit_change:

@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""The collection agent: one run per report interval on every server (HEALTH-1, HEALTH-4).
+
+Python 3 standard library only: it is installed on the servers as a managed
+file (``/usr/local/lib/reconciler/agent.py``) and never imports the reconciler.
+The controller runs it over SSH with a JSON request on stdin and reads one JSON
+object from stdout:
+
+- ``service``: the engine unit's ``systemctl is-active`` word;
+- ``listeners``: which of the requested ``port/transport`` pairs are listening;
+- ``traffic``: the engine's cumulative byte counters from its loopback
+  clash_api (``null`` when the API does not answer). The controller turns
+  them into rates and handles resets; the agent keeps no state;
+- ``users``: the users with open connections (the ``u-<name>`` outbound every
+  user's traffic is routed through), and ``connections``;
+- ``probes``: every other server's inbounds probed the way a client would: a
+  TCP connect (its time is the RTT) plus a TLS handshake with the inbound's
+  server name for TLS protocols; for QUIC protocols (Hysteria2, TUIC) a QUIC
+  Initial with a reserved version, which every QUIC server answers with a
+  Version Negotiation packet (RFC 9000 §6) — a UDP round trip without keys.
+
+Every probe and the whole run are bounded by the request's timeout.
+"""
+
+import asyncio
+import json
+import os
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+
+AGENT_VERSION = 1
+
+
+def service_state(unit):
+    try:
+        r = subprocess.run(["systemctl", "is-active", unit], capture_output=True, text=True, timeout=10)
+        return r.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def listening(wanted):
+    try:
+        out = subprocess.run(["ss", "-Hlntu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {f"{p}/{t}": False for p, t in wanted}
+    have = set()
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 5 and ":" in parts[4]:
+            try:
+                have.add((int(parts[4].rsplit(":", 1)[1]), parts[0]))
+            except ValueError:
+                pass
+    return {f"{p}/{t}": (p, t) in have for p, t in wanted}
+
+
+def clash_connections(address, secret, timeout):
+    req = urllib.request.Request(f"http://{address}/connections", headers={"Authorization": f"Bearer {secret}"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            data = json.loads(resp.read(16 * 1024 * 1024))
+    except (OSError, ValueError):
+        return None, [], 0
+    conns = data.get("connections") or []
+    users = set()
+    for c in conns:
+        for tag in c.get("chains") or []:
+            if isinstance(tag, str) and tag.startswith("u-"):
+                users.add(tag[2:])
+    traffic = {"up": int(data.get("uploadTotal") or 0), "down": int(data.get("downloadTotal") or 0)}
+    return traffic, sorted(users), len(conns)
+
+
+def quic_probe_packet():
+    """A 1200-byte QUIC long-header Initial with a reserved version (0x?a?a?a?a): servers reply with Version Negotiation."""
+    dcid, scid = os.urandom(8), os.urandom(8)
+    head = bytes([0xC0]) + bytes.fromhex("1a2a3a4a") + bytes([len(dcid)]) + dcid + bytes([len(scid)]) + scid
+    return head + os.urandom(1200 - len(head)), dcid, scid
+
+
+class _Quic(asyncio.DatagramProtocol):
+    def __init__(self, scid):
+        self.scid = scid
+        self.done = asyncio.get_running_loop().create_future()
+
+    def datagram_received(self, data, addr):
+        # Version Negotiation: long header, version 0, echoing our source connection id as its destination.
+        if len(data) >= 7 and data[0] & 0x80 and data[1:5] == b"\0\0\0\0":
+            dlen = data[5]
+            if data[6:6 + dlen] == self.scid and not self.done.done():
+                self.done.set_result(True)
+
+    def error_received(self, exc):
+        if not self.done.done():
+            self.done.set_exception(exc)
+
+
+async def probe(p, timeout):
+    host, port, kind = p["host"], int(p["port"]), p.get("kind", "tcp")
+    start = time.perf_counter()
+    try:
+        if kind == "quic":
+            loop = asyncio.get_running_loop()
+            packet, _, scid = quic_probe_packet()
+            transport, proto = await loop.create_datagram_endpoint(lambda: _Quic(scid), remote_addr=(host, port))
+            try:
+                for attempt in range(3):  # UDP: resend within the budget
+                    transport.sendto(packet)
+                    try:
+                        await asyncio.wait_for(asyncio.shield(proto.done), timeout / 3)
+                        break
+                    except asyncio.TimeoutError:
+                        if attempt == 2:
+                            raise
+                        start = time.perf_counter()
+            finally:
+                transport.close()
+            return {"ok": True, "rtt_ms": round((time.perf_counter() - start) * 1000, 3)}
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        rtt = (time.perf_counter() - start) * 1000
+        try:
+            if kind == "tls":
+                ctx = ssl.create_default_context()
+                ctx.check_hostname = False
+                ctx.verify_mode = ssl.CERT_NONE  # reachability, not trust: self-signed and camouflage certificates
+                if p.get("alpn"):
+                    ctx.set_alpn_protocols(list(p["alpn"]))
+                await asyncio.wait_for(writer.start_tls(ctx, server_hostname=p.get("sni") or None), timeout)
+        finally:
+            writer.close()
+            try:
+                await asyncio.wait_for(writer.wait_closed(), 1)
+            except (OSError, asyncio.TimeoutError, ssl.SSLError):
+                pass
+        return {"ok": True, "rtt_ms": round(rtt, 3)}
+    except asyncio.TimeoutError:
+        return {"ok": False, "error": "timeout"}
+    except (OSError, ssl.SSLError, EOFError, ValueError) as e:
+        return {"ok": False, "error": (type(e).__name__ + ": " + str(e))[:200]}
+
+
+async def probe_all(probes, timeout, parallel=64):
+    sem = asyncio.Semaphore(parallel)
+
+    async def one(p):
+        async with sem:
+            return p["id"], await probe(p, timeout)
+
+    return dict(await asyncio.gather(*(one(p) for p in probes)))
+
+
+def main():
+    req = json.load(sys.stdin)
+    timeout = float(req.get("timeout", 3.0))
+    started = time.time()
+    traffic, users, conns = (None, [], 0)
+    if req.get("clash_api"):
+        traffic, users, conns = clash_connections(req["clash_api"], req.get("clash_secret", ""), timeout)
+    out = {
+        "agent": AGENT_VERSION,
+        "time": started,
+        "service": service_state(req.get("service", "sing-box.service")),
+        "listeners": listening([tuple(x) for x in req.get("listeners", [])]),
+        "traffic": traffic,
+        "users": users,
+        "connections": conns,
+        "probes": asyncio.run(probe_all(req.get("probes", []), timeout)),
+        "took_ms": 0,
+    }
+    out["took_ms"] = round((time.time() - started) * 1000, 1)
+    json.dump(out, sys.stdout)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The loop's HTTP outlet (aiohttp, in the loop's own event loop).
+
+- ``GET|HEAD /sub/<token>[/<format>]`` (or ``?format=``): the user's subscription
+  from the current snapshot — the same ``render`` as the files, cached per
+  snapshot — with the headers clients read and an ETag (``If-None-Match`` → 304).
+  Unknown tokens get 404 and nothing else.
+- ``/healthz``: 200 while the loop ticks on time, 503 (with why) otherwise.
+- ``/metrics``: Prometheus exposition of the custom collector.
+- ``/``: the status page — the topology coloured by health (ROUTE-8, HEALTH-13),
+  servers with their verdicts and reasons, routes with their active inbounds.
+  It names servers and addresses: keep ``listen`` on loopback or behind auth.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from html import escape
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from reconciler.loop.outlets import LiveAnswers
+from reconciler.metrics import FleetView
+from reconciler.subscriptions import FORMATS, choose_format
+from reconciler.topology import STATUS_COLOURS, svg
+
+_FORMAT_ALIASES = {"links.txt": "links", "sing-box.json": "sing-box", "clash.yaml": "clash", "singbox": "sing-box",
+                   "mihomo": "clash", "base64": "links"}
+
+
+class HttpOutlet:
+    def __init__(self, answers: LiveAnswers, registry: CollectorRegistry, view: Callable[[], FleetView | None],
+                 health: Callable[[], tuple[bool, str]], region_of: Callable[[str], str | None] | None = None):
+        self.answers = answers
+        self.registry = registry
+        self.view = view
+        self.health = health
+        self.region_of = region_of
+        self.app = web.Application()
+        self.app.router.add_get("/sub/{token}", self.sub)  # add_get also answers HEAD
+        self.app.router.add_get("/sub/{token}/{fmt}", self.sub)
+        self.app.router.add_get("/healthz", self.healthz)
+        self.app.router.add_get("/metrics", self.metrics)
+        self.app.router.add_get("/", self.status_page)
+        self.app.router.add_get("/status.json", self.status_json)
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port, reuse_address=True).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # ------------------------------------------------------------------ subscriptions
+
+    async def sub(self, request: web.Request) -> web.StreamResponse:
+        user = self.answers.user_of(request.match_info["token"])
+        if user is None:
+            raise web.HTTPNotFound(text="not found\n")
+        requested = request.match_info.get("fmt") or request.query.get("format")
+        requested = _FORMAT_ALIASES.get(requested, requested) if requested else None
+        try:
+            fmt = choose_format(requested, request.headers.get("User-Agent"))
+        except ValueError:
+            raise web.HTTPNotFound(text=f"unknown format; use one of {', '.join(FORMATS)}\n") from None
+        region = self.region_of(request.remote or "") if self.region_of else None
+        doc = self.answers.answer(user, fmt, region)
+        if request.headers.get("If-None-Match") == doc.etag:
+            return web.Response(status=304, headers={"etag": doc.etag})
+        return web.Response(body=doc.body, headers=doc.headers)
+
+    # ------------------------------------------------------------------ operations
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        ok, why = self.health()
+        return web.Response(status=200 if ok else 503, text=why + "\n")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def status_json(self, request: web.Request) -> web.Response:
+        return web.json_response(status_document(self.view()), dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
+    async def status_page(self, request: web.Request) -> web.Response:
+        return web.Response(text=status_html(self.view()), content_type="text/html", charset="utf-8")
+
+
+def status_document(view: FleetView | None) -> dict[str, object]:
+    if view is None:
+        return {"ready": False}
+    v = view.verdicts
+    servers = {}
+    for s in view.cluster.servers:
+        sv = v.server(s.name) if v is not None else None
+        servers[s.name] = {"status": sv.status if sv else "no_data", "in_rotation": sv.in_rotation if sv else True,
+                           "reason": sv.reason if sv else "no health data yet", "country": s.country,
+                           "traffic_mbps": round(view.traffic_mbps.get(s.name, 0.0), 3),
+                           "connected_users": view.connected.get(s.name, 0), "assigned_users": view.assigned.get(s.name, 0)}
+    routes = {}
+    for route in view.cluster.effective_routes:
+        members = view.cluster.members.get(route.id, ())
+        active = [m.inbound.id for m in members if v is None or v.inbound(m.inbound.id).in_rotation]
+        routes[route.id] = {"inbounds": [m.inbound.id for m in members], "active": active,
+                            "best_available_only": bool(members) and not active}
+    return {"ready": True, "time": v.now if v is not None else time.time(), "servers": servers, "routes": routes}
+
+
+def status_html(view: FleetView | None) -> str:
+    if view is None:
+        return "<!doctype html><title>reconciler</title><p>Starting: no interval has finished yet.</p>"
+    doc = status_document(view)
+    health = {name: s["status"] for name, s in doc["servers"].items()}  # type: ignore[union-attr]
+    rows = []
+    for name, s in doc["servers"].items():  # type: ignore[union-attr]
+        colour = STATUS_COLOURS.get(s["status"], STATUS_COLOURS["unknown"])
+        rows.append(f"<tr><td>{escape(name)}</td><td>{escape(s['country'])}</td>"
+                    f"<td><span class=dot style='background:{colour}'></span>{escape(s['status'])}</td>"
+                    f"<td>{'yes' if s['in_rotation'] else '<b>no</b>'}</td><td>{s['traffic_mbps']:g}</td>"
+                    f"<td>{s['connected_users']}</td><td>{s['assigned_users']}</td><td>{escape(s['reason'])}</td></tr>")
+    route_rows = []
+    for rid, r in doc["routes"].items():  # type: ignore[union-attr]
+        flag = " ⚠ best available only" if r["best_available_only"] else ""
+        route_rows.append(f"<tr><td>{escape(rid)}</td><td>{len(r['active'])}/{len(r['inbounds'])}{flag}</td>"
+                          f"<td>{escape(', '.join(r['active']))}</td></tr>")
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(doc["time"])))  # type: ignore[arg-type]
+    return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="15">
+<title>reconciler status</title><style>
+body{{font-family:system-ui,sans-serif;margin:1.5em}} table{{border-collapse:collapse;margin:1em 0}}
+td,th{{border:1px solid #ddd;padding:4px 8px;text-align:left;font-size:14px}} .dot{{display:inline-block;width:10px;height:10px;
+border-radius:5px;margin-right:6px}}</style></head><body>
+<h1>Cluster status</h1><p>As of {stamp}. Metrics: <a href="/metrics">/metrics</a> · <a href="/status.json">status.json</a></p>
+{svg(view.cluster, health)}
+<h2>Servers</h2><table><tr><th>server</th><th>country</th><th>status</th><th>in rotation</th><th>Mbps</th>
+<th>connected</th><th>assigned</th><th>why</th></tr>{''.join(rows)}</table>
+<h2>Routes</h2><table><tr><th>route</th><th>active inbounds</th><th>in rotation</th></tr>{''.join(route_rows)}</table>
+</body></html>"""

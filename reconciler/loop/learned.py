@@ -1,0 +1,259 @@
+"""What the loop learns between intervals, and how it survives a restart.
+
+``Learned`` carries the verdict engine's state (streaks, loss estimates,
+hysteresis), capacity peaks (LB-3), traffic counters, RTT EWMAs per witness and
+target (STEER-3), the users' assignments (stickiness, LB-6) and the last
+reports. ``fold`` advances it by one interval (pure: time and reports passed
+in); ``save``/``load`` persist it as one file written atomically (temporary
+file, fsync, rename), so a crash at any moment leaves the old or the new state.
+
+When the cluster file changes which servers or inbounds exist, the state is
+carried over by name: a new server starts fresh, the others keep their
+streaks and peaks.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from reconciler.balance import RTTProfile, ServerLoad, Snapshot, rebalance
+from reconciler.balance.capacity import CapacityEstimator
+from reconciler.health.engine import HealthEngine, HealthState, Topology
+from reconciler.health.verdicts import Verdicts
+from reconciler.loop.reports import Counter, Report, observation, traffic_rate
+from reconciler.model import Cluster
+
+FORMAT = 1
+# Which axes the engine's arrays run along: s = servers (witnesses), m = inbounds (targets).
+_HEALTH_AXES = {"fail": "sm", "hazard": "s", "cont": "s", "last_report": "s", "last_service_ok": "s",
+                "last_listener_ok": "m", "unreach_on": "m", "unreach_clear": "m", "blocked_on": "m", "blocked_clear": "m",
+                "flap": "m"}
+
+
+@dataclass
+class Learned:
+    topology: Topology
+    health: HealthState
+    capacity: CapacityEstimator
+    rtt_ewma: np.ndarray  # (N, M) ms, NaN = no sample yet
+    rtt_first: np.ndarray  # (N, M) time of the first sample
+    rtt_last: np.ndarray  # (N, M) time of the last sample
+    counters: dict[str, Counter] = field(default_factory=dict)
+    traffic_mbps: dict[str, float] = field(default_factory=dict)
+    connected: dict[str, list[str]] = field(default_factory=dict)  # server → users with open connections
+    assignments: dict[tuple[str, str], str] = field(default_factory=dict)
+    last_tick: float = 0.0
+    ticks: int = 0
+
+    @classmethod
+    def fresh(cls, cluster: Cluster) -> Learned:
+        topo = Topology.from_cluster(cluster)
+        n, m = topo.n, topo.m
+        return cls(topology=topo, health=HealthState.initial(topo),
+                   capacity=CapacityEstimator.empty(n, cluster.settings.balance.capacity_half_life),
+                   rtt_ewma=np.full((n, m), np.nan), rtt_first=np.full((n, m), np.nan), rtt_last=np.full((n, m), np.nan))
+
+    # ------------------------------------------------------------------ one interval
+
+    def fold(self, cluster: Cluster, reports: dict[str, Report | None], now: float) -> Verdicts:
+        """Advance by one interval: verdicts, traffic rates, capacity peaks, RTT EWMAs."""
+        topo = self.topology
+        obs = observation(topo, cluster, reports, now)
+        engine = HealthEngine(topo, cluster.settings.health, self.health)
+        verdicts = engine.evaluate(obs)
+        rates = np.zeros(topo.n)
+        valid = np.zeros(topo.n, dtype=bool)
+        for i, name in enumerate(topo.servers):
+            rep = reports.get(name)
+            if rep is None:
+                continue
+            rate, self.counters[name] = traffic_rate(self.counters.get(name), rep.traffic_bytes, rep.received)
+            if rate is not None:
+                rates[i], valid[i] = rate, True
+                self.traffic_mbps[name] = rate
+            self.connected[name] = list(rep.users)
+        self.capacity.observe(now, rates, valid)
+        self._fold_rtt(obs.probe_rtt_ms, now, cluster.settings.steering.rtt_half_life)
+        self.last_tick, self.ticks = now, self.ticks + 1
+        return verdicts
+
+    def _fold_rtt(self, rtt: np.ndarray | None, now: float, half_life: float) -> None:
+        if rtt is None:
+            return
+        have = ~np.isnan(rtt)
+        dt = np.where(np.isnan(self.rtt_last), np.inf, now - self.rtt_last)
+        alpha = 1.0 - np.exp2(-np.maximum(dt, 0.0) / half_life)  # time-based: a gap weighs the new sample more
+        first = have & np.isnan(self.rtt_ewma)
+        self.rtt_ewma = np.where(first, rtt, np.where(have, self.rtt_ewma + alpha * (rtt - self.rtt_ewma), self.rtt_ewma))
+        self.rtt_first = np.where(first, now, self.rtt_first)
+        self.rtt_last = np.where(have, now, self.rtt_last)
+
+    def current_verdicts(self, cluster: Cluster, now: float) -> Verdicts:
+        """Verdicts as of ``now`` from the persisted state, without new reports (for `status`; state untouched)."""
+        obs = observation(self.topology, cluster, {}, now)
+        return HealthEngine(self.topology, cluster.settings.health, self.health.copy()).evaluate(obs)
+
+    # ------------------------------------------------------------------ what decisions read
+
+    def loads(self, now: float) -> dict[str, ServerLoad]:
+        cap = self.capacity.estimate(now)
+        return {name: ServerLoad(traffic_mbps=self.traffic_mbps.get(name, 0.0), users=len(self.connected.get(name, ())),
+                                 capacity_mbps=None if np.isnan(cap[i]) else float(cap[i]))
+                for i, name in enumerate(self.topology.servers)}
+
+    def rtt_profiles(self, cluster: Cluster, now: float, stale_after: float) -> dict[tuple[str, str, str], RTTProfile]:
+        """Mean RTT EWMA from the witnesses of each region to each (route, pool) (STEER-3)."""
+        topo = self.topology
+        col = {t: j for j, t in enumerate(topo.inbounds)}
+        regions: dict[str, list[int]] = {}
+        for i, name in enumerate(topo.servers):
+            region = cluster.server(name).region
+            if region:
+                regions.setdefault(region, []).append(i)
+        out: dict[tuple[str, str, str], RTTProfile] = {}
+        for route in cluster.effective_routes:
+            pools: dict[str, list[int]] = {}
+            for ref in cluster.members.get(route.id, ()):
+                if ref.inbound.pool and ref.inbound.id in col:
+                    pools.setdefault(ref.inbound.pool, []).append(col[ref.inbound.id])
+            for region, rows in regions.items():
+                for pool, cols in pools.items():
+                    block = self.rtt_ewma[np.ix_(rows, cols)]
+                    if np.isnan(block).all():
+                        continue
+                    since = np.nanmin(self.rtt_first[np.ix_(rows, cols)])
+                    last = np.nanmax(self.rtt_last[np.ix_(rows, cols)])
+                    out[(region, route.id, pool)] = RTTProfile(ewma_ms=float(np.nanmean(block)), seconds_of_data=float(now - since),
+                                                               fresh=bool(now - last <= stale_after))
+        return out
+
+    def snapshot(self, cluster: Cluster, verdicts: Verdicts | None, now: float, facts: dict[str, dict[str, str]]) -> Snapshot:
+        """The snapshot both outlets answer from; assignments are rebalanced and kept (stickiness)."""
+        base = Snapshot(cluster=cluster, now=now, verdicts=verdicts, loads=self.loads(now),
+                        rtt=self.rtt_profiles(cluster, now, cluster.settings.health.staleness),
+                        assignments=dict(self.assignments), public_keys=facts.get("public_keys", {}),
+                        tls_pins=facts.get("tls_pins", {}))
+        self.assignments = rebalance(base)
+        return Snapshot(cluster=cluster, now=now, verdicts=verdicts, loads=base.loads, rtt=base.rtt,
+                        assignments=self.assignments, public_keys=base.public_keys, tls_pins=base.tls_pins)
+
+    # ------------------------------------------------------------------ topology changes
+
+    def adopt(self, cluster: Cluster) -> Learned:
+        """The same knowledge for a changed cluster: carried over by server and inbound name."""
+        new = Learned.fresh(cluster)
+        old, topo = self.topology, new.topology
+        if old == topo:
+            self.capacity.half_life = cluster.settings.balance.capacity_half_life
+            return self
+        rows = [(i, old.servers.index(s)) for i, s in enumerate(topo.servers) if s in old.servers]
+        cols = [(j, old.inbounds.index(t)) for j, t in enumerate(topo.inbounds) if t in old.inbounds]
+        ri, ro = (np.array(x, dtype=np.int64) for x in zip(*rows, strict=True)) if rows else (np.zeros(0, np.int64),) * 2
+        ci, co = (np.array(x, dtype=np.int64) for x in zip(*cols, strict=True)) if cols else (np.zeros(0, np.int64),) * 2
+
+        def carry(dst: np.ndarray, src: np.ndarray, axes: str) -> None:
+            if axes == "sm":
+                dst[np.ix_(ri, ci)] = src[np.ix_(ro, co)]
+            elif axes == "s":
+                dst[ri] = src[ro]
+            else:
+                dst[ci] = src[co]
+
+        for name, value in vars(self.health).items():
+            if isinstance(value, np.ndarray) and name in _HEALTH_AXES:
+                carry(getattr(new.health, name), value, _HEALTH_AXES[name])
+        new.health.fleet = self.health.fleet.copy()
+        new.health.evaluations = self.health.evaluations
+        new.capacity.peak[ri] = self.capacity.peak[ro]
+        new.capacity.peak_time[ri] = self.capacity.peak_time[ro]
+        for name in ("rtt_ewma", "rtt_first", "rtt_last"):
+            carry(getattr(new, name), getattr(self, name), "sm")
+        keep = set(topo.servers)
+        new.counters = {k: v for k, v in self.counters.items() if k in keep}
+        new.traffic_mbps = {k: v for k, v in self.traffic_mbps.items() if k in keep}
+        new.connected = {k: v for k, v in self.connected.items() if k in keep}
+        inbounds = set(topo.inbounds)
+        new.assignments = {k: v for k, v in self.assignments.items() if v in inbounds}
+        new.last_tick, new.ticks = self.last_tick, self.ticks
+        return new
+
+    # ------------------------------------------------------------------ persistence
+
+    def to_bytes(self) -> bytes:
+        meta = {
+            "format": FORMAT, "servers": list(self.topology.servers), "inbounds": list(self.topology.inbounds),
+            "countries": list(self.topology.countries), "probers": list(self.topology.probers),
+            "inbound_server": list(self.topology.inbound_server),
+            "counters": {k: [c.value, c.at] for k, c in self.counters.items()}, "traffic_mbps": self.traffic_mbps,
+            "connected": self.connected, "assignments": [[u, r, i] for (u, r), i in self.assignments.items()],
+            "last_tick": self.last_tick, "ticks": self.ticks, "capacity_half_life": self.capacity.half_life,
+        }
+        arrays = {f"h_{k}": v for k, v in vars(self.health).items() if isinstance(v, np.ndarray)}
+        arrays.update(cap_peak=self.capacity.peak, cap_time=self.capacity.peak_time, rtt_ewma=self.rtt_ewma,
+                      rtt_first=self.rtt_first, rtt_last=self.rtt_last,
+                      h_evaluations=np.array(self.health.evaluations),
+                      meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
+        buf = io.BytesIO()
+        np.savez_compressed(buf, **arrays)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Learned:
+        with np.load(io.BytesIO(data)) as npz:
+            values = {k: npz[k] for k in npz.files}
+        meta = json.loads(values.pop("meta").tobytes())
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"state format {meta.get('format')} is not {FORMAT}")
+        topo = Topology(servers=tuple(meta["servers"]), countries=tuple(meta["countries"]), probers=tuple(meta["probers"]),
+                        inbounds=tuple(meta["inbounds"]), inbound_server=tuple(meta["inbound_server"]))
+        health = HealthState(**{k[2:]: v for k, v in values.items() if k.startswith("h_") and k != "h_evaluations"},
+                             evaluations=int(values["h_evaluations"]))
+        return cls(topology=topo, health=health,
+                   capacity=CapacityEstimator(meta["capacity_half_life"], values["cap_peak"], values["cap_time"]),
+                   rtt_ewma=values["rtt_ewma"], rtt_first=values["rtt_first"], rtt_last=values["rtt_last"],
+                   counters={k: Counter(int(v[0]), float(v[1])) for k, v in meta["counters"].items()},
+                   traffic_mbps=meta["traffic_mbps"], connected=meta["connected"],
+                   assignments={(u, r): i for u, r, i in meta["assignments"]}, last_tick=meta["last_tick"], ticks=meta["ticks"])
+
+    def save(self, path: Path) -> None:
+        write_atomic(path, self.to_bytes(), 0o600)
+
+    @classmethod
+    def load(cls, path: Path, cluster: Cluster) -> tuple[Learned, str | None]:
+        """The persisted state adopted to ``cluster``, or a fresh one and why."""
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return cls.fresh(cluster), None
+        except OSError as exc:
+            return cls.fresh(cluster), f"cannot read {path}: {exc.strerror}; starting afresh"
+        try:
+            return cls.from_bytes(data).adopt(cluster), None
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            return cls.fresh(cluster), f"ignoring unreadable state {path} ({exc}); starting afresh"
+
+
+def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write-then-rename in the same directory, fsynced: readers see the old or the new file, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -1,0 +1,465 @@
+"""``reconciler run``: the long-running loop (HEALTH-1, HEALTH-4, HEALTH-13, GITOPS-5).
+
+Four timers share one event loop and one SSH connection per server:
+
+- **tick** (every ``report_interval``): collect one agent report per server →
+  verdicts → snapshot (rebalanced, sticky) → outlets (files, live HTTP answers,
+  metrics view, webhook) → learned state saved atomically;
+- **plan** (every ``plan_interval``, at start and after every file change):
+  observe and plan; with ``self_heal`` apply the plan (drift correction),
+  without it report the drift;
+- **watch**: the cluster file's folder (watchfiles); a change reloads the file.
+  An invalid file is reported with its diagnostics and the loop keeps the last
+  good one — nothing is half applied;
+- **git pull** (every ``git_pull_interval``, when set): ``git pull --ff-only``.
+
+One server's failure never stops the loop: its collection backs off
+exponentially (in intervals) and it shows as no_data. SIGTERM or SIGINT stop
+the loop after the current step; the learned state is saved on the way out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from reconciler.apply.run import apply_all
+from reconciler.apply.session import Progress, StateDir, remember
+from reconciler.config import load_cluster
+from reconciler.credentials import Secret, clash_api_secret
+from reconciler.engine.singbox import AGENT
+from reconciler.health.verdicts import Verdicts
+from reconciler.loop.http import HttpOutlet
+from reconciler.loop.learned import Learned
+from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens, cluster_digest
+from reconciler.loop.reports import Report, ReportError, agent_request, parse_report
+from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
+from reconciler.model import Cluster
+from reconciler.plan.observe import observe
+from reconciler.ssh import SSHError, SSHPool, Target
+
+log = logging.getLogger("reconciler.loop")
+STATE_FILE = "learned.npz"
+MAX_BACKOFF_TICKS = 16
+
+
+@dataclass
+class Backoff:
+    """Per-server: after failures, skip 1, 2, 4 … (at most 16) intervals before trying again."""
+
+    failures: dict[str, int] = field(default_factory=dict)
+    next_try: dict[str, int] = field(default_factory=dict)
+
+    def due(self, server: str, tick: int) -> bool:
+        return tick >= self.next_try.get(server, 0)
+
+    def failed(self, server: str, tick: int) -> int:
+        n = self.failures.get(server, 0) + 1
+        self.failures[server] = n
+        wait = min(MAX_BACKOFF_TICKS, 2 ** (n - 1)) if n > 1 else 0
+        self.next_try[server] = tick + 1 + wait
+        return wait
+
+    def succeeded(self, server: str) -> bool:
+        had = self.failures.pop(server, 0) > 0
+        self.next_try.pop(server, None)
+        return had
+
+
+class Loop:
+    def __init__(self, path: str, cluster: Cluster, secret: Secret, *, listen: str | None = None,
+                 duration: float | None = None, max_ticks: int | None = None, watch: bool = True):
+        self.path = str(Path(path).resolve())
+        self.base_dir = str(Path(self.path).parent)
+        self.cluster = cluster
+        self.secret = secret
+        self.listen = listen or cluster.settings.outputs.listen
+        self.duration = duration
+        self.max_ticks = max_ticks
+        self.watch_enabled = watch
+        self.state = StateDir.of(self.path, cluster)
+        self.stop = asyncio.Event()
+        self.plan_now = asyncio.Event()
+        self.stats = LoopStats()
+        self.backoff = Backoff()
+        self.tokens = Tokens(secret)
+        self.answers = LiveAnswers(secret, self.tokens)
+        self.files = FileOutlet(self._out_dir(cluster), self.state.path, secret, self.tokens)
+        self.view: FleetView | None = None
+        self.drift: dict[str, int] = {}
+        self.learned, note = Learned.load(self.state.path / STATE_FILE, cluster)
+        if note:
+            log.warning(note)
+        elif self.learned.ticks:
+            log.info("restored learned state: %d interval(s), last at %s", self.learned.ticks,
+                     time.strftime("%H:%M:%S", time.localtime(self.learned.last_tick)))
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(ReconcilerCollector(lambda: self.view, self.stats))
+        self.http = HttpOutlet(self.answers, self.registry, lambda: self.view, self._healthy, self._region_lookup())
+        self._digest = cluster_digest(cluster)
+        self._last_status: dict[str, str] = {}
+        self._tick_index = 0
+        self._last_tick_end = 0.0
+        self._started = time.time()
+        self._busy = asyncio.Lock()  # one plan/apply at a time; ticks never wait for it
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _out_dir(self, cluster: Cluster) -> Path:
+        return Path(self.base_dir) / os.path.expanduser(cluster.settings.outputs.subscriptions_dir)
+
+    def _region_lookup(self):  # type: ignore[no-untyped-def]
+        db = self.cluster.settings.steering.geoip_database
+        if not db:
+            return None
+        from reconciler.balance.geoip import open_geoip
+
+        try:
+            geo = open_geoip(str(Path(self.base_dir) / os.path.expanduser(db)))
+        except (OSError, ValueError) as exc:
+            log.error("cannot read the GeoIP database %s: %s; live requests use the users' regions", db, exc)
+            return None
+        return geo.region
+
+    def _healthy(self) -> tuple[bool, str]:
+        interval = self.cluster.settings.health.report_interval
+        if self.view is None:
+            late = time.time() - self._started > 3 * interval + 60
+            return (not late, "starting: the first interval has not finished" + (" (late)" if late else ""))
+        age = time.time() - self._last_tick_end
+        if age > 3 * interval + 30:
+            return False, f"the last interval finished {age:.0f}s ago (interval {interval:g}s)"
+        return True, f"ok: interval {self._tick_index} finished {age:.0f}s ago"
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        removed = self.files.clean_temporaries()
+        if removed:
+            log.info("removed %d temporary file(s) an interrupted run left behind", removed)
+        host, _, port = self.listen.rpartition(":")
+        try:
+            await self.http.start(host.strip("[]") or "127.0.0.1", int(port))
+        except OSError as exc:
+            log.error("cannot listen on %s: %s (set settings.outputs.listen or --listen)", self.listen, exc.strerror)
+            return 1
+        log.info("listening on http://%s (subscriptions /sub/<token>, /metrics, /healthz, status page /)", self.listen)
+        self.pool = self.state.pool()
+        try:
+            self._tasks = [asyncio.create_task(self._ticker(), name="tick"),
+                           asyncio.create_task(self._planner(), name="plan")]
+            if self.watch_enabled:
+                self._tasks.append(asyncio.create_task(self._watcher(), name="watch"))
+            if self.cluster.settings.git_pull_interval:
+                self._tasks.append(asyncio.create_task(self._git_puller(), name="git"))
+            if self.duration is not None:
+                self._tasks.append(asyncio.create_task(self._deadline(self.duration), name="deadline"))
+            await self.stop.wait()
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            for task in self._tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            await asyncio.to_thread(self._save)
+            await self.http.stop()
+            await self.pool.close()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+        log.info("stopped after %d interval(s); learned state saved", self._tick_index)
+        return 0
+
+    def _on_signal(self, sig: int) -> None:
+        log.info("%s: stopping after the current step", signal.Signals(sig).name)
+        self.stop.set()
+
+    async def _deadline(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        self.stop.set()
+
+    def _save(self) -> None:
+        try:
+            self.learned.save(self.state.path / STATE_FILE)
+        except OSError as exc:
+            log.error("cannot save the learned state: %s", exc)
+
+    # ------------------------------------------------------------------ tick: collect → verdicts → outlets
+
+    async def _ticker(self) -> None:
+        interval = self.cluster.settings.health.report_interval
+        next_at = time.monotonic()
+        while not self.stop.is_set():
+            await self.tick()
+            if self.max_ticks is not None and self._tick_index >= self.max_ticks:
+                self.stop.set()
+                return
+            interval = self.cluster.settings.health.report_interval
+            next_at += interval
+            now = time.monotonic()
+            if next_at < now:  # an interval that overran: start the next one now, do not catch up in a burst
+                next_at = now
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), next_at - now)
+
+    async def tick(self) -> Verdicts | None:
+        cluster = self.cluster
+        started = time.perf_counter()
+        self._tick_index += 1
+        try:
+            reports = await self.collect(cluster)
+            now = time.time()
+            verdicts = self.learned.fold(cluster, reports, now)
+            facts = self.state.read("facts.json")
+            snapshot = self.learned.snapshot(cluster, verdicts, now, facts)
+        except Exception:  # noqa: BLE001 — a bug in one interval must not end the loop; it is logged with its traceback
+            log.exception("interval %d failed", self._tick_index)
+            self.stats.record("collect", False, time.perf_counter() - started, time.time())
+            return None
+        self.stats.record("collect", True, time.perf_counter() - started, now)
+        self.answers.publish(snapshot)
+        self.view = self._fleet_view(cluster, verdicts, snapshot)
+        self._last_tick_end = time.time()
+        self._report_changes(verdicts)
+        out_start = time.perf_counter()
+        try:
+            stats = await asyncio.to_thread(self.files.write, snapshot)
+            if stats.written or stats.removed:
+                log.info("subscriptions: %d user(s) rewritten, %d unchanged, %d removed (%.2fs)",
+                         stats.written, stats.unchanged, stats.removed, stats.seconds)
+            self.stats.record("outlets", True, time.perf_counter() - out_start, time.time())
+        except OSError as exc:
+            log.error("cannot write subscription files to %s: %s", self.files.directory, exc)
+            self.stats.record("outlets", False, time.perf_counter() - out_start, time.time())
+        await asyncio.to_thread(self._save)
+        return verdicts
+
+    async def collect(self, cluster: Cluster) -> dict[str, Report | None]:
+        interval = cluster.settings.health.report_interval
+        probe_timeout = max(0.5, min(3.0, interval / 4))
+        budget = max(5.0, min(0.8 * interval, 60.0))
+
+        async def one(server) -> tuple[str, Report | None]:  # type: ignore[no-untyped-def]
+            name = server.name
+            if not self.backoff.due(name, self._tick_index):
+                return name, None
+            req = agent_request(cluster, name, clash_api_secret(self.secret, name), probe_timeout)
+            try:
+                res = await asyncio.wait_for(self.pool.run(Target.from_server(server), f"python3 {AGENT}", check=False,
+                                                           timeout=budget, input=_json(req)), budget + 2)
+                if res.code != 0:
+                    hint = " (the agent is not installed yet: apply first)" if "No such file" in res.stderr else ""
+                    raise ReportError(f"the agent exited {res.code}{hint}: {res.stderr.strip()[-300:]}")
+                report = parse_report(name, res.stdout, time.time())
+            except (SSHError, ReportError, OSError, TimeoutError) as exc:
+                wait = self.backoff.failed(name, self._tick_index)
+                self.stats.server_error(name)
+                log.warning("%s: no report this interval: %s%s", name, str(exc) or type(exc).__name__,
+                            f"; next try in {wait + 1} interval(s)" if wait else "")
+                return name, None
+            if self.backoff.succeeded(name):
+                log.info("%s: reporting again", name)
+            return name, report
+
+        results = await asyncio.gather(*(one(s) for s in cluster.servers))
+        return dict(results)
+
+    def _fleet_view(self, cluster: Cluster, verdicts: Verdicts, snapshot) -> FleetView:  # type: ignore[no-untyped-def]
+        import numpy as np
+
+        learned = self.learned
+        loads = snapshot.loads
+        assigned: dict[str, int] = {}
+        server_of = {r.inbound.id: r.server.name for r in cluster.inbounds}
+        for inbound in snapshot.assignments.values():
+            s = server_of.get(inbound)
+            if s:
+                assigned[s] = assigned.get(s, 0) + 1
+        topo = learned.topology
+        rtt: dict[tuple[str, str], float] = {}
+        regions: dict[str, list[int]] = {}
+        for i, name in enumerate(topo.servers):
+            region = cluster.server(name).region
+            if region:
+                regions.setdefault(region, []).append(i)
+        for region, rows in regions.items():
+            block = learned.rtt_ewma[rows]
+            have = ~np.isnan(block)
+            counts = have.sum(axis=0)
+            sums = np.where(have, block, 0.0).sum(axis=0)
+            for j, t in enumerate(topo.inbounds):
+                if counts[j]:
+                    rtt[(region, t)] = float(sums[j] / counts[j])
+        return FleetView(cluster=cluster, verdicts=verdicts, snapshot=snapshot,
+                         traffic_mbps={k: v.traffic_mbps for k, v in loads.items()},
+                         connected={k: v.users for k, v in loads.items()},
+                         capacity_mbps={k: v.capacity_mbps for k, v in loads.items()}, assigned=assigned, rtt_ms=rtt,
+                         drift=dict(self.drift), cluster_digest=self._digest)
+
+    def _report_changes(self, verdicts: Verdicts) -> None:
+        counts: dict[str, int] = {}
+        for name, sv in verdicts.servers().items():
+            counts[sv.status] = counts.get(sv.status, 0) + 1
+            before = self._last_status.get(name)
+            if before is not None and before != sv.status:
+                level = logging.INFO if sv.status in ("ok", "no_data") else logging.WARNING
+                log.log(level, "%s: %s → %s: %s", name, before, sv.status, sv.reason)
+                if sv.status == "blocked":
+                    self._webhook(name, sv)
+            self._last_status[name] = sv.status
+        log.info("interval %d: %s", self._tick_index, ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+
+    def _webhook(self, server: str, verdict) -> None:  # type: ignore[no-untyped-def]
+        url = self.cluster.settings.outputs.webhook_url
+        if not url:
+            return
+        payload = {"event": "blocked", "server": server, "status": verdict.status, "reason": verdict.reason,
+                   "advice": "the server's address is likely blocked: move it to a new IP (or a new server) and update "
+                             "`host:` in the cluster file; its users were moved to other inbounds of their routes",
+                   "time": time.time()}
+        task = asyncio.create_task(_post(url, payload))
+        self._tasks.append(task)
+
+    # ------------------------------------------------------------------ plan, drift, self-heal
+
+    async def _planner(self) -> None:
+        while not self.stop.is_set():
+            await self.plan_and_heal()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.plan_now.wait(), self.cluster.settings.plan_interval)
+            self.plan_now.clear()
+
+    async def plan_and_heal(self) -> None:
+        async with self._busy:
+            cluster = self.cluster
+            started = time.perf_counter()
+            try:
+                observed = await observe(cluster, self.secret, self.pool, self.base_dir, False)
+            except Exception:  # noqa: BLE001 — logged with traceback; the next plan tries again
+                log.exception("plan failed")
+                self.stats.record("plan", False, time.perf_counter() - started, time.time())
+                return
+            errors = [o.plan for o in observed if o.plan.error or o.plan.problems]
+            for p in errors:
+                log.warning("plan: %s: %s", p.server, p.error or "; ".join(p.problems))
+            self.stats.record("plan", not errors, time.perf_counter() - started, time.time())
+            self.drift = {o.plan.server: len(o.plan.actions) for o in observed}
+            pending = [o for o in observed if o.plan.changes and not (o.plan.error or o.plan.problems)]
+            if not pending:
+                return
+            what = ", ".join(f"{o.plan.server} ({len(o.plan.actions)})" for o in pending)
+            if not cluster.settings.self_heal:
+                log.warning("drift: %s; self_heal is off — run `reconciler plan` and `reconciler apply`", what)
+                return
+            log.info("applying: %s", what)
+            started = time.perf_counter()
+            progress = Progress([o.plan.server for o in pending], log=lambda line: log.info("apply %s", line))
+            try:
+                results = await apply_all(pending, self.pool, progress)
+                after = await observe(cluster, self.secret, self.pool, self.base_dir, False)
+                await asyncio.to_thread(remember, self.state, cluster, pending, results, after)
+            except Exception:  # noqa: BLE001
+                log.exception("apply failed")
+                self.stats.record("apply", False, time.perf_counter() - started, time.time())
+                return
+            finally:
+                progress.close()
+            for r in results:
+                (log.info if r.ok else log.error)("apply %s: %s", r.server, r.message)
+            ok = all(r.ok for r in results)
+            self.stats.record("apply", ok, time.perf_counter() - started, time.time())
+            if ok:
+                self.drift = {o.plan.server: 0 for o in observed}
+
+    # ------------------------------------------------------------------ the file: watch and git pull
+
+    def reload(self) -> bool:
+        """Load the file again; keep the last good cluster when the new one is invalid."""
+        started = time.perf_counter()
+        result = load_cluster(self.path)
+        if result.cluster is None:
+            for d in result.errors:
+                log.error("%s", d.render())
+            log.error("the changed file is invalid: keeping the last good version until it is fixed")
+            self.stats.record("load", False, time.perf_counter() - started, time.time())
+            return False
+        digest = cluster_digest(result.cluster)
+        if digest == self._digest:
+            return False
+        self.cluster = result.cluster
+        self._digest = digest
+        self.learned = self.learned.adopt(result.cluster)
+        self.files.directory = self._out_dir(result.cluster)
+        self.stats.record("load", True, time.perf_counter() - started, time.time())
+        log.info("reloaded %s: %d server(s), %d inbound(s), %d user(s)", self.path, len(result.cluster.servers),
+                 len(result.cluster.inbounds), len(result.cluster.users))
+        self.plan_now.set()
+        return True
+
+    async def _watcher(self) -> None:
+        from watchfiles import Change, awatch
+
+        skip = tuple(str(p) for p in (self.state.path, self.files.directory, Path(self.base_dir) / ".git"))
+
+        def wanted(change: Change, path: str) -> bool:
+            return path.endswith((".yaml", ".yml")) and not path.startswith(skip)
+
+        async for _ in awatch(self.base_dir, watch_filter=wanted, stop_event=self.stop, recursive=True):
+            self.reload()
+
+    async def _git_puller(self) -> None:
+        every = self.cluster.settings.git_pull_interval or 0
+        while not self.stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), every)
+            if self.stop.is_set():
+                return
+            started = time.perf_counter()
+            proc = await asyncio.create_subprocess_exec("git", "-C", self.base_dir, "pull", "--ff-only", "--quiet",
+                                                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            try:
+                _, err = await asyncio.wait_for(proc.communicate(), 120)
+            except TimeoutError:
+                proc.kill()
+                await proc.communicate()
+                err, proc.returncode = b"timed out after 120s", -1
+            ok = proc.returncode == 0
+            self.stats.record("git", ok, time.perf_counter() - started, time.time())
+            if not ok:
+                log.error("git pull failed (%s): %s", proc.returncode, err.decode(errors="replace").strip()[-500:])
+            else:
+                self.reload()
+
+
+def _json(obj: object) -> str:
+    import json
+
+    return json.dumps(obj)
+
+
+async def _post(url: str, payload: dict) -> None:
+    import aiohttp
+
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            async with session.post(url, json=payload) as resp:
+                if resp.status >= 300:
+                    log.warning("webhook %s answered %d", url, resp.status)
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        log.warning("webhook %s failed: %s", url, exc)
+
+
+async def run_loop(path: str, cluster: Cluster, secret: Secret, **kw) -> int:  # type: ignore[no-untyped-def]
+    return await Loop(path, cluster, secret, **kw).run()
+
+
+__all__ = ["Loop", "SSHPool", "run_loop"]
