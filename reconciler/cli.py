@@ -660,7 +660,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
         return 1
 
 
-def lab_cluster_yaml(lab, hosts, countries: list[str], protocol: str = "vless-tls",  # type: ignore[no-untyped-def]
+def lab_cluster_yaml(lab, hosts, countries: list[str], protocol: str | list[str] = "vless-tls",  # type: ignore[no-untyped-def]
                      prober_index: int | None = None, harden: bool = False, report_interval: float | None = None,
                      listen: str | None = None, extra_settings: tuple[str, ...] = (), users: int = 2) -> str:
     """A valid cluster file for the lab hosts: one inbound each, all in one route, host keys pinned."""
@@ -676,8 +676,10 @@ def lab_cluster_yaml(lab, hosts, countries: list[str], protocol: str = "vless-tl
         *(f"  {line}" for line in extra_settings),
         "servers:",
     ]
+    protocols = [protocol] if isinstance(protocol, str) else list(protocol)
     for i, h in enumerate(hosts):
         country = countries[i % len(countries)]
+        protocol = protocols[i % len(protocols)]
         extra = {"vless-reality": "camouflage: www.example.com", "shadowsocks-2022": ""}.get(
             protocol, "tls: {server_name: www.lab.test}")
         lines += [

@@ -68,6 +68,10 @@ class LoopProcess:
             time.sleep(poll)
         return None
 
+    def kill(self) -> int | None:
+        """SIGKILL, as a crash or an OOM killer would."""
+        return self.stop(signal.SIGKILL)
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -78,6 +82,7 @@ class LoopProcess:
                 self.proc.wait(10)
         if self._out:
             self._out.close()
+            self._out = None
         return self.proc.returncode
 
 

@@ -36,7 +36,7 @@ def lab():
     lab = Lab(root=Path(os.environ.get("RECONCILER_LAB_DIR", ROOT / ".lab")))
     lab.down()  # leftovers of an interrupted run
     try:
-        hosts = lab.up(3)
+        hosts = lab.up(5)  # the provisioning tests use the first three; the loop tests all five
         origin = hosts[2]
         lab.spawn_in(origin, [sys.executable, str(Path(__file__).with_name("origin.py")), origin.ip, str(ORIGIN_PORT)])
         _wait_port(origin.ip, ORIGIN_PORT)

@@ -1,4 +1,5 @@
-"""A tiny HTTP origin for lab tests: /ip returns the peer's address, /blob a fixed 1 MiB body."""
+"""A tiny HTTP origin for lab tests: /ip returns the peer's address, /blob a fixed 1 MiB body,
+/stream 64 MiB (the blob repeated: a long download whose connection stays open while a client reads slowly)."""
 
 import http.server
 import sys
@@ -8,6 +9,16 @@ BLOB = bytes((i * 7919) % 251 for i in range(1 << 20))
 
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802
+        if self.path == "/stream":
+            self.send_response(200)
+            self.send_header("content-length", str(64 * len(BLOB)))
+            self.end_headers()
+            try:
+                for _ in range(64):
+                    self.wfile.write(BLOB)
+            except OSError:
+                pass  # the client stopped reading (its time limit)
+            return
         body = self.client_address[0].encode() if self.path == "/ip" else BLOB
         self.send_response(200)
         self.send_header("content-length", str(len(body)))
