@@ -3,8 +3,10 @@ SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# Debian packages the tests and the demo use (installed only when missing).
-APT_PACKAGES := graphviz openssh-client curl iproute2 nftables systemd-container debootstrap
+# Debian packages the tests, the demo and the benchmarks use (installed only when missing).
+# prometheus: the real server and promtool for the metrics, alert-rule and dashboard tests;
+# wrk and nginx-light: the subscription endpoint's load benchmark and its static-file anchor.
+APT_PACKAGES := graphviz openssh-client curl iproute2 nftables systemd-container debootstrap prometheus wrk nginx-light
 
 .PHONY: setup apt test demo bench schema clean
 
@@ -29,7 +31,7 @@ test: setup
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
 
 demo: setup
-	$(BIN)/reconciler demo
+	$(BIN)/reconciler demo --scenario block --duration 180
 
 bench: setup
 	@set -e; found=0; for f in bench/*.py; do [ -e "$$f" ] || continue; found=1; echo "== $$f"; $(BIN)/python "$$f"; done; \

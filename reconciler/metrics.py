@@ -205,9 +205,9 @@ def _fleet_metrics(view: FleetView) -> Iterator:
     yield members_g
     yield best
 
-    traffic = GaugeMetricFamily("reconciler_server_traffic_bits_per_second", "Traffic through the engine over the last interval.",
+    traffic = GaugeMetricFamily("reconciler_server_traffic_bytes_per_second", "Traffic through the engine over the last interval.",
                                 labels=["server"])
-    cap = GaugeMetricFamily("reconciler_server_capacity_bits_per_second",
+    cap = GaugeMetricFamily("reconciler_server_capacity_bytes_per_second",
                             "Capacity estimate from observed peaks (LB-3); 0 until a real peak was seen.", labels=["server"])
     known = GaugeMetricFamily("reconciler_server_capacity_known", "1 once the server has a capacity estimate.", labels=["server"])
     users = GaugeMetricFamily("reconciler_server_connected_users", "Users with open connections (from the engine).",
@@ -220,9 +220,9 @@ def _fleet_metrics(view: FleetView) -> Iterator:
                             labels=["server"])
     report_index = {name: i for i, name in enumerate(v.topology.servers)} if v is not None else {}
     for s in servers:
-        traffic.add_metric([s.name], view.traffic_mbps.get(s.name, 0.0) * 1e6)
+        traffic.add_metric([s.name], view.traffic_mbps.get(s.name, 0.0) * 1e6 / 8)
         c = view.capacity_mbps.get(s.name)
-        cap.add_metric([s.name], (c or 0.0) * 1e6)
+        cap.add_metric([s.name], (c or 0.0) * 1e6 / 8)
         known.add_metric([s.name], 0.0 if c is None else 1.0)
         users.add_metric([s.name], float(view.connected.get(s.name, 0)))
         assigned.add_metric([s.name], float(view.assigned.get(s.name, 0)))

@@ -1,0 +1,419 @@
+"""The loop's pure parts: reports, rates, observations, learned state, file outlet, metrics, HTTP outlet.
+
+The lab tests (tests/lab/test_loop.py) run the same code against real hosts; these drive it with
+thousands of simulated intervals and check every branch cheaply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import shutil
+import subprocess
+import sys
+
+import aiohttp
+import numpy as np
+import pytest
+
+from reconciler.balance import Snapshot
+from reconciler.credentials import Secret, user_credentials
+from reconciler.health.engine import Topology
+from reconciler.loop.learned import Learned
+from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens
+from reconciler.loop.reports import Counter, Probe, Report, ReportError, agent_request, observation, parse_report, traffic_rate
+from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
+from reconciler.model import Cluster
+
+SECRET = Secret(b"loop-test-secret-0123456789abcdef")
+
+
+def cluster(n_servers: int = 5, users: int = 40, countries=("DE", "DE", "DE", "NL", "RU"), prober: int | None = 4,
+            protocol: str = "vless-tls", interval: str = "10s") -> Cluster:
+    servers = []
+    for i in range(n_servers):
+        ib = {"id": f"s{i}-in", "name": f"Server {i}", "protocol": protocol, "port": 443 if protocol != "shadowsocks-2022" else 8388,
+              "route": "r"}
+        if protocol != "shadowsocks-2022":
+            ib["tls"] = {"server_name": "www.lab.test"}
+        servers.append({"name": f"s{i}", "host": f"198.18.0.{10 + i}", "country": countries[i % len(countries)],
+                        "prober": i == prober, "inbounds": [ib]})
+    return Cluster.model_validate({"servers": servers, "routes": [{"id": "r", "name": "R"}],
+                                   "users": [{"name": f"u{j}"} for j in range(users)],
+                                   "settings": {"health": {"report_interval": interval}}})
+
+
+def agent_json(service="active", listeners=None, traffic=(10, 20), users=(), probes=None) -> str:
+    return json.dumps({"agent": 1, "service": service, "listeners": listeners or {"443/tcp": True},
+                       "traffic": None if traffic is None else {"up": traffic[0], "down": traffic[1]}, "users": list(users),
+                       "connections": len(users), "probes": probes or {}, "took_ms": 5})
+
+
+def report(server: str, c: Cluster, at: float, failing: set[str] = frozenset(), traffic: int = 0, **kw) -> Report:
+    probes = {r.inbound.id: ({"ok": False, "error": "timeout"} if r.inbound.id in failing else {"ok": True, "rtt_ms": 5.0 + r.server.host.count("1")})
+              for r in c.inbounds if r.server.name != server}
+    return parse_report(server, agent_json(probes=probes, traffic=(0, traffic), **kw), at)
+
+
+# --------------------------------------------------------------------------- reports
+
+
+def test_parse_report_reads_the_agent_and_rejects_garbage():
+    # spec: HEALTH-1
+    probes = {"s1-in": {"ok": True, "rtt_ms": 3.5}, "s2-in": {"ok": False, "error": "timeout"}}
+    r = parse_report("s0", "warning: something on stderr\n" + agent_json(users=("bob", "alice"), probes=probes), 100.0)
+    assert r.service_ok and r.traffic_bytes == 30 and r.users == ("alice", "bob")
+    assert r.probes == {"s1-in": Probe(True, 3.5, None), "s2-in": Probe(False, None, "timeout")}
+    assert parse_report("s0", agent_json(traffic=None), 1).traffic_bytes is None
+    assert not parse_report("s0", agent_json(service="failed"), 1).service_ok
+    for bad in ("", "not json", "[1, 2]", '{"x": 1}'):
+        with pytest.raises(ReportError):
+            parse_report("s0", bad, 1.0)
+    weird = parse_report("s0", agent_json(probes={"a": {"ok": True, "rtt_ms": "fast"}, "b": "nope", "c": {"ok": True, "rtt_ms": -1}}), 1)
+    assert weird.probes == {"a": Probe(True, None, None), "c": Probe(True, None, None)}
+
+
+def test_traffic_rate_handles_first_sample_resets_and_missing_api():
+    # spec: HEALTH-1 — counters become rates; an engine restart (counter went down) gives no rate that interval
+    rate, c = traffic_rate(None, 1_000_000, 10.0)
+    assert rate is None and c == Counter(1_000_000, 10.0)
+    rate, c2 = traffic_rate(c, 3_500_000, 20.0)
+    assert rate == pytest.approx(2.0)  # 2.5 MB in 10 s = 2 Mbit/s
+    rate, c3 = traffic_rate(c2, 400, 30.0)  # reset
+    assert rate is None and c3 == Counter(400, 30.0)
+    rate, c4 = traffic_rate(c3, None, 40.0)  # the API did not answer: keep the old sample
+    assert rate is None and c4 == c3
+    rate, _ = traffic_rate(c3, 1_250_400, 50.0)
+    assert rate == pytest.approx(0.5)
+    assert traffic_rate(c3, 500, 30.0)[0] is None  # no time passed
+
+
+def test_agent_request_probes_every_other_inbound_the_way_a_client_would():
+    c = Cluster.model_validate({
+        "servers": [{"name": "a", "host": "198.18.0.10", "country": "DE", "inbounds": [
+            {"id": "a-tls", "name": "A", "protocol": "vless-tls", "port": 443, "tls": {"server_name": "x.test"}, "route": "r"},
+            {"id": "a-ss", "name": "A2", "protocol": "shadowsocks-2022", "port": 8388, "route": "r"}]},
+            {"name": "b", "host": "198.18.0.11", "country": "DE", "inbounds": [
+                {"id": "b-hy", "name": "B", "protocol": "hysteria2", "port": 443, "tls": {"server_name": "y.test"}, "route": "r"},
+                {"id": "b-re", "name": "B2", "protocol": "vless-reality", "port": 8443, "camouflage": "www.example.com", "route": "r"}]}],
+        "routes": [{"id": "r", "name": "R"}], "users": [{"name": "u"}]})
+    req = agent_request(c, "a", "sekrit", 2.0)
+    assert req["listeners"] == [[443, "tcp"], [8388, "tcp"], [8388, "udp"]]
+    assert {p["id"]: (p["kind"], p.get("sni")) for p in req["probes"]} == {"b-hy": ("quic", "y.test"), "b-re": ("tls", "www.example.com")}
+    req_b = agent_request(c, "b", "sekrit", 2.0)
+    assert {p["id"]: (p["kind"], p.get("sni")) for p in req_b["probes"]} == {"a-tls": ("tls", "x.test"), "a-ss": ("tcp", None)}
+
+
+def test_observation_maps_probes_and_listeners():
+    # spec: HEALTH-2, HEALTH-3 — Shadowsocks needs both its TCP and UDP listener
+    c = cluster(3, protocol="shadowsocks-2022")
+    topo = Topology.from_cluster(c)
+    reports = {"s0": report("s0", c, 1.0, failing={"s2-in"}), "s1": None,
+               "s2": parse_report("s2", agent_json(listeners={"8388/tcp": True, "8388/udp": False}), 1.0)}
+    obs = observation(topo, c, reports, 1.0)
+    assert obs.reported.tolist() == [True, False, True]
+    assert obs.probe_present[0].tolist() == [False, True, True]
+    assert obs.probe_ok[0].tolist() == [False, True, False]
+    assert not np.isnan(obs.probe_rtt_ms[0, 1]) and np.isnan(obs.probe_rtt_ms[0, 2])
+    assert obs.listener_ok.tolist() == [False, True, False]  # s0's report has no 8388/udp; s1 silent keeps True
+
+
+# --------------------------------------------------------------------------- learned state over thousands of intervals
+
+
+def run_intervals(c: Cluster, learned: Learned, ticks: int, start: float, blocked: dict[str, set[str]] | None = None,
+                  silent: set[str] = frozenset(), rng=None, loss: float = 0.0):
+    """Fold simulated reports; ``blocked``: witness → targets it cannot reach. Returns the server statuses per tick."""
+    interval = c.settings.health.report_interval
+    history = []
+    for k in range(ticks):
+        now = start + k * interval
+        reports = {}
+        for s in c.servers:
+            if s.name in silent:
+                reports[s.name] = None
+                continue
+            failing = set((blocked or {}).get(s.name, set()))
+            if rng is not None and loss:
+                failing |= {r.inbound.id for r in c.inbounds if rng.random() < loss}
+            reports[s.name] = report(s.name, c, now, failing=failing, traffic=int(now * 1000))
+        v = learned.fold(c, reports, now)
+        history.append({name: sv.status for name, sv in v.servers().items()})
+    return history
+
+
+def test_thousands_of_lossy_intervals_give_no_false_verdict():
+    # spec: HEALTH-5, HEALTH-6 — 10% independent probe loss on every pair for 3,000 intervals
+    c = cluster(5)
+    learned = Learned.fresh(c)
+    history = run_intervals(c, learned, 3000, 1e9, rng=np.random.default_rng(7), loss=0.10)
+    assert {st for h in history for st in h.values()} == {"ok"}
+    assert learned.ticks == 3000 and learned.capacity.peak.shape == (5,)
+
+
+def test_a_country_block_is_caught_within_the_failure_streak_and_heals():
+    # spec: HEALTH-5, HEALTH-7, HEALTH-12 — the DE witnesses of s0 lose it; NL and the RU prober still reach it
+    c = cluster(5)
+    learned = Learned.fresh(c)
+    run_intervals(c, learned, 30, 1e9)
+    F = c.settings.health.failure_streak
+    history = run_intervals(c, learned, 10, 1e9 + 300, blocked={"s1": {"s0-in"}, "s2": {"s0-in"}})
+    first = next(i for i, h in enumerate(history) if h["s0"] == "unreachable")
+    assert first <= F  # the F-th failing interval (index F-1) or the next one
+    assert all(h["s0"] == "unreachable" for h in history[first:])
+    healed = run_intervals(c, learned, 6, 1e9 + 400)
+    assert healed[-1]["s0"] == "ok"
+
+
+def test_silence_is_no_data_never_down():
+    # spec: HEALTH-3, HEALTH-4
+    c = cluster(5)
+    learned = Learned.fresh(c)
+    run_intervals(c, learned, 20, 1e9)
+    history = run_intervals(c, learned, 10, 1e9 + 200, silent={"s3"})
+    assert history[0]["s3"] == "ok" and history[-1]["s3"] == "no_data"
+    assert all(h[s] == "ok" for h in history for s in ("s0", "s1", "s2", "s4"))
+
+
+def test_learned_state_round_trips_and_survives_a_changed_file():
+    c = cluster(5)
+    learned = Learned.fresh(c)
+    run_intervals(c, learned, 20, 1e9, blocked={"s1": {"s0-in"}, "s2": {"s0-in"}})
+    snap = learned.snapshot(c, learned.current_verdicts(c, 1e9 + 200), 1e9 + 200, {})
+    assert snap.assignments and learned.assignments
+    again = Learned.from_bytes(learned.to_bytes())
+    for name in ("rtt_ewma", "rtt_first", "rtt_last"):
+        np.testing.assert_array_equal(getattr(again, name), getattr(learned, name))
+    for name, value in vars(learned.health).items():
+        if isinstance(value, np.ndarray):
+            np.testing.assert_array_equal(getattr(again.health, name), value)
+    assert again.assignments == learned.assignments and again.counters == learned.counters and again.ticks == 20
+    assert again.current_verdicts(c, 1e9 + 200).server("s0").status == "unreachable"
+
+    # A new server at the front: everything else is carried over by name (one inbound per server: N == M).
+    grown = Cluster.model_validate({**c.model_dump(mode="json", exclude_none=True),
+                                    "servers": [{"name": "new", "host": "198.18.0.99", "country": "DE",
+                                                 "inbounds": [{"id": "new-in", "name": "New", "protocol": "shadowsocks-2022",
+                                                               "port": 8388, "route": "r"}]}]
+                                    + c.model_dump(mode="json", exclude_none=True)["servers"]})
+    adopted = again.adopt(grown)
+    assert adopted.topology.servers[0] == "new"
+    assert adopted.health.fail[0].sum() == 0 and adopted.health.fail[:, 0].sum() == 0
+    np.testing.assert_array_equal(adopted.health.fail[1:, 1:], again.health.fail)
+    assert adopted.health.unreach_on.tolist() == [False, *again.health.unreach_on.tolist()]
+    np.testing.assert_array_equal(adopted.rtt_ewma[1:, 1:], again.rtt_ewma)
+    assert adopted.current_verdicts(grown, 1e9 + 200).server("s0").status == "unreachable"
+
+
+def test_unreadable_state_starts_afresh_with_a_note(tmp_path):
+    c = cluster(3)
+    (tmp_path / "learned.npz").write_bytes(b"garbage")
+    learned, note = Learned.load(tmp_path / "learned.npz", c)
+    assert learned.ticks == 0 and "starting afresh" in note
+    learned, note = Learned.load(tmp_path / "missing.npz", c)
+    assert note is None
+
+
+# --------------------------------------------------------------------------- file outlet and live answers
+
+
+def snapshot_after(c: Cluster, learned: Learned, blocked=None, ticks=15, start=1e9) -> Snapshot:
+    run_intervals(c, learned, ticks, start, blocked=blocked)
+    now = start + ticks * c.settings.health.report_interval
+    return learned.snapshot(c, learned.current_verdicts(c, now), now, {})
+
+
+def test_files_are_written_once_rewritten_only_where_changed_and_match_the_live_answers(tmp_path):
+    # spec: LB-6, HEALTH-10 — one pure render for both outlets; only moved users are rewritten
+    c = cluster(5, users=60)
+    learned = Learned.fresh(c)
+    out = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET)
+    snap = snapshot_after(c, learned)
+    first = out.write(snap)
+    assert first.written == 60 and first.unchanged == 0
+    token = user_credentials(SECRET, "u0", 0).token
+    files = sorted(p.name for p in (tmp_path / "subs" / token).iterdir())
+    assert files == ["clash.yaml", "headers.json", "links.txt", "sing-box.json"]
+    assert out.write(snap).skipped_all
+    # Restart: a new outlet reads its manifest and rewrites nothing.
+    out2 = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET)
+    assert out2.write(snap).skipped_all
+    # Block s0 from its DE witnesses: only the users who were on s0 move.
+    on_s0 = {u for (u, _), i in snap.assignments.items() if i == "s0-in"}
+    assert on_s0
+    blocked = snapshot_after(c, learned, blocked={"s1": {"s0-in"}, "s2": {"s0-in"}}, start=2e9)
+    assert blocked.verdicts.server("s0").status == "unreachable"
+    stats = out2.write(blocked)
+    moved = {u for (u, _), i in blocked.assignments.items() if snap.assignments.get((u, "r")) != i}
+    assert moved >= on_s0 and stats.written == len(moved) and stats.unchanged == 60 - len(moved)
+    answers = LiveAnswers(SECRET, Tokens(SECRET))
+    answers.publish(blocked)
+    for u in ("u0", "u1", sorted(on_s0)[0]):
+        tok = user_credentials(SECRET, u, 0).token
+        assert answers.user_of(tok) == u
+        for fmt, name in (("links", "links.txt"), ("sing-box", "sing-box.json"), ("clash", "clash.yaml")):
+            doc = answers.answer(u, fmt)
+            assert (tmp_path / "subs" / tok / name).read_bytes() == doc.body
+            assert json.loads((tmp_path / "subs" / tok / "headers.json").read_text())[fmt]["etag"] == doc.etag
+        links = base64.b64decode((tmp_path / "subs" / tok / "links.txt").read_bytes()).decode()
+        assert "198.18.0.10:" not in links  # nobody is sent to the unreachable server
+
+
+def test_rotated_and_removed_users_lose_their_old_files(tmp_path):
+    c = cluster(3, users=3, countries=("DE",), prober=None)
+    out = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET)
+    out.write(Snapshot(cluster=c, now=1e9))
+    old = user_credentials(SECRET, "u1", 0).token
+    data = c.model_dump(mode="json", exclude_none=True)
+    data["users"] = [{"name": "u0"}, {"name": "u1", "rotate": 1}]
+    stats = out.write(Snapshot(cluster=Cluster.model_validate(data), now=1e9))
+    assert stats.removed == 2 and stats.written == 1
+    assert not (tmp_path / "subs" / old).exists()
+    assert (tmp_path / "subs" / user_credentials(SECRET, "u1", 1).token).is_dir()
+    assert sorted(p.name for p in (tmp_path / "subs").iterdir()) == sorted(
+        [user_credentials(SECRET, "u0", 0).token, user_credentials(SECRET, "u1", 1).token])
+
+
+def test_temporaries_of_a_killed_writer_are_cleaned(tmp_path):
+    c = cluster(3, users=2, countries=("DE",), prober=None)
+    out = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET)
+    out.write(Snapshot(cluster=c, now=1e9))
+    folder = next((tmp_path / "subs").iterdir())
+    (folder / ".links.txt.123.tmp").write_bytes(b"half a docu")
+    assert out.clean_temporaries() == 1
+    assert not list((tmp_path / "subs").glob("*/.*.tmp"))
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def collector_text(view: FleetView | None, stats: LoopStats) -> str:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(ReconcilerCollector(lambda: view, stats))
+    return generate_latest(reg).decode()
+
+
+def test_metrics_are_pre_zeroed_bounded_and_lint_clean():
+    # spec: HEALTH-13
+    c = cluster(5)
+    learned = Learned.fresh(c)
+    snap = snapshot_after(c, learned, blocked={"s1": {"s0-in"}, "s2": {"s0-in"}})
+    stats = LoopStats()
+    stats.record("collect", True, 0.3, 1e9)
+    stats.record("plan", False, 2.0, 1e9)
+    view = FleetView(cluster=c, verdicts=snap.verdicts, snapshot=snap, traffic_mbps={"s1": 12.5}, capacity_mbps={"s1": 100.0},
+                     rtt_ms={("WEU", "s0-in"): 12.0})
+    text = collector_text(view, stats)
+    lines = [ln for ln in text.splitlines() if not ln.startswith("#")]
+    status = [ln for ln in lines if ln.startswith("reconciler_server_status{")]
+    assert len(status) == 5 * 5  # every server × every status, from the first scrape
+    assert 'reconciler_server_status{country="DE",server="s0",status="unreachable"} 1.0' in lines
+    assert 'reconciler_server_status_code{server="s0"} 3.0' in lines
+    assert 'reconciler_inbound_in_rotation{inbound="s0-in",route="r",server="s0"} 0.0' in lines
+    assert 'reconciler_server_traffic_bytes_per_second{server="s1"} 1.5625e+06' in lines
+    assert 'reconciler_reconcile_total{kind="plan",result="error"} 1.0' in lines
+    assert 'reconciler_reconcile_duration_seconds_bucket{kind="collect",le="0.5"} 1.0' in lines
+    assert 'reconciler_route_best_available_only{route="r"} 0.0' in lines
+    assert len(lines) < 400
+    # Before the first interval: only the loop's own metrics, still valid.
+    assert "reconciler_info" in collector_text(None, LoopStats())
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (`make setup` installs prometheus)")
+    lint = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+# --------------------------------------------------------------------------- HTTP outlet
+
+
+def test_http_outlet_serves_subscriptions_metrics_health_and_status(unused_port=None):
+    # spec: ROUTE-8, HEALTH-13 — GET/HEAD, formats by path and User-Agent, ETag/304, 404 for unknown tokens
+    from prometheus_client import CollectorRegistry
+
+    from reconciler.loop.demo import free_port
+    from reconciler.loop.http import HttpOutlet
+
+    c = cluster(5, users=5)
+    learned = Learned.fresh(c)
+    snap = snapshot_after(c, learned, blocked={"s1": {"s0-in"}, "s2": {"s0-in"}})
+    answers = LiveAnswers(SECRET, Tokens(SECRET))
+    answers.publish(snap)
+    stats = LoopStats()
+    view = FleetView(cluster=c, verdicts=snap.verdicts, snapshot=snap)
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(ReconcilerCollector(lambda: view, stats))
+    outlet = HttpOutlet(answers, reg, lambda: view, lambda: (True, "ok: fine"))
+    port = free_port()
+    token = user_credentials(SECRET, "u1", 0).token
+
+    async def go():
+        await outlet.start("127.0.0.1", port)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.get(f"{base}/sub/{token}") as r:
+                    assert r.status == 200 and r.headers["content-type"].startswith("text/plain")
+                    body, etag = await r.read(), r.headers["etag"]
+                    assert body == answers.answer("u1", "links").body
+                    assert r.headers["subscription-userinfo"].startswith("upload=0; download=0")
+                    assert "profile-update-interval" in r.headers and "content-disposition" in r.headers
+                async with s.get(f"{base}/sub/{token}", headers={"If-None-Match": etag}) as r:
+                    assert r.status == 304
+                async with s.head(f"{base}/sub/{token}/sing-box") as r:
+                    assert r.status == 200 and r.headers["content-type"].startswith("application/json")
+                    assert await r.read() == b""
+                async with s.get(f"{base}/sub/{token}", headers={"User-Agent": "ClashMeta/1.18"}) as r:
+                    assert r.headers["content-type"].startswith("text/yaml")
+                async with s.get(f"{base}/sub/{token}?format=sing-box") as r:
+                    json.loads(await r.read())
+                async with s.get(f"{base}/sub/not-a-token") as r:
+                    assert r.status == 404 and "u1" not in await r.text()
+                async with s.get(f"{base}/sub/{token}/pdf") as r:
+                    assert r.status == 404
+                async with s.get(f"{base}/healthz") as r:
+                    assert r.status == 200
+                async with s.get(f"{base}/metrics") as r:
+                    assert "reconciler_server_status" in await r.text()
+                async with s.get(f"{base}/") as r:
+                    page = await r.text()
+                    assert "<svg" in page and 'data-server="s0" data-status="unreachable"' in page
+                async with s.get(f"{base}/status.json") as r:
+                    st = await r.json()
+                    assert st["servers"]["s0"]["status"] == "unreachable" and st["routes"]["r"]["active"]
+        finally:
+            await outlet.stop()
+
+    asyncio.run(go())
+
+
+def test_agent_probes_tcp_and_reports_failures_locally(tmp_path):
+    # The agent is stdlib-only and runs on the servers; here it probes a real local listener and a closed port.
+    import socket
+
+    from reconciler.engine import singbox
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port_closed = closed.getsockname()[1]
+    closed.close()
+    req = {"service": "no-such-unit.service", "listeners": [[listener.getsockname()[1], "tcp"]], "probes": [
+        {"id": "open", "host": "127.0.0.1", "port": listener.getsockname()[1], "kind": "tcp"},
+        {"id": "closed", "host": "127.0.0.1", "port": port_closed, "kind": "tcp"},
+        {"id": "quic", "host": "127.0.0.1", "port": port_closed, "kind": "quic"}], "timeout": 0.6}
+    agent = tmp_path / "agent.py"
+    agent.write_bytes(singbox.AGENT_SOURCE)
+    try:
+        out = subprocess.run([sys.executable, "-I", str(agent)], input=json.dumps(req), capture_output=True, text=True, timeout=30)
+    finally:
+        listener.close()
+    rep = parse_report("local", out.stdout, 1.0)
+    assert rep.probes["open"].ok and rep.probes["open"].rtt_ms is not None
+    assert not rep.probes["closed"].ok and not rep.probes["quic"].ok
+    assert rep.traffic_bytes is None and rep.service != "active"
