@@ -39,16 +39,48 @@ def fleet(lab, tmp_path_factory):
     os.environ["RECONCILER_SECRET"] = SECRET
     listen = f"127.0.0.1:{free_port()}"
     path = work / "c.yaml"
-    path.write_text(lab_cluster_yaml(lab, lab.state.hosts, COUNTRIES, protocol=PROTOCOLS, prober_index=4,
-                                     report_interval=INTERVAL, listen=listen, users=8))
+    hook = Webhook()
+    text = lab_cluster_yaml(lab, lab.state.hosts, COUNTRIES, protocol=PROTOCOLS, prober_index=4, report_interval=INTERVAL,
+                            listen=listen, users=8, extra_settings=("plan_interval: 4s",))
+    path.write_text(text.replace("subscriptions_dir: subscriptions-lab", f"subscriptions_dir: subscriptions-lab, webhook_url: {hook.url}"))
     applied = reconciler("apply", "-f", str(path))
     assert applied.returncode == 0, applied.stdout + applied.stderr
-    state = {"path": path, "work": work, "listen": listen, "loop": LoopProcess(path, listen, duration=600, log_path=work / "loop.log")}
+    state = {"path": path, "work": work, "listen": listen, "hook": hook,
+             "loop": LoopProcess(path, listen, duration=600, log_path=work / "loop.log")}
     try:
         yield state
     finally:
         state["loop"].stop()  # the SIGKILL test replaces the process: stop whichever runs now
+        hook.close()
         lab.unblock_all()
+
+
+class Webhook:
+    """A real HTTP receiver on loopback that records the JSON events the loop posts."""
+
+    def __init__(self) -> None:
+        import http.server
+
+        events = self.events = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                events.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +258,51 @@ def test_block_is_seen_subscriptions_move_alerts_fire_and_it_heals(lab, fleet, p
     healed = loop.wait(lambda s: s["servers"][target.name]["status"] == "ok", 12 * INTERVAL + 10)
     assert healed is not None and healed["servers"][target.name]["in_rotation"]
     assert wait_until(lambda: prometheus(f'reconciler_server_status{{server="{target.name}",status="ok"}} == 1'), 15)
+
+
+def test_prober_block_is_blocked_with_a_webhook_and_heals(lab, fleet):
+    # spec: HEALTH-9, HEALTH-12 — only the designated prober fails: "blocked" after its long streak, a webhook event
+    loop: LoopProcess = fleet["loop"]
+    assert loop.wait(lambda s: all(v["status"] == "ok" for v in s["servers"].values()), 20 * INTERVAL + 30)
+    prober, target = lab.state.hosts[4], lab.state.hosts[3]
+    lab.block(prober, target)
+    try:
+        got = loop.wait(lambda s: s["servers"][target.name]["status"] == "blocked", 16 * INTERVAL + 15, poll=0.3)
+        assert got is not None, (fleet["work"] / "loop.log").read_text()[-3000:]
+        assert not got["servers"][target.name]["in_rotation"]
+        assert wait_until(lambda: [e for e in fleet["hook"].events if e["server"] == target.name], 10)
+        event = next(e for e in fleet["hook"].events if e["server"] == target.name)
+        assert event["event"] == "blocked" and "new IP" in event["advice"]
+    finally:
+        lab.unblock_all()
+    assert loop.wait(lambda s: s["servers"][target.name]["status"] == "ok", 12 * INTERVAL + 10)
+
+
+def test_drift_is_corrected_and_file_changes_are_applied(lab, fleet):
+    # spec: GITOPS-5 — self_heal re-applies what changed on a server; an edited file is reloaded, planned and applied;
+    # an invalid edit is reported and the last good file keeps serving
+    loop: LoopProcess = fleet["loop"]
+    h = lab.state.hosts[1]
+    assert ssh(lab, h, "systemctl stop sing-box && systemctl is-active sing-box").stdout.strip() == "inactive"
+    assert wait_until(lambda: ssh(lab, h, "systemctl is-active sing-box").stdout.strip() == "active", 60, poll=1), \
+        (fleet["work"] / "loop.log").read_text()[-3000:]
+
+    path: Path = fleet["path"]
+    good = path.read_text()
+    secret = Secret(SECRET.encode())
+    ivan = user_credentials(secret, "ivan", 0).token
+    assert loop.get(f"/sub/{ivan}")[0] == 404
+    path.write_text(good.replace("users:\n", "users:\n  - name: ivan\n"))
+    try:
+        assert wait_until(lambda: loop.get(f"/sub/{ivan}")[0] == 200, 40), (fleet["work"] / "loop.log").read_text()[-3000:]
+        # The servers learn ivan's credentials: the config on every host names him after the re-apply.
+        assert wait_until(lambda: all("ivan" in ssh(lab, x, "cat /etc/sing-box/config.json").stdout for x in lab.state.hosts), 60, poll=2)
+        path.write_text(good.replace("users:\n", "users: [\n"))  # broken YAML
+        assert wait_until(lambda: "the changed file is invalid" in (fleet["work"] / "loop.log").read_text(), 20)
+        assert loop.get(f"/sub/{ivan}")[0] == 200  # still the last good file
+    finally:
+        path.write_text(good)
+    assert wait_until(lambda: loop.get(f"/sub/{ivan}")[0] == 404, 40)
 
 
 def test_sigkill_mid_interval_leaves_whole_files_and_state(lab, fleet):
