@@ -630,9 +630,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     secret = _secret_for(cluster)
     if secret is None:
         return 1
+    coro = run_loop(args.file, cluster, secret, listen=args.listen, duration=args.duration, max_ticks=args.ticks,
+                    watch=not args.no_watch)
     try:
-        return asyncio.run(run_loop(args.file, cluster, secret, listen=args.listen, duration=args.duration,
-                                    max_ticks=args.ticks, watch=not args.no_watch))
+        try:
+            import uvloop
+        except ImportError:
+            return asyncio.run(coro)
+        return uvloop.run(coro)
     except KeyboardInterrupt:
         return 130
 

@@ -260,6 +260,23 @@ def test_files_are_written_once_rewritten_only_where_changed_and_match_the_live_
         assert "198.18.0.10:" not in links  # nobody is sent to the unreachable server
 
 
+def test_a_big_write_in_worker_processes_gives_the_same_files(tmp_path, monkeypatch):
+    c = cluster(5, users=300)
+    learned = Learned.fresh(c)
+    snap = snapshot_after(c, learned)
+    one = FileOutlet(tmp_path / "a", tmp_path / "sa", SECRET, workers=1)
+    one.write(snap)
+    monkeypatch.setattr(FileOutlet, "PARALLEL_MIN", 10)
+    two = FileOutlet(tmp_path / "b", tmp_path / "sb", SECRET, workers=2)
+    stats = two.write(snap)
+    assert stats.written == 300
+    assert two.manifest["users"] == one.manifest["users"]
+    for token in (t for t, _ in one.manifest["users"].values()):
+        for name in ("links.txt", "sing-box.json", "clash.yaml", "headers.json"):
+            assert (tmp_path / "a" / token / name).read_bytes() == (tmp_path / "b" / token / name).read_bytes()
+    assert two.write(snap).skipped_all
+
+
 def test_rotated_and_removed_users_lose_their_old_files(tmp_path):
     c = cluster(3, users=3, countries=("DE",), prober=None)
     out = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET)

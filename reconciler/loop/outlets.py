@@ -15,6 +15,7 @@ digest of the whole snapshot's inputs skips even that when nothing changed.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -25,30 +26,33 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reconciler.balance import Snapshot, decide
-from reconciler.credentials import Secret, user_credentials
+from reconciler.credentials import Secret, UserCredentials, user_credentials
 from reconciler.loop.learned import write_atomic
 from reconciler.model import Cluster
 from reconciler.subscriptions import FORMATS, Document, render
-from reconciler.subscriptions.document import EXTENSIONS
+from reconciler.subscriptions.document import EXTENSIONS, render_formats
 
 MANIFEST = "subscription-files.json"
 
 
 class Tokens:
-    """Subscription token ↔ user, derived from the master secret (cached per user and rotation)."""
+    """Subscription token ↔ user, derived from the master secret (credentials cached per user and rotation)."""
 
     def __init__(self, secret: Secret):
         self.secret = secret
-        self._by_user: dict[tuple[str, int], str] = {}
+        self._by_user: dict[tuple[str, int], UserCredentials] = {}
         self._index: dict[str, str] = {}
         self._cluster_id: int | None = None
 
-    def token(self, user: str, rotate: int) -> str:
+    def credentials(self, user: str, rotate: int) -> UserCredentials:
         key = (user, rotate)
-        tok = self._by_user.get(key)
-        if tok is None:
-            tok = self._by_user[key] = user_credentials(self.secret, user, rotate).token
-        return tok
+        creds = self._by_user.get(key)
+        if creds is None:
+            creds = self._by_user[key] = user_credentials(self.secret, user, rotate)
+        return creds
+
+    def token(self, user: str, rotate: int) -> str:
+        return self.credentials(user, rotate).token
 
     def index(self, cluster: Cluster) -> dict[str, str]:
         """token → user name for the cluster's users (rebuilt when the cluster changes)."""
@@ -76,10 +80,11 @@ def snapshot_digest(snapshot: Snapshot, cluster_hash: str) -> str:
     return h.hexdigest()
 
 
-def user_fingerprint(snapshot: Snapshot, user_name: str, inbound_json: dict[str, str]) -> str:
-    entries = decide(snapshot, user_name)
+def user_fingerprint(snapshot: Snapshot, user_name: str, inbound_json: dict[str, str], entries: list | None = None) -> str:
+    """What the user's documents depend on: the user, their entries and those inbounds' settings and keys."""
+    entries = decide(snapshot, user_name) if entries is None else entries
     user = snapshot.cluster.user(user_name)
-    parts = [user.model_dump_json(), snapshot.cluster.settings.outputs.model_dump_json()]
+    parts = [user.model_dump_json(), inbound_json[""]]
     for e in entries:
         ib = e.ref.inbound.id
         parts.append(f"{e.route.id}\0{ib}\0{e.name}\0{inbound_json[ib]}\0{snapshot.public_keys.get(ib, '')}"
@@ -98,13 +103,18 @@ class WriteStats:
 
 
 class FileOutlet:
+    """Subscription files for every user; a big (re)write is split across worker processes."""
+
+    PARALLEL_MIN = 20_000  # users to look at before worker processes pay for their start (~1 s)
+
     def __init__(self, directory: Path, state_dir: Path, secret: Secret, tokens: Tokens | None = None,
-                 formats: Iterable[str] = FORMATS):
+                 formats: Iterable[str] = FORMATS, workers: int | None = None):
         self.directory = directory
         self.manifest_path = state_dir / MANIFEST
         self.secret = secret
         self.tokens = tokens or Tokens(secret)
         self.formats = tuple(formats)
+        self.workers = workers if workers is not None else min(8, os.cpu_count() or 1)
         self._cluster_hash: tuple[int, str] | None = None
         self.manifest = self._read_manifest()
 
@@ -136,19 +146,18 @@ class FileOutlet:
             stats.skipped_all, stats.unchanged = True, len(cluster.users)
             stats.seconds = time.perf_counter() - start
             return stats
-        inbound_json = {r.inbound.id: r.inbound.model_dump_json() for r in cluster.inbounds}
         old: dict[str, list[str]] = self.manifest.get("users", {})
-        new: dict[str, list[str]] = {}
         self.directory.mkdir(parents=True, exist_ok=True)
-        for user in cluster.users:
-            token = self.tokens.token(user.name, user.rotate)
-            fp = user_fingerprint(snapshot, user.name, inbound_json)
-            new[user.name] = [token, fp]
-            if old.get(user.name) == [token, fp] and (self.directory / token).is_dir():
-                stats.unchanged += 1
-                continue
-            self._write_user(snapshot, user.name, token)
-            stats.written += 1
+        n = len(cluster.users)
+        if n >= self.PARALLEL_MIN and self.workers > 1:
+            parts = self._in_workers(snapshot, old)
+        else:
+            parts = [_write_range(snapshot, self.secret, str(self.directory), self.formats, old, 0, n, self.tokens)]
+        new: dict[str, list[str]] = {}
+        for part, written, unchanged in parts:
+            new.update(part)
+            stats.written += written
+            stats.unchanged += unchanged
         live = {t for t, _ in new.values()}
         for token, _ in old.values():
             if token not in live:
@@ -159,23 +168,78 @@ class FileOutlet:
         stats.seconds = time.perf_counter() - start
         return stats
 
-    def _write_user(self, snapshot: Snapshot, user: str, token: str) -> None:
-        folder = self.directory / token
-        folder.mkdir(exist_ok=True)
-        headers: dict[str, dict[str, str]] = {}
-        for fmt in self.formats:
-            doc = render(snapshot, user, fmt, self.secret)
-            _replace(folder / f"{fmt}.{EXTENSIONS[fmt]}", doc.body)
-            headers[fmt] = doc.headers
-        _replace(folder / "headers.json", json.dumps(headers, indent=1, ensure_ascii=False).encode())
+    def _in_workers(self, snapshot: Snapshot, old: dict[str, list[str]]) -> list[tuple[dict, int, int]]:
+        """Each worker renders and writes one slice of the users from the same pickled snapshot.
+
+        forkserver, not fork: the loop has threads (the event loop, watchfiles), and a forked child
+        could inherit a lock some other thread held.
+        """
+        import multiprocessing
+        import pickle
+        from concurrent.futures import ProcessPoolExecutor
+
+        n = len(snapshot.cluster.users)
+        bounds = [round(i * n / self.workers) for i in range(self.workers + 1)]
+        payload = pickle.dumps((snapshot, self.secret, str(self.directory), self.formats), protocol=pickle.HIGHEST_PROTOCOL)
+        names = [u.name for u in snapshot.cluster.users]
+        with ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("forkserver")) as pool:
+            futures = [pool.submit(_worker, payload, lo, hi, {u: old[u] for u in names[lo:hi] if u in old})
+                       for lo, hi in zip(bounds, bounds[1:], strict=False)]
+            return [f.result() for f in futures]
+
+    def _write_user(self, snapshot: Snapshot, user: str, token: str, entries: list, creds: UserCredentials) -> None:
+        _write_user(snapshot, self.secret, str(self.directory), self.formats, user, token, entries, creds)
 
 
-def _replace(path: Path, data: bytes) -> None:
+def _worker(payload: bytes, lo: int, hi: int, old: dict[str, list[str]]) -> tuple[dict, int, int]:
+    import pickle
+
+    snapshot, secret, directory, formats = pickle.loads(payload)
+    return _write_range(snapshot, secret, directory, formats, old, lo, hi, Tokens(secret))
+
+
+def _write_range(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], old: dict[str, list[str]],
+                 lo: int, hi: int, tokens: Tokens) -> tuple[dict[str, list[str]], int, int]:
+    """Users lo..hi: fingerprint each, (re)write those that changed. Returns their manifest part and counts."""
+    cluster = snapshot.cluster
+    inbound_json = {r.inbound.id: r.inbound.model_dump_json() for r in cluster.inbounds}
+    inbound_json[""] = cluster.settings.outputs.model_dump_json()
+    new: dict[str, list[str]] = {}
+    written = unchanged = 0
+    for user in cluster.users[lo:hi]:
+        creds = tokens.credentials(user.name, user.rotate)
+        entries = decide(snapshot, user.name)
+        fp = user_fingerprint(snapshot, user.name, inbound_json, entries)
+        new[user.name] = [creds.token, fp]
+        if old.get(user.name) == [creds.token, fp] and os.path.isdir(os.path.join(directory, creds.token)):
+            unchanged += 1
+            continue
+        _write_user(snapshot, secret, directory, formats, user.name, creds.token, entries, creds)
+        written += 1
+    return new, written, unchanged
+
+
+def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], user: str, token: str,
+                entries: list, creds: UserCredentials) -> None:
+    folder = os.path.join(directory, token)
+    if not os.path.isdir(folder):
+        os.mkdir(folder)
+    headers: dict[str, dict[str, str]] = {}
+    for fmt, doc in render_formats(snapshot, user, formats, secret, entries=entries, credentials=creds).items():
+        _replace(os.path.join(folder, f"{fmt}.{EXTENSIONS[fmt]}"), doc.body)
+        headers[fmt] = doc.headers
+    _replace(os.path.join(folder, "headers.json"), json.dumps(headers, ensure_ascii=False).encode())
+
+
+def _replace(path: str, data: bytes) -> None:
     """Write then rename (no fsync: a crash of this process cannot leave a part; power loss is the disk's business)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-    os.chmod(tmp, 0o644)
+    head, name = os.path.split(path)
+    tmp = os.path.join(head, f".{name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
 
 
@@ -187,11 +251,23 @@ class LiveAnswers:
         self.tokens = tokens
         self.snapshot: Snapshot | None = None
         self._cache: dict[tuple[str, str, str | None], Document] = {}
+        self._published = 0
 
     def publish(self, snapshot: Snapshot) -> None:
         self.snapshot = snapshot
         self._cache = {}
         self.tokens.index(snapshot.cluster)
+        if snapshot.cluster.users:  # the snapshot's shared memos (user keys, assignment counts, placements): not on a request
+            decide(snapshot, snapshot.cluster.users[0].name)
+        self._published += 1
+        # A snapshot of many users is millions of long-lived objects; the cyclic GC would walk all of them
+        # in every full collection (~100 ms pauses under load). Freezing moves what exists now out of its
+        # sight; the old snapshot is still freed by reference counting. Now and then a real collection
+        # clears any cycles that were frozen with it.
+        if self._published % 100 == 0:
+            gc.unfreeze()
+            gc.collect()
+        gc.freeze()
 
     def user_of(self, token: str) -> str | None:
         if self.snapshot is None:
@@ -199,9 +275,15 @@ class LiveAnswers:
         return self.tokens.index(self.snapshot.cluster).get(token)
 
     def answer(self, user: str, fmt: str, region: str | None = None) -> Document:
-        assert self.snapshot is not None
+        snapshot = self.snapshot
+        assert snapshot is not None
         key = (user, fmt, region)
         doc = self._cache.get(key)
         if doc is None:
-            doc = self._cache[key] = render(self.snapshot, user, fmt, self.secret, region=region)
+            try:
+                rotate = snapshot.cluster.user(user).rotate
+            except KeyError:
+                return render(snapshot, user, fmt, self.secret, region=region)
+            creds = self.tokens.credentials(user, rotate)  # derived once per user, when the token index was built
+            doc = self._cache[key] = render_formats(snapshot, user, (fmt,), self.secret, region, credentials=creds)[fmt]
         return doc

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from reconciler.balance.decide import Entry, decide
 from reconciler.balance.snapshot import Snapshot, expires_at
-from reconciler.credentials import Secret, user_credentials
+from reconciler.credentials import Secret, UserCredentials, user_credentials
 from reconciler.subscriptions.formats import FORMATS, clash, links, singbox
 from reconciler.subscriptions.outbound import client_outbound
 
@@ -66,14 +66,56 @@ def headers(snapshot: Snapshot, user_name: str, fmt: str) -> dict[str, str]:
 
 def render(snapshot: Snapshot, user_name: str, fmt: str, secret: Secret, region: str | None = None) -> Document:
     """The user's subscription in ``fmt``. An unknown, disabled or expired user gets an empty document."""
-    entries = decide(snapshot, user_name, region)
+    return render_formats(snapshot, user_name, (fmt,), secret, region)[fmt]
+
+
+# Stand-ins for a user's credentials: documents of users with the same entries differ only in these, so a
+# snapshot renders each (entries, format) once and substitutes (as in an HTTP template cache). They are
+# plain ASCII, unlike any real value, and need no escaping in JSON, YAML or URLs.
+_STAND_IN = UserCredentials(uuid="CREDUUID0STANDIN", password="CREDPASS0STANDIN", ss_key_128="CREDSS128STANDIN",
+                            ss_key_256="CREDSS256STANDIN", token="")
+
+
+def render_formats(snapshot: Snapshot, user_name: str, fmts: tuple[str, ...], secret: Secret, region: str | None = None,
+                   entries: list[Entry] | None = None, credentials: UserCredentials | None = None) -> dict[str, Document]:
+    """Several formats from one decision (the file outlet writes them all); ``entries``: already decided."""
+    entries = decide(snapshot, user_name, region) if entries is None else entries
     try:
         user = snapshot.cluster.user(user_name)
     except KeyError:
-        return Document(b"", {"content-type": CONTENT_TYPES[fmt]}, [])
-    creds = user_credentials(secret, user.name, user.rotate)
-    outbounds = [client_outbound(e, snapshot, secret, creds) for e in entries]
-    body = {"links": links, "sing-box": singbox, "clash": clash}[fmt](outbounds)
-    doc = Document(body, headers(snapshot, user_name, fmt), entries)
-    doc.headers["etag"] = doc.etag
-    return doc
+        return {fmt: Document(b"", {"content-type": CONTENT_TYPES[fmt]}, []) for fmt in fmts}
+    creds = credentials or user_credentials(secret, user.name, user.rotate)
+    out = {}
+    for fmt in fmts:
+        if fmt == "links" and any(e.ref.inbound.protocol == "shadowsocks-2022" for e in entries):
+            # SIP002 links base64 the Shadowsocks user info: no stand-in survives that, so render per user.
+            body = links([client_outbound(e, snapshot, secret, creds) for e in entries])
+        else:
+            body = _substitute(_template(snapshot, entries, fmt, secret), creds)
+            if fmt == "links":
+                body = base64.b64encode(body)
+        doc = Document(body, headers(snapshot, user_name, fmt), entries)
+        doc.headers["etag"] = doc.etag
+        out[fmt] = doc
+    return out
+
+
+def _template(snapshot: Snapshot, entries: list[Entry], fmt: str, secret: Secret) -> bytes:
+    memo = snapshot.__dict__.setdefault("_document_templates", {})
+    key = (fmt, tuple((e.name, e.ref.inbound.id) for e in entries))
+    body = memo.get(key)
+    if body is None:
+        outbounds = [client_outbound(e, snapshot, secret, _STAND_IN) for e in entries]
+        if fmt == "links":  # the text before base64
+            body = base64.b64decode(links(outbounds))
+        else:
+            body = (singbox if fmt == "sing-box" else clash)(outbounds)
+        memo[key] = body
+    return body
+
+
+def _substitute(body: bytes, creds: UserCredentials) -> bytes:
+    for stand_in, real in ((_STAND_IN.uuid, creds.uuid), (_STAND_IN.password, creds.password),
+                           (_STAND_IN.ss_key_128, creds.ss_key_128), (_STAND_IN.ss_key_256, creds.ss_key_256)):
+        body = body.replace(stand_in.encode(), real.encode())
+    return body

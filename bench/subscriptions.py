@@ -1,0 +1,246 @@
+"""Subscription outlets benchmark (issue: benchmarks).
+
+1. The live endpoint (``/sub/<token>/links``, the loop's aiohttp outlet) under
+   a real load generator (wrk from Debian), and nginx serving the same
+   documents as static files (the file outlet's output), in the same run, with
+   the same request mix: every request a random user's token.
+2. The file outlet for N users (100,000 by default): a full write into an
+   empty folder, and a no-op rewrite of the same snapshot.
+
+The cluster: 20 servers in 4 countries, one route, round-robin, every verdict ok.
+
+    python bench/subscriptions.py [--quick] [--json] [--users N] [--seconds S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from reconciler.balance import Snapshot, rebalance  # noqa: E402
+from reconciler.credentials import Secret  # noqa: E402
+from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens  # noqa: E402
+from reconciler.model import Cluster  # noqa: E402
+
+SECRET = Secret(b"subscriptions-bench-secret-0123456789")
+LUA = """
+local tokens = {}
+for line in io.lines("%(tokens)s") do tokens[#tokens + 1] = line end
+math.randomseed(%(seed)d)
+request = function()
+  return wrk.format("GET", "/sub/" .. tokens[math.random(#tokens)] .. "%(suffix)s")
+end
+"""
+NGINX = """
+worker_processes auto;
+pid %(dir)s/nginx.pid;
+error_log %(dir)s/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  sendfile on;
+  types { text/plain txt; }
+  server {
+    listen 127.0.0.1:%(port)d reuseport backlog=4096;
+    location /sub/ { alias %(root)s/; etag on; }
+  }
+}
+"""
+
+
+def make_cluster(users: int) -> Cluster:
+    countries = ["DE", "NL", "US", "JP"]
+    servers = [{"name": f"s{i}", "host": f"198.18.0.{10 + i}", "country": countries[i % 4],
+                "inbounds": [{"id": f"s{i}-in", "name": f"Server {i}", "protocol": "vless-tls", "port": 443, "route": "r",
+                              "tls": {"server_name": "www.example.com"}}]} for i in range(20)]
+    return Cluster.model_validate({"servers": servers, "routes": [{"id": "r", "name": "Main", "balance": "round-robin"}],
+                                   "users": [{"name": f"user{j:06d}"} for j in range(users)]})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"port {port} did not open")
+
+
+def serve_live(snapshot: Snapshot, port: int) -> None:
+    """The loop's HTTP outlet on one snapshot (a forked child: it inherits the snapshot)."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from reconciler.loop.http import HttpOutlet
+
+    answers = LiveAnswers(SECRET, Tokens(SECRET))
+    answers.publish(snapshot)
+    outlet = HttpOutlet(answers, CollectorRegistry(), lambda: None, lambda: (True, "ok"))
+
+    async def main() -> None:
+        await outlet.start("127.0.0.1", port)
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+        await outlet.stop()
+
+    try:
+        import uvloop  # as `reconciler run` does
+    except ImportError:
+        asyncio.run(main())
+    else:
+        uvloop.run(main())
+
+
+def fs_floor(folder: Path, users: int, size: int = 1500) -> float:
+    """The same number of directories and files, written and renamed with nothing computed: the disk's share."""
+    folder.mkdir()
+    blob = b"x" * size
+    t = time.perf_counter()
+    for i in range(users):
+        sub = os.path.join(folder, f"u{i}")
+        os.mkdir(sub)
+        for name in ("links.txt", "sing-box.json", "clash.yaml", "headers.json"):
+            tmp = os.path.join(sub, f".{name}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.write(fd, blob)
+            os.close(fd)
+            os.replace(tmp, os.path.join(sub, name))
+    took = time.perf_counter() - t
+    shutil.rmtree(folder)
+    return took
+
+
+def wrk(port: int, script: Path, seconds: float, threads: int, connections: int) -> dict[str, float]:
+    out = subprocess.run(["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds:g}s", "--latency", "-s", str(script),
+                          f"http://127.0.0.1:{port}"], capture_output=True, text=True, timeout=seconds + 60)
+    text = out.stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", text).group(1))
+    lat = {}
+    for pct, value, unit in re.findall(r"^\s+(50|75|90|99)%\s+([\d.]+)(us|ms|s)\s*$", text, re.M):
+        lat[pct] = float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
+    if errors:
+        log_path = Path(str(script).rsplit("/", 1)[0]) / "error.log"
+        detail = log_path.read_text()[-1500:] if log_path.exists() else ""
+        raise RuntimeError(f"wrk saw {errors.group(1)} error responses:\n{text}\n{detail}")
+    return {"rps": rps, "p50_ms": lat.get("50", float("nan")), "p99_ms": lat.get("99", float("nan"))}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="shorter load runs (the same 100k-user file figures)")
+    ap.add_argument("--json", action="store_true", help="one JSON object with every figure")
+    ap.add_argument("--users", type=int, default=100_000)
+    ap.add_argument("--seconds", type=float, help="length of each wrk run")
+    ap.add_argument("--dir", help="where the files go (default: the system's temporary folder)")
+    args = ap.parse_args()
+    seconds = args.seconds or (5.0 if args.quick else 15.0)
+    for exe in ("wrk", "nginx"):
+        if shutil.which(exe) is None and not Path(f"/usr/sbin/{exe}").exists():
+            print(f"{exe} is not installed: `make setup` installs wrk and nginx-light", file=sys.stderr)
+            return 1
+    log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    work = Path(tempfile.mkdtemp(prefix="subs-bench-", dir=args.dir))
+    work.chmod(0o755)  # nginx workers run unprivileged
+    results: dict[str, object] = {"users": args.users, "cpus": os.cpu_count()}
+    nginx = live = None
+    try:
+        cluster = make_cluster(args.users)
+        t = time.perf_counter()
+        snapshot = Snapshot(cluster=cluster, now=time.time())
+        snapshot = Snapshot(cluster=cluster, now=snapshot.now, assignments=rebalance(snapshot))
+        results["snapshot_s"] = round(time.perf_counter() - t, 3)
+        log(f"snapshot for {args.users} users: {results['snapshot_s']}s")
+
+        results["files_floor_s"] = round(fs_floor(work / "floor", args.users), 3)
+        log(f"files: the disk's floor (mkdir + 4 files written and renamed per user, one process): {results['files_floor_s']}s")
+        outlet = FileOutlet(work / "subs", work / "state", SECRET)
+        results["file_workers"] = outlet.workers
+        t = time.perf_counter()
+        full = outlet.write(snapshot)
+        results["files_full_s"] = round(time.perf_counter() - t, 3)
+        assert full.written == args.users
+        log(f"files: full write of {args.users} users: {results['files_full_s']}s")
+        t = time.perf_counter()
+        noop = outlet.write(snapshot)
+        results["files_noop_s"] = round(time.perf_counter() - t, 4)
+        assert noop.written == 0
+        outlet2 = FileOutlet(work / "subs", work / "state", SECRET)  # a restarted loop: manifest only
+        t = time.perf_counter()
+        outlet2.write(Snapshot(cluster=cluster, now=snapshot.now, assignments=snapshot.assignments))
+        results["files_noop_new_snapshot_s"] = round(time.perf_counter() - t, 3)
+        log(f"files: no-op rewrite {results['files_noop_s']}s (same snapshot), "
+            f"{results['files_noop_new_snapshot_s']}s (an equal new snapshot after a restart)")
+
+        tokens = sorted(p.name for p in (work / "subs").iterdir())
+        (work / "tokens.txt").write_text("\n".join(tokens) + "\n")
+        for name, suffix in (("live", "/links"), ("nginx", "/links.txt")):
+            (work / f"{name}.lua").write_text(LUA % {"tokens": work / "tokens.txt", "seed": 42, "suffix": suffix})
+
+        port_live, port_nginx = free_port(), free_port()
+        (work / "nginx.conf").write_text(NGINX % {"dir": work, "port": port_nginx, "root": work / "subs"})
+        nginx = subprocess.Popen([shutil.which("nginx") or "/usr/sbin/nginx", "-c", str(work / "nginx.conf"), "-g", "daemon off;"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        ctx = multiprocessing.get_context("fork")
+        live = ctx.Process(target=serve_live, args=(snapshot, port_live), daemon=True)
+        live.start()
+        wait_port(port_nginx)
+        wait_port(port_live)
+        threads, conns = 2, 32
+        log(f"load: wrk -t{threads} -c{conns} -d{seconds:g}s, a random user's token per request")
+        nginx_res = wrk(port_nginx, work / "nginx.lua", seconds, threads, conns)
+        live_cold = wrk(port_live, work / "live.lua", seconds, threads, conns)  # first pass renders most documents
+        live_res = wrk(port_live, work / "live.lua", seconds, threads, conns)
+        results.update(nginx_rps=round(nginx_res["rps"]), nginx_p99_ms=nginx_res["p99_ms"],
+                       live_rps=round(live_res["rps"]), live_p50_ms=live_res["p50_ms"], live_p99_ms=live_res["p99_ms"],
+                       live_cold_rps=round(live_cold["rps"]), live_cold_p99_ms=live_cold["p99_ms"],
+                       live_share_of_nginx=round(live_res["rps"] / nginx_res["rps"], 3), wrk_connections=conns)
+        log(f"nginx: {nginx_res['rps']:.0f} req/s, p99 {nginx_res['p99_ms']:.2f} ms")
+        log(f"live (first pass, rendering): {live_cold['rps']:.0f} req/s, p99 {live_cold['p99_ms']:.2f} ms")
+        log(f"live: {live_res['rps']:.0f} req/s ({results['live_share_of_nginx']:.0%} of nginx), "
+            f"p50 {live_res['p50_ms']:.2f} ms, p99 {live_res['p99_ms']:.2f} ms")
+    finally:
+        if live is not None and live.is_alive():
+            os.kill(live.pid, signal.SIGTERM)
+            live.join(10)
+        if nginx is not None:
+            nginx.terminate()
+            nginx.wait(10)
+        shutil.rmtree(work, ignore_errors=True)
+    targets = {"live_share_of_nginx": (results["live_share_of_nginx"], ">=", 0.25), "live_p99_ms": (results["live_p99_ms"], "<=", 20.0),
+               "files_full_s": (results["files_full_s"], "<=", 20.0), "files_noop_s": (results["files_noop_s"], "<=", 1.0)}
+    results["targets_met"] = {k: (v >= t if op == ">=" else v <= t) for k, (v, op, t) in targets.items()}
+    if args.json:
+        print(json.dumps(results))
+    else:
+        for k, v in results.items():
+            print(f"{k:28s} {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
