@@ -33,11 +33,14 @@ def facts_request(d: DesiredServer | None) -> dict[str, object]:
             public.append(a)
             private.append(b)
     return {"files": sorted(set(files)), "binary": BINARY, "service": SERVICE, "public": public, "private": private,
-            "lock": LOCK_FILE, "dirs": [f"{CONFIG_DIR}/reality", f"{CONFIG_DIR}/tls"]}
+            "lock": LOCK_FILE, "dirs": [f"{CONFIG_DIR}/reality", f"{CONFIG_DIR}/tls"],
+            # Without harden, whether our table is loaded matters only when a server is being removed.
+            "firewall": d is None or bool(d.firewall)}
 
 
 async def gather(pool: SSHPool, target: Target, d: DesiredServer | None) -> Facts:
-    res = await pool.run(target, f"python3 -c {shlex.quote(remote.FACTS)}", input=json.dumps(facts_request(d)))
+    # -I -S: no site import and no user environment (faster start, same result on every server).
+    res = await pool.run(target, f"python3 -I -S -c {shlex.quote(remote.FACTS)}", input=json.dumps(facts_request(d)))
     return parse_facts(res.stdout)
 
 
