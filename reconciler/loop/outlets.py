@@ -133,6 +133,9 @@ class FileOutlet:
         for path in self.directory.glob("*/.*.tmp"):
             path.unlink(missing_ok=True)
             removed += 1
+        for path in self.directory.glob(".*.tmp"):  # a new user's staging folder
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
         return removed
 
     def write(self, snapshot: Snapshot) -> WriteStats:
@@ -221,14 +224,33 @@ def _write_range(snapshot: Snapshot, secret: Secret, directory: str, formats: tu
 
 def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], user: str, token: str,
                 entries: list, creds: UserCredentials) -> None:
+    docs = render_formats(snapshot, user, formats, secret, entries=entries, credentials=creds)
+    files = {f"{fmt}.{EXTENSIONS[fmt]}": doc.body for fmt, doc in docs.items()}
+    files["headers.json"] = json.dumps({fmt: doc.headers for fmt, doc in docs.items()}, ensure_ascii=False).encode()
     folder = os.path.join(directory, token)
     if not os.path.isdir(folder):
-        os.mkdir(folder)
-    headers: dict[str, dict[str, str]] = {}
-    for fmt, doc in render_formats(snapshot, user, formats, secret, entries=entries, credentials=creds).items():
-        _replace(os.path.join(folder, f"{fmt}.{EXTENSIONS[fmt]}"), doc.body)
-        headers[fmt] = doc.headers
-    _replace(os.path.join(folder, "headers.json"), json.dumps(headers, ensure_ascii=False).encode())
+        # A new user: fill a hidden folder, then rename it into place — readers see all of it or none,
+        # with one rename instead of one per file.
+        staging = os.path.join(directory, f".{token}.{os.getpid()}.tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        os.mkdir(staging)
+        for name, data in files.items():
+            _write_new(os.path.join(staging, name), data)
+        try:
+            os.rename(staging, folder)
+            return
+        except OSError:  # it appeared meanwhile (another writer): replace file by file below
+            shutil.rmtree(staging, ignore_errors=True)
+    for name, data in files.items():
+        _replace(os.path.join(folder, name), data)
+
+
+def _write_new(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
 
 
 def _replace(path: str, data: bytes) -> None:
