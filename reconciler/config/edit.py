@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +19,7 @@ from ruamel.yaml import YAML
 
 from reconciler.config.diagnostics import Diagnostic
 from reconciler.config.loader import load_cluster
+from reconciler.files import write_atomic
 
 _SCALAR = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\']|\'\')*\'|[^\s,}\]#]+')
 
@@ -204,17 +204,4 @@ def _flow_close(text: str, start: int) -> int:
 
 
 def _atomic_write(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    mode = os.stat(path).st_mode & 0o777
-    fd, tmp = tempfile.mkstemp(prefix=".reconciler-edit-", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, text.encode("utf-8"), os.stat(path).st_mode & 0o777)  # keep the file's permissions

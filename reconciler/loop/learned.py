@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import numpy as np
 
 from reconciler.balance import RTTProfile, ServerLoad, Snapshot, rebalance
 from reconciler.balance.capacity import CapacityEstimator
+from reconciler.files import write_atomic
 from reconciler.health.engine import HealthEngine, HealthState, Topology
 from reconciler.health.verdicts import Verdicts
 from reconciler.loop.reports import Counter, Report, observation, traffic_rate
@@ -238,22 +237,3 @@ class Learned:
             return cls.from_bytes(data).adopt(cluster), None
         except (ValueError, KeyError, TypeError, OSError) as exc:
             return cls.fresh(cluster), f"ignoring unreadable state {path} ({exc}); starting afresh"
-
-
-def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Write-then-rename in the same directory, fsynced: readers see the old or the new file, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from reconciler.balance import Snapshot, decide
 from reconciler.credentials import Secret, UserCredentials, user_credentials
-from reconciler.loop.learned import write_atomic
+from reconciler.files import write_atomic
 from reconciler.model import Cluster
 from reconciler.subscriptions import FORMATS, Document, render
 from reconciler.subscriptions.document import EXTENSIONS, render_formats
