@@ -391,6 +391,10 @@ def test_http_outlet_serves_subscriptions_metrics_health_and_status(unused_port=
                     assert r.status == 404 and "u1" not in await r.text()
                 async with s.get(f"{base}/sub/{token}/pdf") as r:
                     assert r.status == 404
+                async with s.post(f"{base}/sub/{token}") as r:
+                    assert r.status == 405
+                async with s.get(f"{base}/nothing-here") as r:
+                    assert r.status == 404
                 async with s.get(f"{base}/healthz") as r:
                     assert r.status == 200
                 async with s.get(f"{base}/metrics") as r:
