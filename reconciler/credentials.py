@@ -92,14 +92,18 @@ class UserCredentials:
         return self.ss_key_128 if "128" in method else self.ss_key_256
 
 
-def user_credentials(secret: Secret, user: str, rotate: int = 0) -> UserCredentials:
+def user_credentials(secret: Secret, user: str, rotate: int = 0, shadowsocks: bool = True) -> UserCredentials:
+    """Every credential of a user. ``shadowsocks=False`` leaves the SS-2022 keys empty (a cluster without
+    Shadowsocks inbounds; one HMAC fewer per user when writing 100k subscriptions)."""
     gen = str(rotate)
     raw = bytearray(secret.derive("uuid", user, gen, length=16))
+    # The 128-bit key is the first half of the 256-bit one (the same first HMAC block): derived once.
+    ss = secret.derive("ss2022-user", user, gen, length=32) if shadowsocks else b""
     return UserCredentials(
         uuid=str(uuid.UUID(bytes=bytes(raw), version=4)),
         password=_b64(secret.derive("password", user, gen, length=18)),
-        ss_key_128=base64.b64encode(secret.derive("ss2022-user", user, gen, length=16)).decode(),
-        ss_key_256=base64.b64encode(secret.derive("ss2022-user", user, gen, length=32)).decode(),
+        ss_key_128=base64.b64encode(ss[:16]).decode() if ss else "",
+        ss_key_256=base64.b64encode(ss).decode() if ss else "",
         token=_b64(secret.derive("token", user, gen, length=24)),
     )
 

@@ -38,8 +38,9 @@ MANIFEST = "subscription-files.json"
 class Tokens:
     """Subscription token ↔ user, derived from the master secret (credentials cached per user and rotation)."""
 
-    def __init__(self, secret: Secret):
+    def __init__(self, secret: Secret, shadowsocks: bool = True):
         self.secret = secret
+        self.shadowsocks = shadowsocks  # False only where no document can hold a Shadowsocks key
         self._by_user: dict[tuple[str, int], UserCredentials] = {}
         self._index: dict[str, str] = {}
         self._cluster_id: int | None = None
@@ -48,7 +49,7 @@ class Tokens:
         key = (user, rotate)
         creds = self._by_user.get(key)
         if creds is None:
-            creds = self._by_user[key] = user_credentials(self.secret, user, rotate)
+            creds = self._by_user[key] = user_credentials(self.secret, user, rotate, self.shadowsocks)
         return creds
 
     def token(self, user: str, rotate: int) -> str:
@@ -107,15 +108,15 @@ class FileOutlet:
 
     PARALLEL_MIN = 20_000  # users to look at before worker processes pay for their start (~1 s)
 
-    def __init__(self, directory: Path, state_dir: Path, secret: Secret, tokens: Tokens | None = None,
-                 formats: Iterable[str] = FORMATS, workers: int | None = None):
+    def __init__(self, directory: Path, state_dir: Path, secret: Secret, formats: Iterable[str] = FORMATS,
+                 workers: int | None = None):
         self.directory = directory
         self.manifest_path = state_dir / MANIFEST
         self.secret = secret
-        self.tokens = tokens or Tokens(secret)
         self.formats = tuple(formats)
         self.workers = workers if workers is not None else min(8, os.cpu_count() or 1)
         self._cluster_hash: tuple[int, str] | None = None
+        self._file_tokens: Tokens | None = None
         self.manifest = self._read_manifest()
 
     def _read_manifest(self) -> dict:
@@ -155,7 +156,8 @@ class FileOutlet:
         if n >= self.PARALLEL_MIN and self.workers > 1:
             parts = self._in_workers(snapshot, old)
         else:
-            parts = [_write_range(snapshot, self.secret, str(self.directory), self.formats, old, 0, n, self.tokens)]
+            parts = [_write_range(snapshot, self.secret, str(self.directory), self.formats, old, 0, n,
+                                  self._tokens_for(snapshot))]
         new: dict[str, list[str]] = {}
         for part, written, unchanged in parts:
             new.update(part)
@@ -191,18 +193,27 @@ class FileOutlet:
         with ProcessPoolExecutor(extra, mp_context=multiprocessing.get_context("forkserver")) as pool:
             futures = [pool.submit(_worker, payload, lo, hi, {u: old[u] for u in names[lo:hi] if u in old})
                        for lo, hi in zip(bounds, bounds[1:], strict=False)]
-            mine = _write_range(snapshot, self.secret, str(self.directory), self.formats, old, 0, head, self.tokens)
+            mine = _write_range(snapshot, self.secret, str(self.directory), self.formats, old, 0, head,
+                                self._tokens_for(snapshot))
             return [mine] + [f.result() for f in futures]
 
-    def _write_user(self, snapshot: Snapshot, user: str, token: str, entries: list, creds: UserCredentials) -> None:
-        _write_user(snapshot, self.secret, str(self.directory), self.formats, user, token, entries, creds)
+    def _tokens_for(self, snapshot: Snapshot) -> Tokens:
+        """Credentials cached across writes (an interval's write looks at every user's fingerprint)."""
+        ss = _has_shadowsocks(snapshot)
+        if self._file_tokens is None or self._file_tokens.shadowsocks != ss:
+            self._file_tokens = Tokens(self.secret, ss)
+        return self._file_tokens
 
 
 def _worker(payload: bytes, lo: int, hi: int, old: dict[str, list[str]]) -> tuple[dict, int, int]:
     import pickle
 
     snapshot, secret, directory, formats = pickle.loads(payload)
-    return _write_range(snapshot, secret, directory, formats, old, lo, hi, Tokens(secret))
+    return _write_range(snapshot, secret, directory, formats, old, lo, hi, Tokens(secret, _has_shadowsocks(snapshot)))
+
+
+def _has_shadowsocks(snapshot: Snapshot) -> bool:
+    return any(r.inbound.protocol == "shadowsocks-2022" for r in snapshot.cluster.inbounds)
 
 
 def _write_range(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], old: dict[str, list[str]],
@@ -221,23 +232,27 @@ def _write_range(snapshot: Snapshot, secret: Secret, directory: str, formats: tu
         if old.get(user.name) == [creds.token, fp] and os.path.isdir(os.path.join(directory, creds.token)):
             unchanged += 1
             continue
-        _write_user(snapshot, secret, directory, formats, user.name, creds.token, entries, creds)
+        _write_user(snapshot, secret, directory, formats, user.name, creds.token, entries, creds, known=user.name in old)
         written += 1
     return new, written, unchanged
 
 
 def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], user: str, token: str,
-                entries: list, creds: UserCredentials) -> None:
+                entries: list, creds: UserCredentials, known: bool = True) -> None:
     docs = render_formats(snapshot, user, formats, secret, entries=entries, credentials=creds)
     files = {f"{fmt}.{EXTENSIONS[fmt]}": doc.body for fmt, doc in docs.items()}
     files["headers.json"] = json.dumps({fmt: doc.headers for fmt, doc in docs.items()}, ensure_ascii=False).encode()
     folder = os.path.join(directory, token)
-    if not os.path.isdir(folder):
+    if not known or not os.path.isdir(folder):
         # A new user: fill a hidden folder, then rename it into place — readers see all of it or none,
-        # with one rename instead of one per file.
+        # with one rename instead of one per file. (A staging folder a killed writer left is removed
+        # at start-up, see clean_temporaries; one left by this process is removed here.)
         staging = os.path.join(directory, f".{token}.{os.getpid()}.tmp")
-        shutil.rmtree(staging, ignore_errors=True)
-        os.mkdir(staging)
+        try:
+            os.mkdir(staging)
+        except FileExistsError:
+            shutil.rmtree(staging)
+            os.mkdir(staging)
         for name, data in files.items():
             _write_new(os.path.join(staging, name), data)
         try:

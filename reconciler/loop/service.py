@@ -92,7 +92,7 @@ class Loop:
         self.backoff = Backoff()
         self.tokens = Tokens(secret)
         self.answers = LiveAnswers(secret, self.tokens)
-        self.files = FileOutlet(self._out_dir(cluster), self.state.path, secret, self.tokens)
+        self.files = FileOutlet(self._out_dir(cluster), self.state.path, secret)
         self.view: FleetView | None = None
         self.drift: dict[str, int] = {}
         self.learned, note = Learned.load(self.state.path / STATE_FILE, cluster)
