@@ -104,8 +104,13 @@ def user_credentials(secret: Secret, user: str, rotate: int = 0, shadowsocks: bo
         password=_b64(secret.derive("password", user, gen, length=18)),
         ss_key_128=base64.b64encode(ss[:16]).decode() if ss else "",
         ss_key_256=base64.b64encode(ss).decode() if ss else "",
-        token=_b64(secret.derive("token", user, gen, length=24)),
+        token=user_token(secret, user, rotate),
     )
+
+
+def user_token(secret: Secret, user: str, rotate: int = 0) -> str:
+    """The user's subscription URL token (192 bits) alone: what a token → user index needs."""
+    return _b64(secret.derive("token", user, str(rotate), length=24))
 
 
 def ss_server_key(secret: Secret, inbound_id: str, method: str) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
@@ -70,7 +70,7 @@ class LoopStats:
 
 
 class ReconcilerCollector(Collector):
-    def __init__(self, view: callable, stats: LoopStats):  # type: ignore[valid-type]
+    def __init__(self, view: Callable[[], FleetView | None], stats: LoopStats):
         self.view = view
         self.stats = stats
 

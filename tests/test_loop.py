@@ -347,7 +347,7 @@ def test_metrics_are_pre_zeroed_bounded_and_lint_clean():
 # --------------------------------------------------------------------------- HTTP outlet
 
 
-def test_http_outlet_serves_subscriptions_metrics_health_and_status(unused_port=None):
+def test_http_outlet_serves_subscriptions_metrics_health_and_status():
     # spec: ROUTE-8, HEALTH-13 — GET/HEAD, formats by path and User-Agent, ETag/304, 404 for unknown tokens
     from prometheus_client import CollectorRegistry
 

@@ -107,15 +107,33 @@ class Learned:
                                  capacity_mbps=None if np.isnan(cap[i]) else float(cap[i]))
                 for i, name in enumerate(self.topology.servers)}
 
+    def witness_regions(self, cluster: Cluster) -> dict[str, list[int]]:
+        """Region → indices of the witness servers in it (the rows of the RTT arrays)."""
+        regions: dict[str, list[int]] = {}
+        for i, name in enumerate(self.topology.servers):
+            region = cluster.server(name).region
+            if region:
+                regions.setdefault(region, []).append(i)
+        return regions
+
+    def rtt_by_region(self, cluster: Cluster) -> dict[tuple[str, str], float]:
+        """(witness region, inbound) → mean RTT EWMA of that region's witnesses, where any has data (metrics)."""
+        out: dict[tuple[str, str], float] = {}
+        for region, rows in self.witness_regions(cluster).items():
+            block = self.rtt_ewma[rows]
+            have = ~np.isnan(block)
+            counts = have.sum(axis=0)
+            sums = np.where(have, block, 0.0).sum(axis=0)
+            for j, t in enumerate(self.topology.inbounds):
+                if counts[j]:
+                    out[(region, t)] = float(sums[j] / counts[j])
+        return out
+
     def rtt_profiles(self, cluster: Cluster, now: float, stale_after: float) -> dict[tuple[str, str, str], RTTProfile]:
         """Mean RTT EWMA from the witnesses of each region to each (route, pool) (STEER-3)."""
         topo = self.topology
         col = {t: j for j, t in enumerate(topo.inbounds)}
-        regions: dict[str, list[int]] = {}
-        for i, name in enumerate(topo.servers):
-            region = cluster.server(name).region
-            if region:
-                regions.setdefault(region, []).append(i)
+        regions = self.witness_regions(cluster)
         out: dict[tuple[str, str, str], RTTProfile] = {}
         for route in cluster.effective_routes:
             pools: dict[str, list[int]] = {}

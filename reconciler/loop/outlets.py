@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reconciler.balance import Snapshot, decide
-from reconciler.credentials import Secret, UserCredentials, user_credentials
+from reconciler.credentials import Secret, UserCredentials, user_credentials, user_token
 from reconciler.files import write_atomic
 from reconciler.model import Cluster
 from reconciler.subscriptions import FORMATS, Document, render
@@ -36,7 +36,7 @@ MANIFEST = "subscription-files.json"
 
 
 class Tokens:
-    """Subscription token ↔ user, derived from the master secret (credentials cached per user and rotation)."""
+    """Subscription token ↔ user, derived from the master secret; credentials cached per user and rotation."""
 
     def __init__(self, secret: Secret, shadowsocks: bool = True):
         self.secret = secret
@@ -53,10 +53,11 @@ class Tokens:
         return creds
 
     def token(self, user: str, rotate: int) -> str:
-        return self.credentials(user, rotate).token
+        creds = self._by_user.get((user, rotate))
+        return creds.token if creds is not None else user_token(self.secret, user, rotate)
 
     def index(self, cluster: Cluster) -> dict[str, str]:
-        """token → user name for the cluster's users (rebuilt when the cluster changes)."""
+        """token → user name for the cluster's users (rebuilt when the cluster changes; one HMAC per user)."""
         if self._cluster_id != id(cluster):
             self._index = {self.token(u.name, u.rotate): u.name for u in cluster.users}
             self._cluster_id = id(cluster)
@@ -81,11 +82,12 @@ def snapshot_digest(snapshot: Snapshot, cluster_hash: str) -> str:
     return h.hexdigest()
 
 
-def user_fingerprint(snapshot: Snapshot, user_name: str, inbound_json: dict[str, str], entries: list | None = None) -> str:
-    """What the user's documents depend on: the user, their entries and those inbounds' settings and keys."""
+def user_fingerprint(snapshot: Snapshot, user_name: str, inbound_json: dict[str, str], outputs_json: str,
+                     entries: list | None = None) -> str:
+    """What the user's documents depend on: the user, the output settings, their entries, those inbounds and keys."""
     entries = decide(snapshot, user_name) if entries is None else entries
     user = snapshot.cluster.user(user_name)
-    parts = [user.model_dump_json(), inbound_json[""]]
+    parts = [user.model_dump_json(), outputs_json]
     for e in entries:
         ib = e.ref.inbound.id
         parts.append(f"{e.route.id}\0{ib}\0{e.name}\0{inbound_json[ib]}\0{snapshot.public_keys.get(ib, '')}"
@@ -221,13 +223,13 @@ def _write_range(snapshot: Snapshot, secret: Secret, directory: str, formats: tu
     """Users lo..hi: fingerprint each, (re)write those that changed. Returns their manifest part and counts."""
     cluster = snapshot.cluster
     inbound_json = {r.inbound.id: r.inbound.model_dump_json() for r in cluster.inbounds}
-    inbound_json[""] = cluster.settings.outputs.model_dump_json()
+    outputs_json = cluster.settings.outputs.model_dump_json()
     new: dict[str, list[str]] = {}
     written = unchanged = 0
     for user in cluster.users[lo:hi]:
         creds = tokens.credentials(user.name, user.rotate)
         entries = decide(snapshot, user.name)
-        fp = user_fingerprint(snapshot, user.name, inbound_json, entries)
+        fp = user_fingerprint(snapshot, user.name, inbound_json, outputs_json, entries)
         new[user.name] = [creds.token, fp]
         if old.get(user.name) == [creds.token, fp] and os.path.isdir(os.path.join(directory, creds.token)):
             unchanged += 1
@@ -325,6 +327,6 @@ class LiveAnswers:
                 rotate = snapshot.cluster.user(user).rotate
             except KeyError:
                 return render(snapshot, user, fmt, self.secret, region=region)
-            creds = self.tokens.credentials(user, rotate)  # derived once per user, when the token index was built
+            creds = self.tokens.credentials(user, rotate)  # derived on the user's first request, then kept
             doc = self._cache[key] = render_formats(snapshot, user, (fmt,), self.secret, region, credentials=creds)[fmt]
         return doc

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from reconciler.engine.singbox import CLASH_API, SERVICE
 from reconciler.health.engine import Observation, Topology
 from reconciler.model import Cluster
 
@@ -89,8 +90,6 @@ def probe_kind(protocol: str) -> str:
 
 def agent_request(cluster: Cluster, server_name: str, clash_secret: str, timeout: float) -> dict[str, object]:
     """What one server's agent is asked: its own listeners, and every other server's inbounds to probe."""
-    from reconciler.engine.singbox import CLASH_API, SERVICE
-
     server = cluster.server(server_name)
     listeners = sorted({(ib.port, t) for ib in server.inbounds for t in ib.transports})
     probes = []

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -44,7 +45,7 @@ from reconciler.loop.reports import Report, ReportError, agent_request, parse_re
 from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
 from reconciler.model import Cluster
 from reconciler.plan.observe import observe
-from reconciler.ssh import SSHError, SSHPool, Target
+from reconciler.ssh import SSHError, Target
 
 log = logging.getLogger("reconciler.loop")
 STATE_FILE = "learned.npz"
@@ -95,6 +96,7 @@ class Loop:
         self.files = FileOutlet(self._out_dir(cluster), self.state.path, secret)
         self.view: FleetView | None = None
         self.drift: dict[str, int] = {}
+        self.facts = self.state.read("facts.json")  # public keys and pins: they change only when an apply changes them
         self.learned, note = Learned.load(self.state.path / STATE_FILE, cluster)
         if note:
             log.warning(note)
@@ -111,6 +113,7 @@ class Loop:
         self._started = time.time()
         self._busy = asyncio.Lock()  # one plan/apply at a time; ticks never wait for it
         self._tasks: list[asyncio.Task] = []
+        self._posts: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -166,9 +169,10 @@ class Loop:
                 self._tasks.append(asyncio.create_task(self._deadline(self.duration), name="deadline"))
             await self.stop.wait()
         finally:
-            for task in self._tasks:
+            tasks = [*self._tasks, *self._posts]
+            for task in tasks:
                 task.cancel()
-            for task in self._tasks:
+            for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
             await asyncio.to_thread(self._save)
@@ -219,8 +223,7 @@ class Loop:
             reports = await self.collect(cluster)
             now = time.time()
             verdicts = self.learned.fold(cluster, reports, now)
-            facts = self.state.read("facts.json")
-            snapshot = self.learned.snapshot(cluster, verdicts, now, facts)
+            snapshot = self.learned.snapshot(cluster, verdicts, now, self.facts)
         except Exception:  # noqa: BLE001 — a bug in one interval must not end the loop; it is logged with its traceback
             log.exception("interval %d failed", self._tick_index)
             self.stats.record("collect", False, time.perf_counter() - started, time.time())
@@ -255,7 +258,7 @@ class Loop:
             req = agent_request(cluster, name, clash_api_secret(self.secret, name), probe_timeout)
             try:
                 res = await asyncio.wait_for(self.pool.run(Target.from_server(server), f"python3 {AGENT}", check=False,
-                                                           timeout=budget, input=_json(req)), budget + 2)
+                                                           timeout=budget, input=json.dumps(req)), budget + 2)
                 if res.code != 0:
                     hint = " (the agent is not installed yet: apply first)" if "No such file" in res.stderr else ""
                     raise ReportError(f"the agent exited {res.code}{hint}: {res.stderr.strip()[-300:]}")
@@ -274,9 +277,6 @@ class Loop:
         return dict(results)
 
     def _fleet_view(self, cluster: Cluster, verdicts: Verdicts, snapshot) -> FleetView:  # type: ignore[no-untyped-def]
-        import numpy as np
-
-        learned = self.learned
         loads = snapshot.loads
         assigned: dict[str, int] = {}
         server_of = {r.inbound.id: r.server.name for r in cluster.inbounds}
@@ -284,21 +284,7 @@ class Loop:
             s = server_of.get(inbound)
             if s:
                 assigned[s] = assigned.get(s, 0) + 1
-        topo = learned.topology
-        rtt: dict[tuple[str, str], float] = {}
-        regions: dict[str, list[int]] = {}
-        for i, name in enumerate(topo.servers):
-            region = cluster.server(name).region
-            if region:
-                regions.setdefault(region, []).append(i)
-        for region, rows in regions.items():
-            block = learned.rtt_ewma[rows]
-            have = ~np.isnan(block)
-            counts = have.sum(axis=0)
-            sums = np.where(have, block, 0.0).sum(axis=0)
-            for j, t in enumerate(topo.inbounds):
-                if counts[j]:
-                    rtt[(region, t)] = float(sums[j] / counts[j])
+        rtt = self.learned.rtt_by_region(cluster)
         return FleetView(cluster=cluster, verdicts=verdicts, snapshot=snapshot,
                          traffic_mbps={k: v.traffic_mbps for k, v in loads.items()},
                          connected={k: v.users for k, v in loads.items()},
@@ -327,7 +313,8 @@ class Loop:
                              "`host:` in the cluster file; its users were moved to other inbounds of their routes",
                    "time": time.time()}
         task = asyncio.create_task(_post(url, payload))
-        self._tasks.append(task)
+        self._posts.add(task)  # keep a reference until it is done, then forget it
+        task.add_done_callback(self._posts.discard)
 
     # ------------------------------------------------------------------ plan, drift, self-heal
 
@@ -367,6 +354,7 @@ class Loop:
                 results = await apply_all(pending, self.pool, progress)
                 after = await observe(cluster, self.secret, self.pool, self.base_dir, False)
                 await asyncio.to_thread(remember, self.state, cluster, pending, results, after)
+                self.facts = self.state.read("facts.json")
             except Exception:  # noqa: BLE001
                 log.exception("apply failed")
                 self.stats.record("apply", False, time.perf_counter() - started, time.time())
@@ -440,12 +428,6 @@ class Loop:
                 self.reload()
 
 
-def _json(obj: object) -> str:
-    import json
-
-    return json.dumps(obj)
-
-
 async def _post(url: str, payload: dict) -> None:
     import aiohttp
 
@@ -461,5 +443,3 @@ async def _post(url: str, payload: dict) -> None:
 async def run_loop(path: str, cluster: Cluster, secret: Secret, **kw) -> int:  # type: ignore[no-untyped-def]
     return await Loop(path, cluster, secret, **kw).run()
 
-
-__all__ = ["Loop", "SSHPool", "run_loop"]

@@ -75,12 +75,9 @@ async def observe(cluster: Cluster, secret: Secret, pool: SSHPool, base_dir: str
             plan.error = f"cannot read a file the cluster names: {exc}"
             return Observed(plan, None, None, target)
         plan.desired_digest = d.digest()
-        try:
-            facts = await gather(pool, target, d)
-        except SSHError as exc:
-            plan.error = str(exc)
+        facts = await _facts_or_error(pool, target, d, plan)
+        if facts is None:
             return Observed(plan, None, d, target)
-        plan.facts_digest = facts.digest()
         plan.problems = preflight(facts, d)
         if not plan.problems:
             changed = [f.path for f in d.files if facts.files.get(f.path) not in (None, f.sha256)]
@@ -91,12 +88,9 @@ async def observe(cluster: Cluster, secret: Secret, pool: SSHPool, base_dir: str
     async def gone(name: str, info: dict) -> Observed:
         target = Target(**info)
         plan = ServerPlan(name, target.host, removed=True)
-        try:
-            facts = await gather(pool, target, None)
-        except SSHError as exc:
-            plan.error = str(exc)
+        facts = await _facts_or_error(pool, target, None, plan)
+        if facts is None:
             return Observed(plan, None, None, target)
-        plan.facts_digest = facts.digest()
         plan.actions = plan_removal(facts)
         return Observed(plan, facts, None, target)
 
@@ -105,6 +99,17 @@ async def observe(cluster: Cluster, secret: Secret, pool: SSHPool, base_dir: str
         names = {s.name for s in cluster.servers}
         tasks += [gone(n, info) for n, info in previous.items() if n not in names]
     return list(await asyncio.gather(*tasks))
+
+
+async def _facts_or_error(pool: SSHPool, target: Target, d: DesiredServer | None, plan: ServerPlan) -> Facts | None:
+    """The server's facts (their digest noted on the plan), or None with the plan's error set."""
+    try:
+        facts = await gather(pool, target, d)
+    except SSHError as exc:
+        plan.error = str(exc)
+        return None
+    plan.facts_digest = facts.digest()
+    return facts
 
 
 def fingerprint(observed: list[Observed]) -> str:
