@@ -504,8 +504,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- plan, apply
 
 
-def _observe(path: str, prune: bool):  # type: ignore[no-untyped-def]
-    """(cluster, state, observed, fingerprint) or None after printing why."""
+def _observe(path: str, prune: bool, then=None):  # type: ignore[no-untyped-def]
+    """(cluster, state, observed, fingerprint, secret[, what ``then`` returned]) or None after printing why.
+
+    ``then(cluster, state, observed, fingerprint, secret, pool)``, when given, runs on the same SSH
+    connections right after the observation (apply: one handshake per server, not two).
+    """
     import asyncio
 
     from reconciler.apply.session import StateDir
@@ -521,10 +525,13 @@ def _observe(path: str, prune: bool):  # type: ignore[no-untyped-def]
 
     async def go():  # type: ignore[no-untyped-def]
         async with state.pool() as pool:
-            return await observe(cluster, secret, pool, str(Path(path).resolve().parent), prune, state.read("managed.json"))
+            observed = await observe(cluster, secret, pool, str(Path(path).resolve().parent), prune, state.read("managed.json"))
+            fp = fingerprint(observed)
+            if then is None:
+                return cluster, state, observed, fp, secret
+            return cluster, state, observed, fp, secret, await then(cluster, state, observed, fp, secret, pool)
 
-    observed = asyncio.run(go())
-    return cluster, state, observed, fingerprint(observed), secret
+    return asyncio.run(go())
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -553,11 +560,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    import asyncio
-
     from reconciler.apply.run import apply_all
     from reconciler.apply.session import Progress, remember
-    from reconciler.plan.observe import observe
 
     saved = None
     if args.plan:
@@ -568,33 +572,31 @@ def cmd_apply(args: argparse.Namespace) -> int:
             return 1
         args.file = saved.get("file", args.file)
         args.prune = bool(saved.get("prune", args.prune))
-    got = _observe(args.file, args.prune)
+    stale: list[str] = []
+
+    async def then(cluster, state, observed, fp, secret, pool):  # type: ignore[no-untyped-def]
+        if saved is not None and saved.get("fingerprint") != fp:
+            before = {s["server"]: s for s in saved.get("servers", [])}
+            stale.extend(o.plan.server for o in observed
+                         if before.get(o.plan.server, {}).get("desired_digest") != o.plan.desired_digest
+                         or before.get(o.plan.server, {}).get("facts_digest") != o.plan.facts_digest)
+            return None
+        progress = Progress([o.plan.server for o in observed])
+        try:
+            # The commit returns the public material the servers generated: `observed` then holds it.
+            return await apply_all(observed, pool, progress)
+        finally:
+            progress.close()
+
+    got = _observe(args.file, args.prune, then)
     if got is None:
         return 1
-    cluster, state, observed, fp, secret = got
-    if saved is not None and saved.get("fingerprint") != fp:
-        before = {s["server"]: s for s in saved.get("servers", [])}
-        changed = [o.plan.server for o in observed if before.get(o.plan.server, {}).get("desired_digest") != o.plan.desired_digest
-                   or before.get(o.plan.server, {}).get("facts_digest") != o.plan.facts_digest]
+    cluster, state, observed, fp, secret, results = got
+    if results is None:
         print(f"error: the saved plan is stale — the desired state or the facts changed since on: "
-              f"{', '.join(changed) or 'the set of servers'}; run `reconciler plan --out` again", file=sys.stderr)
+              f"{', '.join(stale) or 'the set of servers'}; run `reconciler plan --out` again", file=sys.stderr)
         return 1
-    progress = Progress([o.plan.server for o in observed])
-
-    async def go():  # type: ignore[no-untyped-def]
-        async with state.pool() as pool:
-            results = await apply_all(observed, pool, progress)
-            # Remember what the servers generated (public keys, certificate pins); nothing new when nothing changed.
-            if not any(r.changed for r in results) and state.read("facts.json"):
-                return results, observed
-            after = await observe(cluster, secret, pool, str(Path(args.file).resolve().parent), False)
-            return results, after
-
-    try:
-        results, after = asyncio.run(go())
-    finally:
-        progress.close()
-    remember(state, cluster, observed, results, after)
+    remember(state, cluster, observed, results)
     if args.json:
         print(json.dumps([r.__dict__ for r in results], indent=2, default=str))
     else:

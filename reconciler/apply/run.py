@@ -12,6 +12,7 @@ Phases per server: connect → preflight → lock → install engine → configu
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import posixpath
@@ -19,12 +20,12 @@ import shlex
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import asyncssh
 
 from reconciler.engine import remote
-from reconciler.engine.singbox import BINARY, CONFIG, SERVICE, TEMPLATE, UNIT
+from reconciler.engine.singbox import BINARY, CONFIG, SERVICE, TEMPLATE
 from reconciler.plan.observe import LOCK_DIR, LOCK_FILE, Observed
 from reconciler.ssh import RemoteCommandError, SSHError, SSHPool
 
@@ -81,7 +82,7 @@ async def apply_one(o: Observed, pool: SSHPool, progress: Progress, verify_timeo
             phase("done")
             return result
         phase("lock")
-        await _lock(pool, o)
+        await _lock(pool, o, prepare=None if o.plan.removed else _folders(o))
         locked = True
         try:
             if o.plan.removed:
@@ -106,12 +107,23 @@ async def apply_one(o: Observed, pool: SSHPool, progress: Progress, verify_timeo
     return result
 
 
-async def _lock(pool: SSHPool, o: Observed, take_over: bool = False) -> None:
+def _folders(o: Observed) -> str:
+    """The shell command creating the folders the managed files live in (harmless under another's lock)."""
+    assert o.desired is not None
+    dirs = sorted({"/etc/sing-box/tls", "/etc/sing-box/reality", *(posixpath.dirname(f.path) for f in o.desired.files)})
+    return f"mkdir -p {' '.join(map(shlex.quote, dirs))} && chmod 700 /etc/sing-box/reality"
+
+
+async def _lock(pool: SSHPool, o: Observed, take_over: bool = False, prepare: str | None = None) -> None:
+    """Take the server's apply lock (one round trip, with ``prepare`` run first when given)."""
     who = shlex.quote(json.dumps(holder()))
     grab = f"mkdir {LOCK_DIR} 2>/dev/null && printf %s {who} > {LOCK_FILE}"
     if take_over:
         grab = f"rm -rf {LOCK_DIR} && {grab}"
-    res = await pool.run(o.target, f"{grab} || {{ cat {LOCK_FILE} 2>/dev/null; exit 75; }}", check=False)
+    command = f"{{ {grab}; }} || {{ cat {LOCK_FILE} 2>/dev/null; exit 75; }}"
+    if prepare:
+        command = f"{prepare} && {{ {command}; }}"
+    res = await pool.run(o.target, command, check=False)
     if res.code == 75 and not take_over:
         try:
             info = json.loads(res.stdout)
@@ -140,40 +152,42 @@ def _stale(info: dict, since: int) -> bool:
 
 
 async def _transaction(pool: SSHPool, o: Observed, phase, result: ServerResult, verify_timeout: float) -> None:  # type: ignore[no-untyped-def]
+    """Stage what changed, then one commit round trip: keys, render, check, swap, restart, verify."""
     d, t = o.desired, o.target
     assert d is not None and o.facts is not None
     kinds = {a.kind for a in o.plan.actions}
+    moves: list[list[str]] = []
+    binary_new = None
     if "install-engine" in kinds:
         phase("install engine")
-        await _install_engine(pool, o)
+        moves += await _stage_engine(pool, o)
+        binary_new = moves[0][0]
     phase("configure")
-    dirs = sorted({"/etc/sing-box/tls", "/etc/sing-box/reality", *(posixpath.dirname(f.path) for f in d.files)})
-    await pool.run(t, f"mkdir -p {' '.join(map(shlex.quote, dirs))} && chmod 700 /etc/sing-box/reality")
-    if "generate-key" in kinds or d.keys:
-        keys = [{"inbound": k.inbound, "kind": k.kind, "server_name": k.server_name, "paths": list(k.paths)} for k in d.keys]
-        await pool.run(t, f"python3 -c {shlex.quote(remote.KEYS)}", input=json.dumps({"keys": keys, "binary": BINARY}))
-    moves = []
+    files = []
     for f in d.files:
         if o.facts.files.get(f.path) == f.sha256:
             continue
         tmp = f"{f.path}.reconciler-new"
-        await pool.put(t, f.content, tmp, f.mode)
+        files.append({"path": tmp, "data": base64.b64encode(f.content).decode(), "mode": f.mode})
         moves.append([tmp, f.path])
     action = next((a.kind for a in o.plan.actions if a.kind in ("restart", "reload", "start")), "none")
     phase("start")
     req = {
-        "moves": moves, "template": TEMPLATE, "template_new": f"{TEMPLATE}.reconciler-new", "config": CONFIG,
+        "files": files, "moves": moves, "binary_new": binary_new,
+        "keys": [{"inbound": k.inbound, "kind": k.kind, "server_name": k.server_name, "paths": list(k.paths)} for k in d.keys],
+        "template": TEMPLATE, "template_new": f"{TEMPLATE}.reconciler-new", "config": CONFIG,
         "config_new": f"{CONFIG}.reconciler-new", "binary": BINARY, "service": SERVICE,
         "reality": {k.inbound: k.paths[0] for k in d.keys if k.kind == "reality"},
-        "daemon_reload": any(p == UNIT for _, p in moves) or "install-engine" in kinds, "action": action,
-        "listeners": [list(x) for x in d.listeners], "verify_timeout": verify_timeout, "lock": LOCK_DIR,
+        "action": action, "listeners": [list(x) for x in d.listeners], "verify_timeout": verify_timeout, "lock": LOCK_DIR,
     }
     # setsid: the commit finishes (or rolls back) on the server even if this SSH session drops.
-    res = await pool.run(t, f"setsid -w python3 -c {shlex.quote(remote.COMMIT)}", input=json.dumps(req),
+    res = await pool.run(t, f"setsid -w python3 -I -S -c {shlex.quote(remote.COMMIT)}", input=json.dumps(req),
                          timeout=verify_timeout * 3 + 60)
     phase("verify")
     commit = json.loads(res.stdout.strip().splitlines()[-1])
-    result.details["commit"] = commit
+    if commit.get("public"):  # what the keys step generated or found: no second observation needed to learn it
+        o.facts = replace(o.facts, public={**o.facts.public, **commit["public"]})
+    result.details["commit"] = {k: v for k, v in commit.items() if k != "public"}
     if commit["ok"]:
         result.ok = True
         result.message = f"{len(o.plan.actions)} change(s) applied"
@@ -236,53 +250,56 @@ class CommitFailed(SSHError):
     """The server rejected or could not run the new state; it rolled back (or changed nothing)."""
 
 
-async def _install_engine(pool: SSHPool, o: Observed) -> None:
+async def _stage_engine(pool: SSHPool, o: Observed) -> list[list[str]]:
+    """The engine binary, checked (sha256, version) and staged under a temporary name with its sidecars,
+    in one round trip; the commit moves them into place. Returns those moves, the binary first."""
     d, t = o.desired, o.target
     assert d is not None
     tmp = f"{BINARY}.reconciler-new"
-    digest = None
+    record = f"chmod 755 {tmp} && {tmp} version > {tmp}.version && cat {tmp}.sha256 && echo && cat {tmp}.version"
+    data: bytes | None = None
     if d.binary.url and not d.binary.local_path:
         arch = "arm64" if o.facts and o.facts.arch in ("aarch64", "arm64") else "amd64"
         url = d.binary.url.format(version=d.binary.version, arch=arch)
         fetch = f"import urllib.request; urllib.request.urlretrieve({url!r}, {tmp!r})"
-        await pool.run(t, f"python3 -c {shlex.quote(fetch)} && chmod 755 {tmp}", timeout=600)
+        # Downloaded on the server: hashed there.
+        cmd = f"python3 -c {shlex.quote(fetch)} && sha256sum {tmp} | cut -d' ' -f1 | tr -d '\\n' > {tmp}.sha256 && {record}"
     elif d.binary.local_path:
-        # Ship it compressed (a Go binary shrinks to ~40%), compressed once per controller run.
-        packed, digest = _gzipped(d.binary.local_path)
-        await pool.put_file(t, packed, tmp + ".gz", 0o600)
-        # gzip's CRC and SSH's MAC vouch for the bytes; the sha256 was taken here, once, from the source.
-        await pool.run(t, f"gzip -dc {tmp}.gz > {tmp} && rm -f {tmp}.gz && chmod 755 {tmp}")
+        # Shipped compressed (a Go binary shrinks to ~40%) and unpacked as it streams in. gzip's CRC and
+        # SSH's MAC vouch for the bytes; the sha256 was taken here, once, from the source.
+        data, digest = _gzipped(d.binary.local_path)
+        cmd = f"python3 -I -S -c {shlex.quote(remote.INFLATE)} {tmp} && printf %s {digest} > {tmp}.sha256 && {record}"
     else:
         raise RemoteCommandError(o.plan.server, "install engine", None,
                                  "no engine binary: set settings.engine.binary, or install: download with a url")
-    if digest is None:  # downloaded on the server: hash it there
-        res = await pool.run(t, f"sha256sum {tmp}")
-        digest = res.stdout.split()[0]
+    clean = f"rm -f {tmp} {tmp}.sha256 {tmp}.version"
+    res = await pool.run(t, f"umask 022; {{ {cmd}; }} || {{ s=$?; {clean}; exit $s; }}", input=data, timeout=600)
+    digest, _, version = res.stdout.partition("\n")
+    digest = digest.strip()
+    problem = None
     if d.binary.sha256 and digest != d.binary.sha256:
-        await pool.run(t, f"rm -f {tmp}", check=False)
-        raise RemoteCommandError(o.plan.server, "install engine", None,
-                                 f"the binary's sha256 {digest} differs from the pinned {d.binary.sha256}")
-    version = await pool.run(t, f"{tmp} version", check=False)
-    if d.binary.version not in version.stdout:
-        await pool.run(t, f"rm -f {tmp}", check=False)
-        raise RemoteCommandError(o.plan.server, "install engine", None,
-                                 f"the binary reports {version.stdout.splitlines()[:1]}, not version {d.binary.version}")
-    await pool.run(t, f"mv -f {tmp} {BINARY} && printf %s {digest} > {BINARY}.sha256 && "
-                      f"{BINARY} version > {BINARY}.version")
+        problem = f"the binary's sha256 {digest} differs from the pinned {d.binary.sha256}"
+    elif d.binary.version not in version:
+        problem = f"the binary reports {version.splitlines()[:1]}, not version {d.binary.version}"
+    if problem:
+        await pool.run(t, clean, check=False)
+        raise RemoteCommandError(o.plan.server, "install engine", None, problem)
+    return [[tmp, BINARY], [f"{tmp}.sha256", f"{BINARY}.sha256"], [f"{tmp}.version", f"{BINARY}.version"]]
 
 
-_PACKED: dict[str, tuple[str, str]] = {}
+_PACKED: dict[str, tuple[bytes, str]] = {}
 
 
-def _gzipped(path: str) -> tuple[str, str]:
-    """(gzip copy, sha256 of the original) of a local file; made once per file version and cached."""
+def _gzipped(path: str) -> tuple[bytes, str]:
+    """(gzip bytes, sha256 of the original) of a local file: compressed once per file version (cached on
+    disk across runs) and held once in memory for every server of this run."""
     import gzip
     import hashlib
     import shutil
 
     st = os.stat(path)
     key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    if key in _PACKED and os.path.exists(_PACKED[key][0]):
+    if key in _PACKED:
         return _PACKED[key]
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "reconciler")
     os.makedirs(cache, exist_ok=True)
@@ -296,7 +313,8 @@ def _gzipped(path: str) -> tuple[str, str]:
         with open(path, "rb") as src, gzip.open(tmp, "wb", compresslevel=1) as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
         os.replace(tmp, out)
-    _PACKED[key] = (out, sha.hexdigest())
+    with open(out, "rb") as fh:
+        _PACKED[key] = (fh.read(), sha.hexdigest())
     return _PACKED[key]
 
 

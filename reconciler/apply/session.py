@@ -38,8 +38,9 @@ class StateDir:
         return SSHPool(KnownHosts(self.path / "known_hosts.json"), concurrency=concurrency)
 
 
-def remember(state: StateDir, cluster: Cluster, observed: list, results: list, after: list) -> None:
-    """After an apply: which servers are managed (for --prune) and the public material they generated."""
+def remember(state: StateDir, cluster: Cluster, observed: list, results: list) -> None:
+    """After an apply: which servers are managed (for --prune) and the public material they generated
+    (the commit adds what it generated to the observed facts)."""
     from reconciler.plan.observe import learned_facts
 
     managed = state.read("managed.json")
@@ -50,7 +51,7 @@ def remember(state: StateDir, cluster: Cluster, observed: list, results: list, a
         if r.ok and any(o.plan.removed and o.plan.server == r.server for o in observed):
             managed.pop(r.server, None)
     state.write("managed.json", managed)
-    learned = learned_facts(after)
+    learned = learned_facts(observed)
     old = state.read("facts.json")
     state.write("facts.json", {k: {**old.get(k, {}), **v} for k, v in learned.items()})
 

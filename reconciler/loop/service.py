@@ -351,9 +351,8 @@ class Loop:
             started = time.perf_counter()
             progress = Progress([o.plan.server for o in pending], log=lambda line: log.info("apply %s", line))
             try:
-                results = await apply_all(pending, self.pool, progress)
-                after = await observe(cluster, self.secret, self.pool, self.base_dir, False)
-                await asyncio.to_thread(remember, self.state, cluster, pending, results, after)
+                results = await apply_all(pending, self.pool, progress)  # adds generated public keys to `pending`
+                await asyncio.to_thread(remember, self.state, cluster, pending, results)
                 self.facts = self.state.read("facts.json")
             except Exception:  # noqa: BLE001
                 log.exception("apply failed")
@@ -365,8 +364,9 @@ class Loop:
                 (log.info if r.ok else log.error)("apply %s: %s", r.server, r.message)
             ok = all(r.ok for r in results)
             self.stats.record("apply", ok, time.perf_counter() - started, time.time())
-            if ok:
-                self.drift = {o.plan.server: 0 for o in observed}
+            for r in results:
+                if r.ok:
+                    self.drift[r.server] = 0
 
     # ------------------------------------------------------------------ the file: watch and git pull
 

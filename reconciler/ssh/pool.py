@@ -74,6 +74,11 @@ class KnownHosts:
         tmp.replace(self.path)
 
 
+# AES-GCM first: with the AES instructions every current x86-64 and arm64 controller has, it costs about
+# half the CPU of ChaCha20-Poly1305 (asyncssh's default first choice) on both ends of a large upload.
+CIPHERS = ["aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "chacha20-poly1305@openssh.com",
+           "aes128-ctr", "aes192-ctr", "aes256-ctr"]
+
 _RETRYABLE = (OSError, asyncio.TimeoutError, asyncssh.ConnectionLost, asyncssh.DisconnectError)
 
 
@@ -111,7 +116,8 @@ class SSHPool:
                     kwargs["server_host_key_algs"] = ["ssh-ed25519", "ecdsa-sha2-nistp256", "rsa-sha2-512", "rsa-sha2-256"]
                 conn = await asyncio.wait_for(asyncssh.connect(
                     target.host, port=target.port, username=target.user, known_hosts=known,
-                    connect_timeout=self.connect_timeout, keepalive_interval=5, keepalive_count_max=3, **kwargs), self.connect_timeout + 5)
+                    connect_timeout=self.connect_timeout, keepalive_interval=5, keepalive_count_max=3,
+                    encryption_algs=CIPHERS, **kwargs), self.connect_timeout + 5)
                 if not pinned:  # trust on first use: record what we saw, refuse any change later
                     key = conn.get_server_host_key()
                     if key is not None:
