@@ -78,7 +78,7 @@ def reset_hosts(lab: Lab) -> None:
     """Bring every host back to bare: no engine, no config, no lock (between tests)."""
     for h in lab.state.hosts:
         ssh(lab, h, "systemctl disable --now sing-box 2>/dev/null; rm -rf /etc/sing-box /usr/local/bin/sing-box* "
-                    "/etc/systemd/system/sing-box.service /run/reconciler.lock; systemctl daemon-reload")
+                    "/usr/local/lib/reconciler /etc/systemd/system/sing-box.service /run/reconciler.lock; systemctl daemon-reload")
     lab.unblock_all()
 
 

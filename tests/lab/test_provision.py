@@ -45,7 +45,7 @@ def test_bare_hosts_plan_apply_replan(lab, env):
     assert reconciler("validate", "c.yaml").returncode == 0
     plan = reconciler("plan", "-f", "c.yaml")
     assert plan.returncode == 2, plan.stdout + plan.stderr
-    assert plan.stdout.strip().endswith("Plan: 12 to add, 3 to change, 0 to destroy.")
+    assert plan.stdout.strip().endswith("Plan: 15 to add, 3 to change, 0 to destroy.")
     assert "<redacted>" in plan.stdout and "uuid\": \"<redacted>" in plan.stdout
     apply = reconciler("apply", "-f", "c.yaml")
     assert apply.returncode == 0, apply.stdout + apply.stderr
