@@ -268,6 +268,9 @@ async def _stage_engine(pool: SSHPool, o: Observed) -> list[list[str]]:
         # Shipped compressed (a Go binary shrinks to ~40%) and unpacked as it streams in. gzip's CRC and
         # SSH's MAC vouch for the bytes; the sha256 was taken here, once, from the source.
         data, digest = _gzipped(d.binary.local_path)
+        known = _local_version(d.binary.local_path)
+        if known:  # the same bytes report the same version: no 44 MB binary to start on every server
+            record = f"chmod 755 {tmp} && printf %s {shlex.quote(known)} > {tmp}.version && cat {tmp}.sha256 && echo && cat {tmp}.version"
         cmd = f"python3 -I -S -c {shlex.quote(remote.INFLATE)} {tmp} && printf %s {digest} > {tmp}.sha256 && {record}"
     else:
         raise RemoteCommandError(o.plan.server, "install engine", None,
@@ -288,17 +291,38 @@ async def _stage_engine(pool: SSHPool, o: Observed) -> list[list[str]]:
 
 
 _PACKED: dict[str, tuple[bytes, str]] = {}
+_VERSIONS: dict[tuple[str, int, int], str | None] = {}
+
+
+def _local_version(path: str) -> str | None:
+    """``<binary> version`` run here, once per file version; None when it does not run here (another
+    architecture or OS): then each server runs it."""
+    import subprocess
+
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    if key not in _VERSIONS:
+        try:
+            out = subprocess.run([path, "version"], capture_output=True, text=True, timeout=20)
+            _VERSIONS[key] = out.stdout if out.returncode == 0 and out.stdout.startswith("sing-box version") else None
+        except (OSError, subprocess.SubprocessError):
+            _VERSIONS[key] = None
+    return _VERSIONS[key]
+
+
+PACK_LEVEL = 6  # inflates ~35% faster than level 1 on the servers (and is 10% smaller); packed once per version
 
 
 def _gzipped(path: str) -> tuple[bytes, str]:
     """(gzip bytes, sha256 of the original) of a local file: compressed once per file version (cached on
-    disk across runs) and held once in memory for every server of this run."""
+    disk across runs, the three newest versions kept) and held once in memory for every server of this run."""
+    import glob
     import gzip
     import hashlib
     import shutil
 
     st = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:{PACK_LEVEL}".encode()).hexdigest()[:16]
     if key in _PACKED:
         return _PACKED[key]
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "reconciler")
@@ -310,9 +334,11 @@ def _gzipped(path: str) -> tuple[bytes, str]:
             sha.update(block)
     if not os.path.exists(out):
         tmp = out + f".{os.getpid()}.tmp"
-        with open(path, "rb") as src, gzip.open(tmp, "wb", compresslevel=1) as dst:
+        with open(path, "rb") as src, gzip.open(tmp, "wb", compresslevel=PACK_LEVEL) as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
         os.replace(tmp, out)
+        for old in sorted(glob.glob(os.path.join(cache, "engine-*.gz")), key=os.path.getmtime)[:-3]:
+            os.remove(old)
     with open(out, "rb") as fh:
         _PACKED[key] = (fh.read(), sha.hexdigest())
     return _PACKED[key]

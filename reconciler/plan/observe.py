@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import shlex
 import time
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ def facts_request(d: DesiredServer | None) -> dict[str, object]:
 
 async def gather(pool: SSHPool, target: Target, d: DesiredServer | None) -> Facts:
     # -I -S: no site import and no user environment (faster start, same result on every server).
-    res = await pool.run(target, f"python3 -I -S -c {shlex.quote(remote.FACTS)}", input=json.dumps(facts_request(d)))
+    res = await pool.run(target, f"python3 -I -S -c {shlex.quote(remote.facts_script(facts_request(d)))}")
     return parse_facts(res.stdout)
 
 
