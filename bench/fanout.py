@@ -3,8 +3,9 @@
 On N lab hosts (real systemd and sshd in network namespaces; needs root) each
 tool installs the sing-box binary, a one-inbound config and a unit, and
 restarts only on change: a cold apply on bare hosts and a no-op re-run,
-medians of several runs. The floor, measured in the same run: one raw asyncssh
-round trip per host, in parallel, on fresh connections. pyinfra and
+medians of several runs. The floor, measured in the same run right after each
+of the reconciler's no-op runs (this VM's speed drifts over a run): one raw
+asyncssh round trip per host, in parallel, on fresh connections. pyinfra and
 ansible-core are installed into venvs of their own under .bench/ by the script.
 
     python bench/fanout.py [--quick] [--json] [--hosts 5,20]
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -123,11 +126,15 @@ def timed(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = 
 
 
 def run_reconciler(cluster: Path) -> float:
+    """One `reconciler apply` in this process (its output kept out of --json's stdout)."""
+    out = io.StringIO()
     t0 = time.perf_counter()
-    code = reconciler_main(["apply", "-f", str(cluster)])
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = reconciler_main(["apply", "-f", str(cluster)])
+    took = time.perf_counter() - t0
     if code != 0:
-        raise RuntimeError("reconciler apply failed")
-    return time.perf_counter() - t0
+        raise RuntimeError(f"reconciler apply failed: {out.getvalue()[-1500:]}")
+    return took
 
 
 def bench_hosts(lab: Lab, n: int, runs: int, work: Path, log) -> dict[str, float]:  # type: ignore[no-untyped-def]
@@ -165,21 +172,31 @@ def bench_hosts(lab: Lab, n: int, runs: int, work: Path, log) -> dict[str, float
         "_pyinfra": lambda: timed([str(pyinfra), str(inv), str(deploy), "-y", "--parallel", str(n)], cwd=work),
         "_ansible": lambda: timed([str(ansible), "-i", str(ini), str(play)], env=ansible_env, cwd=work),
     }
-    result: dict[str, float] = {}
+    result: dict[str, object] = {}
+    floors: list[float] = []
+
+    def noop(suffix: str, run) -> float:  # type: ignore[no-untyped-def]
+        took = run()
+        if suffix == "":  # the floor right after each of our no-ops: the same moment of this noisy machine
+            floors.append(floor_subset(lab, hosts))
+        return took
+
     for suffix, run in tools.items():
         colds, noops = [], []
         for _ in range(runs):
             reset_subset(lab, hosts)
             colds.append(run())
-            noops.append(run())
-        for _ in range(max(0, runs - 1)):
-            noops.append(run())
+            noops.append(noop(suffix, run))
+        for _ in range(max(1, runs - 1)):
+            noops.append(noop(suffix, run))
         result[f"cold{suffix}_s"] = statistics.median(colds)
         result[f"noop{suffix}_s"] = statistics.median(noops)
         log(f"  N={n:3d} {suffix.strip('_') or 'reconciler':10s} cold {result[f'cold{suffix}_s']:6.2f} s   "
             f"no-op {result[f'noop{suffix}_s']:6.2f} s")
-    floors = [floor_subset(lab, hosts) for _ in range(max(3, runs))]
+    while len(floors) < 3:
+        floors.append(floor_subset(lab, hosts))
     result["noop_floor_s"] = statistics.median(floors)
+    result["noop_floor_runs"] = floors
     log(f"  N={n:3d} floor      one asyncssh round trip per host in parallel: {result['noop_floor_s']:.2f} s")
     result["hosts"] = n
     result["pack_once_s"] = pack_s

@@ -213,7 +213,7 @@ def test_the_facts_script_runs_here_and_parses(tmp_path):
     managed = tmp_path / "managed.json"
     managed.write_text('{"a": "b"}')
     req = {"files": [str(managed), str(tmp_path / "missing")], "binary": str(tmp_path / "sing-box"), "service": "none.service",
-           "public": [str(managed)], "private": [str(tmp_path / "key")], "lock": str(tmp_path / "lock"),
+           "public": [str(managed)], "private": [str(tmp_path / "key")], "lock": str(tmp_path / "lock"), "wants": str(tmp_path / "wants"),
            "dirs": [str(tmp_path)], "firewall": False}
     out = subprocess.run(["python3", "-I", "-S", "-c", remote.facts_script(req)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -221,3 +221,16 @@ def test_the_facts_script_runs_here_and_parses(tmp_path):
     assert f.files == {str(managed): hashlib.sha256(managed.read_bytes()).hexdigest(), str(tmp_path / "missing"): None}
     assert f.engine_version is None and f.public == {str(managed): '{"a": "b"}'} and f.present == {str(tmp_path / "key"): False}
     assert f.extra == (str(managed),) and f.lock is None
+
+
+def test_the_facts_scripts_commands_are_bounded():
+    # A hung command (systemctl waiting on a wedged PID 1) must not hang the observation.
+    import time
+
+    ns: dict = {}
+    exec(remote.FACTS.split("def read(p")[0].replace("@@REQUEST@@", "{}"), ns)
+    start = time.monotonic()
+    res = ns["run"](["sleep", "30"], limit=0.3)
+    assert time.monotonic() - start < 10 and res["code"] != 0 and "timed out" in res["out"]
+    assert ns["run"](["echo", "hi"]) == {"code": 0, "out": "hi\n", "err": ""}
+    assert ns["run"](["/nonexistent/tool"])["code"] == -1

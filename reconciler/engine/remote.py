@@ -17,7 +17,7 @@
 # hashlib or platform imports (together ~35 ms of a small VPS's CPU, more than the work itself). The
 # request is spliced in as a Python literal (``facts_script``) and the answer is written as JSON by hand.
 FACTS = r'''
-import os, sys
+import os, select, sys, time
 try:
     from _sha256 import sha256  # built in: no OpenSSL to load
 except ImportError:
@@ -43,11 +43,11 @@ def sha(p):
             return sha256(f.read()).hexdigest()
     except OSError:
         return None
-def run(argv):
-    # posix_spawn and a pipe (what subprocess would do, without its import); timeout(1) bounds it.
+def run(argv, limit=20.0):
+    # posix_spawn and a pipe (what subprocess would do, without its import), bounded by a deadline.
     r, w = os.pipe()
     try:
-        pid = os.posix_spawnp("timeout", ["timeout", "20"] + argv, os.environ, file_actions=[
+        pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=[
             (os.POSIX_SPAWN_DUP2, w, 1), (os.POSIX_SPAWN_CLOSE, r),
             (os.POSIX_SPAWN_OPEN, 2, "/dev/null", os.O_WRONLY, 0)])
     except OSError as e:
@@ -55,8 +55,14 @@ def run(argv):
         os.close(w)
         return {"code": -1, "out": "", "err": str(e)}
     os.close(w)
-    chunks = []
+    chunks, poll, deadline = [], select.poll(), time.monotonic() + limit
+    poll.register(r, select.POLLIN | select.POLLHUP)
     while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not poll.poll(left * 1000):
+            os.kill(pid, 9)
+            chunks.append(b"(timed out)")
+            break
         block = os.read(r, 65536)
         if not block:
             break
@@ -69,8 +75,18 @@ def read(p, limit=65536):
             return f.read(limit)
     except (OSError, ValueError):
         return None
-def unit_state(unit):
-    # One systemctl call for both words (each call costs ~10 ms of CPU on a small VPS).
+def unit_state(unit, listeners):
+    # Converged servers answer without systemctl (~10 ms of CPU each): a process in the unit's own cgroup
+    # listening (ss names the pids) and the unit's wants link are "active" and "enabled". Anything
+    # else asks systemd, which also names states such as failed or activating.
+    pids = {part.split(",", 1)[0] for part in listeners.split("pid=")[1:]}
+    running = False
+    for pid in pids:
+        cgroups = read("/proc/%s/cgroup" % pid) or ""
+        running = running or any(line.endswith("/" + unit) for line in cgroups.splitlines())
+    if running and os.path.islink(req["wants"]):
+        return {"active": "active", "enabled": "enabled"}
+    # One systemctl call for both words.
     props = {}
     for line in run(["systemctl", "show", "--property=ActiveState,UnitFileState,LoadState", unit])["out"].splitlines():
         k, _, v = line.partition("=")
@@ -89,14 +105,15 @@ if binary["exists"]:
     if os.path.exists(b + ".version") and os.stat(b + ".version").st_mtime >= st.st_mtime:
         ver = {"code": 0, "out": read(b + ".version") or "", "err": ""}
     binary.update(size=st.st_size, sha256=cached, version=ver or run([b, "version"]))
+listeners = run(["ss", "-Hlntup"])["out"]
 out = {
     "arch": os.uname().machine,
     "systemd": os.path.isdir("/run/systemd/system"),
     "python": "%d.%d.%d" % sys.version_info[:3],
     "files": {p: sha(p) for p in req["files"]},
     "binary": binary,
-    **unit_state(req["service"]),
-    "ss": run(["ss", "-Hlntup"])["out"],
+    **unit_state(req["service"], listeners),
+    "ss": listeners,
     "public": {p: read(p) for p in req["public"]},
     "present": {p: os.path.exists(p) for p in req["private"]},
     "lock": read(req["lock"]),

@@ -31,6 +31,7 @@ TEMPLATE = f"{CONFIG_DIR}/config.template.json"
 CONFIG = f"{CONFIG_DIR}/config.json"
 UNIT = "/etc/systemd/system/sing-box.service"
 SERVICE = "sing-box.service"
+WANTS = f"/etc/systemd/system/multi-user.target.wants/{SERVICE}"  # what `systemctl enable` links (WantedBy= below)
 CLASH_API = "127.0.0.1:9090"
 AGENT = "/usr/local/lib/reconciler/agent.py"
 AGENT_SOURCE = (Path(__file__).with_name("agent.py")).read_bytes()

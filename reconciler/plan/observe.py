@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from reconciler.credentials import Secret
 from reconciler.engine import remote
-from reconciler.engine.singbox import BINARY, CONFIG_DIR, SERVICE, TEMPLATE, UNIT, DesiredServer, desired
+from reconciler.engine.singbox import BINARY, CONFIG_DIR, SERVICE, TEMPLATE, UNIT, WANTS, DesiredServer, desired
 from reconciler.model import Cluster
 from reconciler.plan.actions import ServerPlan, plan_removal, plan_server, preflight
 from reconciler.plan.facts import Facts, parse_facts, spki_pin
@@ -31,7 +31,8 @@ def facts_request(d: DesiredServer | None) -> dict[str, object]:
         else:
             public.append(a)
             private.append(b)
-    return {"files": sorted(set(files)), "binary": BINARY, "service": SERVICE, "public": public, "private": private,
+    return {"files": sorted(set(files)), "binary": BINARY, "service": SERVICE, "wants": WANTS,
+            "public": public, "private": private,
             "lock": LOCK_FILE, "dirs": [f"{CONFIG_DIR}/reality", f"{CONFIG_DIR}/tls"],
             # Without harden, whether our table is loaded matters only when a server is being removed.
             "firewall": d is None or bool(d.firewall)}
