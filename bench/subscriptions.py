@@ -157,7 +157,7 @@ def filesystem_of(path: Path) -> str:
     try:
         for line in Path("/proc/mounts").read_text().splitlines():
             parts = line.split()
-            if len(parts) > 2 and str(path.resolve()).startswith(parts[1].rstrip("/") + "/") and len(parts[1]) > len(best):
+            if len(parts) > 2 and (str(path.resolve()) + "/").startswith(parts[1].rstrip("/") + "/") and len(parts[1]) > len(best):
                 best, kind = parts[1], parts[2]
     except OSError:
         pass
