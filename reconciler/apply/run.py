@@ -179,6 +179,7 @@ async def _transaction(pool: SSHPool, o: Observed, phase, result: ServerResult, 
         "config_new": f"{CONFIG}.reconciler-new", "binary": BINARY, "service": SERVICE,
         "reality": {k.inbound: k.paths[0] for k in d.keys if k.kind == "reality"},
         "action": action, "listeners": [list(x) for x in d.listeners], "verify_timeout": verify_timeout, "lock": LOCK_DIR,
+        "running": o.facts.active == "active",
     }
     # setsid: the commit finishes (or rolls back) on the server even if this SSH session drops.
     res = await pool.run(t, f"setsid -w python3 -I -S -c {shlex.quote(remote.COMMIT)}", input=json.dumps(req),

@@ -129,7 +129,22 @@ def test_a_config_the_engine_rejects_rolls_back_and_the_old_one_keeps_serving(la
     assert ssh(lab, h, "sha256sum /etc/sing-box/config.json").stdout == before
     assert ssh(lab, h, "systemctl is-active sing-box").stdout.strip() == "active"
     assert ssh(lab, h, "test -e /run/reconciler.lock && echo held || echo free").stdout.strip() == "free"
+    # A bare host is not checked before the start (nothing runs there to protect): the failed start
+    # is explained by the same check afterwards, and the host is left as bare as it was.
+    bare = lab.state.hosts[0]
+    ssh(lab, bare, "systemctl disable --now sing-box 2>/dev/null; rm -rf /etc/sing-box /usr/local/bin/sing-box* "
+                   "/etc/systemd/system/sing-box.service; systemctl daemon-reload")
+    apply = reconciler("apply", "-f", "c.yaml", "--json")
+    assert apply.returncode == 1
+    got = {r["server"]: r for r in json.loads(apply.stdout)}["vps1"]
+    assert "sing-box check rejected the new configuration" in got["message"], got
+    assert got["rolled_back"] and got["details"]["commit"]["rollback_verified"], got
+    gone = "test -e /etc/sing-box/config.json || test -e /usr/local/bin/sing-box || test -e /etc/systemd/system/sing-box.service"
+    assert ssh(lab, bare, f"{gone} && echo left || echo bare").stdout.strip() == "bare"
+    assert ssh(lab, bare, "systemctl is-active sing-box").stdout.strip() != "active"
+    assert ssh(lab, bare, "test -e /run/reconciler.lock && echo held || echo free").stdout.strip() == "free"
     Path("c.yaml").write_text(every_protocol_cluster(lab))
+    assert reconciler("apply", "-f", "c.yaml").returncode == 0
     client = Client(json.loads(reconciler("subscription", "bob", "--format", "sing-box", "-f", "c.yaml").stdout), env, 23000)
     try:
         assert client.fetch("via shadowsocks-2022", f"http://{lab.state.hosts[2].ip}:{ORIGIN_PORT}/ip")
