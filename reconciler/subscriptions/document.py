@@ -10,6 +10,7 @@ import base64
 import hashlib
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from reconciler.balance.decide import Entry, decide
 from reconciler.balance.snapshot import Snapshot, expires_at
@@ -30,7 +31,7 @@ class Document:
     headers: dict[str, str]
     entries: list[Entry] = field(default_factory=list)
 
-    @property
+    @cached_property  # asked on every live request (If-None-Match): hash the body once
     def etag(self) -> str:
         return '"' + hashlib.sha256(self.body).hexdigest()[:32] + '"'
 
