@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 import asyncssh
 
 from reconciler.engine import remote
-from reconciler.engine.singbox import BINARY, CONFIG, SERVICE, TEMPLATE
+from reconciler.engine.singbox import BINARY, CONFIG, CONFIG_DIR, SERVICE, TEMPLATE
 from reconciler.plan.observe import LOCK_DIR, LOCK_FILE, Observed
 from reconciler.ssh import RemoteCommandError, SSHError, SSHPool
 
@@ -110,8 +110,8 @@ async def apply_one(o: Observed, pool: SSHPool, progress: Progress, verify_timeo
 def _folders(o: Observed) -> str:
     """The shell command creating the folders the managed files live in (harmless under another's lock)."""
     assert o.desired is not None
-    dirs = sorted({"/etc/sing-box/tls", "/etc/sing-box/reality", *(posixpath.dirname(f.path) for f in o.desired.files)})
-    return f"mkdir -p {' '.join(map(shlex.quote, dirs))} && chmod 700 /etc/sing-box/reality"
+    dirs = sorted({f"{CONFIG_DIR}/tls", f"{CONFIG_DIR}/reality", *(posixpath.dirname(f.path) for f in o.desired.files)})
+    return f"mkdir -p {' '.join(map(shlex.quote, dirs))} && chmod 700 {CONFIG_DIR}/reality"
 
 
 async def _lock(pool: SSHPool, o: Observed, take_over: bool = False, prepare: str | None = None) -> None:
@@ -257,27 +257,28 @@ async def _stage_engine(pool: SSHPool, o: Observed) -> list[list[str]]:
     d, t = o.desired, o.target
     assert d is not None
     tmp = f"{BINARY}.reconciler-new"
-    record = f"chmod 755 {tmp} && {tmp} version > {tmp}.version && cat {tmp}.sha256 && echo && cat {tmp}.version"
+    version_cmd = f"{tmp} version"  # run on the server unless the controller could run the same bytes
     data: bytes | None = None
     if d.binary.url and not d.binary.local_path:
         arch = "arm64" if o.facts and o.facts.arch in ("aarch64", "arm64") else "amd64"
         url = d.binary.url.format(version=d.binary.version, arch=arch)
         fetch = f"import urllib.request; urllib.request.urlretrieve({url!r}, {tmp!r})"
         # Downloaded on the server: hashed there.
-        cmd = f"python3 -c {shlex.quote(fetch)} && sha256sum {tmp} | cut -d' ' -f1 | tr -d '\\n' > {tmp}.sha256 && {record}"
+        cmd = f"python3 -c {shlex.quote(fetch)} && sha256sum {tmp} | cut -d' ' -f1 | tr -d '\\n' > {tmp}.sha256"
     elif d.binary.local_path:
         # Shipped compressed (a Go binary shrinks to ~40%) and unpacked as it streams in. gzip's CRC and
         # SSH's MAC vouch for the bytes; the sha256 was taken here, once, from the source.
         data, digest = _gzipped(d.binary.local_path)
         known = _local_version(d.binary.local_path)
         if known:  # the same bytes report the same version: no 44 MB binary to start on every server
-            record = f"chmod 755 {tmp} && printf %s {shlex.quote(known)} > {tmp}.version && cat {tmp}.sha256 && echo && cat {tmp}.version"
-        cmd = f"python3 -I -S -c {shlex.quote(remote.INFLATE)} {tmp} && printf %s {digest} > {tmp}.sha256 && {record}"
+            version_cmd = f"printf %s {shlex.quote(known)}"
+        cmd = f"python3 -I -S -c {shlex.quote(remote.INFLATE)} {tmp} && printf %s {digest} > {tmp}.sha256"
     else:
         raise RemoteCommandError(o.plan.server, "install engine", None,
                                  "no engine binary: set settings.engine.binary, or install: download with a url")
+    record = f"chmod 755 {tmp} && {version_cmd} > {tmp}.version && cat {tmp}.sha256 && echo && cat {tmp}.version"
     clean = f"rm -f {tmp} {tmp}.sha256 {tmp}.version"
-    res = await pool.run(t, f"umask 022; {{ {cmd}; }} || {{ s=$?; {clean}; exit $s; }}", input=data, timeout=600)
+    res = await pool.run(t, f"umask 022; {{ {cmd} && {record}; }} || {{ s=$?; {clean}; exit $s; }}", input=data, timeout=600)
     digest, _, version = res.stdout.partition("\n")
     digest = digest.strip()
     problem = None

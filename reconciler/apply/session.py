@@ -38,9 +38,9 @@ class StateDir:
         return SSHPool(KnownHosts(self.path / "known_hosts.json"), concurrency=concurrency)
 
 
-def remember(state: StateDir, cluster: Cluster, observed: list, results: list) -> None:
+def remember(state: StateDir, cluster: Cluster, observed: list, results: list) -> dict:
     """After an apply: which servers are managed (for --prune) and the public material they generated
-    (the commit adds what it generated to the observed facts)."""
+    (the commit adds what it generated to the observed facts). Returns the facts now on record."""
     from reconciler.plan.observe import learned_facts
 
     managed = state.read("managed.json")
@@ -53,7 +53,9 @@ def remember(state: StateDir, cluster: Cluster, observed: list, results: list) -
     state.write("managed.json", managed)
     learned = learned_facts(observed)
     old = state.read("facts.json")
-    state.write("facts.json", {k: {**old.get(k, {}), **v} for k, v in learned.items()})
+    facts = {k: {**old.get(k, {}), **v} for k, v in learned.items()}
+    state.write("facts.json", facts)
+    return facts
 
 
 class Progress:

@@ -204,15 +204,14 @@ def verify():
             return True
         if time.time() - asked >= 0.5:
             asked = time.time()
-            state = dict(line.split("=", 1) for line in sh(["systemctl", "show", "--property=ActiveState,SubState",
-                                                            req["service"]])[1].splitlines() if "=" in line)
+            state = unit("ActiveState,SubState")
             if state.get("ActiveState") == "failed" or state.get("SubState") == "auto-restart":
                 return False
         time.sleep(pause)
         pause = min(pause * 1.5, 0.25)
     return False
-def unit():
-    code, out = sh(["systemctl", "show", "--property=LoadState,NeedDaemonReload,UnitFileState", req["service"]])
+def unit(props="LoadState,NeedDaemonReload,UnitFileState"):
+    code, out = sh(["systemctl", "show", "--property=" + props, req["service"]])
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 def restart(action):
     # daemon-reload costs ~150 ms of the manager's time: only when systemd says the unit needs it

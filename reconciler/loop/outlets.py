@@ -30,7 +30,7 @@ from reconciler.credentials import Secret, UserCredentials, user_credentials, us
 from reconciler.files import write_atomic
 from reconciler.model import Cluster
 from reconciler.subscriptions import FORMATS, Document, render
-from reconciler.subscriptions.document import EXTENSIONS, render_formats
+from reconciler.subscriptions.document import EXTENSIONS, headers_json, render_formats
 
 MANIFEST = "subscription-files.json"
 
@@ -264,24 +264,6 @@ def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tup
             shutil.rmtree(staging, ignore_errors=True)
     for name, data in files.items():
         _replace(f"{folder}/{name}", data)
-
-
-def headers_json(snapshot: Snapshot, docs: dict) -> bytes:
-    """``{format: headers}`` as JSON, the user-independent part encoded once per snapshot (the C encoder
-    took 22 µs per user; the two per-user values are digits, letters and a hex ETag: nothing to escape)."""
-    memo = snapshot.__dict__.setdefault("_headers_json", {})
-    parts = []
-    for fmt, doc in docs.items():
-        keys = [k for k in doc.headers if k not in ("subscription-userinfo", "etag")]
-        key = (fmt, tuple((k, doc.headers[k]) for k in keys))
-        head = memo.get(key)
-        if head is None:
-            head = memo[key] = json.dumps(fmt, ensure_ascii=False) + ": " + json.dumps({k: doc.headers[k] for k in keys},
-                                                                                          ensure_ascii=False)[:-1]
-        info, etag = doc.headers.get("subscription-userinfo"), doc.headers.get("etag")
-        tail = "".join(f', "{k}": {json.dumps(v)}' for k, v in (("subscription-userinfo", info), ("etag", etag)) if v is not None)
-        parts.append(head + tail + "}")
-    return ("{" + ", ".join(parts) + "}").encode()
 
 
 def _write_new(path: str, data: bytes) -> None:

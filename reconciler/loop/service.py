@@ -352,8 +352,7 @@ class Loop:
             progress = Progress([o.plan.server for o in pending], log=lambda line: log.info("apply %s", line))
             try:
                 results = await apply_all(pending, self.pool, progress)  # adds generated public keys to `pending`
-                await asyncio.to_thread(remember, self.state, cluster, pending, results)
-                self.facts = self.state.read("facts.json")
+                self.facts = await asyncio.to_thread(remember, self.state, cluster, pending, results)
             except Exception:  # noqa: BLE001
                 log.exception("apply failed")
                 self.stats.record("apply", False, time.perf_counter() - started, time.time())

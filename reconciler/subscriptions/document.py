@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -50,9 +51,9 @@ def choose_format(requested: str | None, user_agent: str | None) -> str:
     return "links"
 
 
-def headers(snapshot: Snapshot, user_name: str, fmt: str, user: object | None = None) -> dict[str, str]:
-    """The response headers of a user's document. What does not depend on the user is built once per
-    snapshot (the file outlet asks for 300,000 of these)."""
+def _header_base(snapshot: Snapshot, fmt: str) -> dict[str, str]:
+    """The headers of ``fmt`` that do not depend on the user, built once per snapshot (the file outlet
+    asks for 300,000 documents' headers); ``subscription-userinfo`` is left empty."""
     memo = snapshot.__dict__.setdefault("_header_bases", {})
     base = memo.get(fmt)
     if base is None:
@@ -67,10 +68,30 @@ def headers(snapshot: Snapshot, user_name: str, fmt: str, user: object | None = 
             "content-disposition": f'attachment; filename="{ascii_name}.{EXTENSIONS[fmt]}"',
             "cache-control": "no-cache",
         }
+    return base
+
+
+def headers(snapshot: Snapshot, user_name: str, fmt: str, user: object | None = None) -> dict[str, str]:
+    """The response headers of a user's document (its ETag is added with the body)."""
     u = user if user is not None else snapshot.cluster.user(user_name)
-    result = dict(base)
+    result = dict(_header_base(snapshot, fmt))
     result["subscription-userinfo"] = f"upload=0; download=0; total={u.data_limit or 0}; expire={int(expires_at(u) or 0)}"  # type: ignore[attr-defined]
     return result
+
+
+def headers_json(snapshot: Snapshot, docs: dict[str, Document]) -> bytes:
+    """``{format: headers}`` of one user's documents as JSON (the file outlet's ``headers.json``). The
+    user-independent part is encoded once per snapshot: the C encoder took 22 µs per user."""
+    memo = snapshot.__dict__.setdefault("_header_json_heads", {})
+    parts = []
+    for fmt, doc in docs.items():
+        head = memo.get(fmt)
+        if head is None:
+            fixed = {k: v for k, v in _header_base(snapshot, fmt).items() if k != "subscription-userinfo"}
+            head = memo[fmt] = json.dumps(fmt, ensure_ascii=False) + ": " + json.dumps(fixed, ensure_ascii=False)[:-1]
+        parts.append(f'{head}, "subscription-userinfo": {json.dumps(doc.headers["subscription-userinfo"])}, '
+                     f'"etag": {json.dumps(doc.etag)}}}')
+    return ("{" + ", ".join(parts) + "}").encode()
 
 
 def render(snapshot: Snapshot, user_name: str, fmt: str, secret: Secret, region: str | None = None) -> Document:
