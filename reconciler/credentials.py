@@ -23,11 +23,11 @@ import os
 import uuid
 from dataclasses import dataclass
 
+from reconciler.errors import SecretError
+
 MIN_SECRET_BYTES = 16
 
 
-class SecretError(Exception):
-    """The master secret is missing or too weak; says where it was looked for."""
 
 
 @dataclass(frozen=True)

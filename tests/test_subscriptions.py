@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from ruamel.yaml import YAML
 
 from reconciler.balance import Snapshot
-from reconciler.credentials import Secret, SecretError, load_secret, user_credentials
+from reconciler.credentials import Secret, load_secret, user_credentials
+from reconciler.errors import SecretError
 from reconciler.model import Cluster
 from reconciler.subscriptions import choose_format, render
 

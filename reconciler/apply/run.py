@@ -26,14 +26,13 @@ import asyncssh
 
 from reconciler.engine import remote
 from reconciler.engine.singbox import BINARY, CONFIG, CONFIG_DIR, SERVICE, TEMPLATE
+from reconciler.errors import CommitFailed, LockHeld, RemoteCommandError, RemoteError
 from reconciler.plan.observe import LOCK_DIR, LOCK_FILE, Observed
-from reconciler.ssh import RemoteCommandError, SSHError, SSHPool
+from reconciler.ssh import SSHPool
 
 LEASE_SECONDS = 600  # a lock older than this belongs to an apply that died: every step of ours is bounded far below
 
 
-class LockHeld(SSHError):
-    """Another apply holds the server's lock."""
 
 
 @dataclass
@@ -99,7 +98,7 @@ async def apply_one(o: Observed, pool: SSHPool, progress: Progress, verify_timeo
     except (LockHeld, CommitFailed, RemoteCommandError) as exc:
         result.ok = False
         result.message = str(exc)
-    except SSHError as exc:
+    except RemoteError as exc:
         result.ok = False
         result.message = f"{exc} (the server finishes or rolls back a started commit on its own; run apply again)"
     finally:
@@ -233,7 +232,7 @@ async def _harden(pool: SSHPool, o: Observed, timeout: float = 20.0) -> None:
             await fresh.run("touch /run/reconciler-firewall.ok", check=True)
         finally:
             fresh.close()
-    except (OSError, TimeoutError, SSHError, asyncssh.Error):
+    except (OSError, TimeoutError, RemoteError, asyncssh.Error):
         pass  # no confirmation: the server restores the previous rules by itself, and says so below
     deadline = time.monotonic() + timeout + 15
     while time.monotonic() < deadline:
@@ -247,8 +246,6 @@ async def _harden(pool: SSHPool, o: Observed, timeout: float = 20.0) -> None:
     raise CommitFailed("firewall: no answer from the server within the timeout")
 
 
-class CommitFailed(SSHError):
-    """The server rejected or could not run the new state; it rolled back (or changed nothing)."""
 
 
 async def _stage_engine(pool: SSHPool, o: Observed) -> list[list[str]]:

@@ -19,17 +19,12 @@ from ruamel.yaml import YAML
 
 from reconciler.config.diagnostics import Diagnostic
 from reconciler.config.loader import load_cluster
+from reconciler.errors import EditError
 from reconciler.files import write_atomic
 
 _SCALAR = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\']|\'\')*\'|[^\s,}\]#]+')
 
 
-class EditError(Exception):
-    """The edit cannot be made; nothing was written."""
-
-    def __init__(self, message: str, diagnostics: list[Diagnostic] | None = None):
-        super().__init__(message)
-        self.diagnostics = diagnostics or []
 
 
 @dataclass

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from reconciler.errors import LabError
+
 BRIDGE = "rlabbr0"
 SUBNET = "198.18.0"
 NS_PREFIX = "rlab"
@@ -34,8 +36,6 @@ ROOTFS_VERSION = "3"  # bump when the rootfs recipe changes
 BLOCK_TABLE = "rlab_block"
 
 
-class LabError(Exception):
-    """The lab could not do what was asked; says what and what to do."""
 
 
 def lab_dir() -> Path:

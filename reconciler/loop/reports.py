@@ -15,12 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from reconciler.engine.singbox import CLASH_API, SERVICE
+from reconciler.errors import ReportError
 from reconciler.health.engine import Observation, Topology
 from reconciler.model import Cluster
-
-
-class ReportError(ValueError):
-    """A report that cannot be read; the server then counts as not having reported (no_data)."""
 
 
 @dataclass(frozen=True)

@@ -37,15 +37,16 @@ from reconciler.apply.session import Progress, StateDir, remember
 from reconciler.config import load_cluster
 from reconciler.credentials import Secret, clash_api_secret
 from reconciler.engine.singbox import AGENT
+from reconciler.errors import RemoteError, ReportError
 from reconciler.health.verdicts import Verdicts
 from reconciler.loop.http import HttpOutlet
 from reconciler.loop.learned import Learned
 from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens, cluster_digest
-from reconciler.loop.reports import Report, ReportError, agent_request, parse_report
+from reconciler.loop.reports import Report, agent_request, parse_report
 from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
 from reconciler.model import Cluster
 from reconciler.plan.observe import observe
-from reconciler.ssh import SSHError, Target
+from reconciler.ssh import Target
 
 log = logging.getLogger("reconciler.loop")
 STATE_FILE = "learned.npz"
@@ -263,7 +264,7 @@ class Loop:
                     hint = " (the agent is not installed yet: apply first)" if "No such file" in res.stderr else ""
                     raise ReportError(f"the agent exited {res.code}{hint}: {res.stderr.strip()[-300:]}")
                 report = parse_report(name, res.stdout, time.time())
-            except (SSHError, ReportError, OSError, TimeoutError) as exc:
+            except (RemoteError, ReportError, OSError, TimeoutError) as exc:
                 wait = self.backoff.failed(name, self._tick_index)
                 self.stats.server_error(name)
                 log.warning("%s: no report this interval: %s%s", name, str(exc) or type(exc).__name__,

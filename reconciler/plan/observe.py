@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from reconciler.credentials import Secret
 from reconciler.engine import remote
 from reconciler.engine.singbox import BINARY, CONFIG_DIR, SERVICE, TEMPLATE, UNIT, WANTS, DesiredServer, desired
+from reconciler.errors import RemoteError
 from reconciler.model import Cluster
 from reconciler.plan.actions import ServerPlan, plan_removal, plan_server, preflight
 from reconciler.plan.facts import Facts, parse_facts, spki_pin
-from reconciler.ssh import SSHError, SSHPool, Target
+from reconciler.ssh import SSHPool, Target
 
 LOCK_DIR = "/run/reconciler.lock"
 LOCK_FILE = f"{LOCK_DIR}/holder"
@@ -105,7 +106,7 @@ async def _facts_or_error(pool: SSHPool, target: Target, d: DesiredServer | None
     """The server's facts (their digest noted on the plan), or None with the plan's error set."""
     try:
         facts = await gather(pool, target, d)
-    except SSHError as exc:
+    except RemoteError as exc:
         plan.error = str(exc)
         return None
     plan.facts_digest = facts.digest()

@@ -12,23 +12,7 @@ from pathlib import Path
 
 import asyncssh
 
-
-class SSHError(Exception):
-    """Base of the SSH errors."""
-
-
-class ConnectError(SSHError):
-    """The server could not be reached, or refused the connection or our key."""
-
-
-class HostKeyChanged(SSHError):
-    """The server presented a host key other than the pinned one."""
-
-
-class RemoteCommandError(SSHError):
-    def __init__(self, server: str, command: str, code: int | None, stderr: str):
-        self.server, self.command, self.code, self.stderr = server, command, code, stderr
-        super().__init__(f"{server}: `{command[:80]}` exited {code}: {stderr.strip()[-400:]}")
+from reconciler.errors import ConnectError, HostKeyChanged, RemoteCommandError
 
 
 @dataclass(frozen=True)
