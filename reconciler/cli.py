@@ -512,8 +512,9 @@ def _observe(path: str, prune: bool, then=None):  # type: ignore[no-untyped-def]
     """
     import asyncio
 
-    from reconciler.apply.session import StateDir
+    from reconciler.apply.session import pool_for
     from reconciler.plan.observe import fingerprint, observe
+    from reconciler.state.folder import StateFolder
 
     cluster = _load_or_report(path)
     if cluster is None:
@@ -521,11 +522,11 @@ def _observe(path: str, prune: bool, then=None):  # type: ignore[no-untyped-def]
     secret = _secret_for(cluster)
     if secret is None:
         return None
-    state = StateDir.of(path, cluster)
+    state = StateFolder.of(path, cluster.settings.outputs.state_dir)
 
     async def go():  # type: ignore[no-untyped-def]
-        async with state.pool() as pool:
-            observed = await observe(cluster, secret, pool, str(Path(path).resolve().parent), prune, state.read("managed.json"))
+        async with pool_for(state) as pool:
+            observed = await observe(cluster, secret, pool, str(Path(path).resolve().parent), prune, state.managed())
             fp = fingerprint(observed)
             if then is None:
                 return cluster, state, observed, fp, secret

@@ -1,61 +1,35 @@
-"""What plan and apply share: the state folder, the SSH pool, observation, progress output."""
+"""What plan and apply share around the servers: the SSH pool of a state folder, remembering what an
+apply learnt, and progress output."""
 
 from __future__ import annotations
 
-import json
 import sys
-from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
 from reconciler.model import Cluster
 from reconciler.ssh import KnownHosts, SSHPool
+from reconciler.state.folder import StateFolder
 
 
-@dataclass
-class StateDir:
-    """The controller's learnt state next to the cluster file: known host keys, facts, managed servers."""
-
-    path: Path
-
-    @classmethod
-    def of(cls, cluster_file: str, cluster: Cluster) -> StateDir:
-        return cls(Path(cluster_file).resolve().parent / cluster.settings.outputs.state_dir)
-
-    def read(self, name: str) -> dict:
-        f = self.path / name
-        try:
-            return json.loads(f.read_text()) if f.exists() else {}
-        except ValueError:
-            return {}
-
-    def write(self, name: str, data: dict) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
-        tmp = self.path / (name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
-        tmp.replace(self.path / name)
-
-    def pool(self, concurrency: int = 32) -> SSHPool:
-        return SSHPool(KnownHosts(self.path / "known_hosts.json"), concurrency=concurrency)
+def pool_for(state: StateFolder, concurrency: int = 32) -> SSHPool:
+    """The SSH pool whose first-contact host keys are recorded in ``state``."""
+    return SSHPool(KnownHosts(state.known_hosts), concurrency=concurrency)
 
 
-def remember(state: StateDir, cluster: Cluster, observed: list, results: list) -> dict:
+def remember(state: StateFolder, cluster: Cluster, observed: list[Any], results: list[Any]) -> dict[str, dict[str, str]]:
     """After an apply: which servers are managed (for --prune) and the public material they generated
     (the commit adds what it generated to the observed facts). Returns the facts now on record."""
     from reconciler.plan.observe import learned_facts
 
-    managed = state.read("managed.json")
+    managed = state.managed()
     for s in cluster.servers:
         managed[s.name] = {"name": s.name, "host": s.host, "port": s.ssh.port, "user": s.ssh.user,
                            "identity": s.ssh.identity, "host_key": s.ssh.host_key}
     for r in results:
         if r.ok and any(o.plan.removed and o.plan.server == r.server for o in observed):
             managed.pop(r.server, None)
-    state.write("managed.json", managed)
-    learned = learned_facts(observed)
-    old = state.read("facts.json")
-    facts = {k: {**old.get(k, {}), **v} for k, v in learned.items()}
-    state.write("facts.json", facts)
-    return facts
+    state.write_managed(managed)
+    return state.remember_facts(learned_facts(observed))
 
 
 class Progress:

@@ -20,7 +20,7 @@ from ruamel.yaml import YAML
 from reconciler.config.diagnostics import Diagnostic
 from reconciler.config.loader import load_cluster
 from reconciler.errors import EditError
-from reconciler.files import write_atomic
+from reconciler.state.files import write_atomic
 
 _SCALAR = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\']|\'\')*\'|[^\s,}\]#]+')
 

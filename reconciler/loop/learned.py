@@ -23,11 +23,11 @@ import numpy as np
 
 from reconciler.balance import RTTProfile, ServerLoad, Snapshot, rebalance
 from reconciler.balance.capacity import CapacityEstimator
-from reconciler.files import write_atomic
 from reconciler.health.engine import HealthEngine, HealthState, Topology
 from reconciler.health.verdicts import Verdicts
 from reconciler.loop.reports import Counter, Report, observation, traffic_rate
 from reconciler.model import Cluster
+from reconciler.state.files import write_atomic
 
 FORMAT = 1
 # Which axes the engine's arrays run along: s = servers (witnesses), m = inbounds (targets).

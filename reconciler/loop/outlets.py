@@ -27,8 +27,8 @@ from pathlib import Path
 
 from reconciler.balance import Snapshot, decide
 from reconciler.credentials import Secret, UserCredentials, user_credentials, user_token
-from reconciler.files import write_atomic
 from reconciler.model import Cluster
+from reconciler.state.files import write_atomic
 from reconciler.subscriptions import FORMATS, Document, render
 from reconciler.subscriptions.document import EXTENSIONS, headers_json, render_formats
 

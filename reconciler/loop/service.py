@@ -33,7 +33,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from reconciler.apply.run import apply_all
-from reconciler.apply.session import Progress, StateDir, remember
+from reconciler.apply.session import Progress, pool_for, remember
 from reconciler.config import load_cluster
 from reconciler.credentials import Secret, clash_api_secret
 from reconciler.engine.singbox import AGENT
@@ -47,6 +47,7 @@ from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
 from reconciler.model import Cluster
 from reconciler.plan.observe import observe
 from reconciler.ssh import Target
+from reconciler.state.folder import StateFolder
 
 log = logging.getLogger("reconciler.loop")
 STATE_FILE = "learned.npz"
@@ -87,7 +88,7 @@ class Loop:
         self.duration = duration
         self.max_ticks = max_ticks
         self.watch_enabled = watch
-        self.state = StateDir.of(self.path, cluster)
+        self.state = StateFolder.of(self.path, cluster.settings.outputs.state_dir)
         self.stop = asyncio.Event()
         self.plan_now = asyncio.Event()
         self.stats = LoopStats()
@@ -97,7 +98,7 @@ class Loop:
         self.files = FileOutlet(self._out_dir(cluster), self.state.path, secret)
         self.view: FleetView | None = None
         self.drift: dict[str, int] = {}
-        self.facts = self.state.read("facts.json")  # public keys and pins: they change only when an apply changes them
+        self.facts = self.state.facts()  # public keys and pins: they change only when an apply changes them
         self.learned, note = Learned.load(self.state.path / STATE_FILE, cluster)
         if note:
             log.warning(note)
@@ -158,7 +159,7 @@ class Loop:
             log.error("cannot listen on %s: %s (set settings.outputs.listen or --listen)", self.listen, exc.strerror)
             return 1
         log.info("listening on http://%s (subscriptions /sub/<token>, /metrics, /healthz, status page /)", self.listen)
-        self.pool = self.state.pool()
+        self.pool = pool_for(self.state)
         try:
             self._tasks = [asyncio.create_task(self._ticker(), name="tick"),
                            asyncio.create_task(self._planner(), name="plan")]

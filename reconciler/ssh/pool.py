@@ -13,6 +13,7 @@ from pathlib import Path
 import asyncssh
 
 from reconciler.errors import ConnectError, HostKeyChanged, RemoteCommandError
+from reconciler.state.files import write_atomic
 
 
 @dataclass(frozen=True)
@@ -45,17 +46,23 @@ class KnownHosts:
 
     def __init__(self, path: Path):
         self.path = path
-        self.keys: dict[str, str] = json.loads(path.read_text()) if path.exists() else {}
+        self.keys: dict[str, str] = {}
+        self.note = ""  # why the recorded keys could not be read (then none are trusted from the file)
+        try:
+            raw = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            raw = {}
+        except (OSError, ValueError) as exc:
+            raw, self.note = {}, f"ignoring unreadable {path} ({exc}); host keys are learnt again on first contact"
+        if isinstance(raw, dict):
+            self.keys = {str(k): v for k, v in raw.items() if isinstance(v, str)}
 
     def get(self, target: Target) -> str | None:
         return target.host_key or self.keys.get(f"{target.host}:{target.port}")
 
     def record(self, target: Target, key: str) -> None:
         self.keys[f"{target.host}:{target.port}"] = key
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.keys, indent=2, sort_keys=True))
-        tmp.replace(self.path)
+        write_atomic(self.path, json.dumps(self.keys, indent=2, sort_keys=True).encode(), 0o600)
 
 
 # AES-GCM first: with the AES instructions every current x86-64 and arm64 controller has, it costs about

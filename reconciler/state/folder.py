@@ -1,0 +1,130 @@
+"""The state folder beside the cluster file (``settings.outputs.state_dir``), the one place that
+reads and writes it.
+
+What it holds: ``known_hosts.json`` (host keys seen on first contact), ``facts.json`` (public
+material servers generated: REALITY public keys, certificate pins), ``managed.json`` (servers
+an apply has managed, with how to reach them, for pruning), ``learned.npz`` (the fleet core's
+learned state) and the file outlet's manifest. Every write goes through
+``reconciler.state.files.write_atomic`` (mode 0600, the folder 0700).
+
+A JSON file that cannot be read is reported (``notes``) and treated as empty — a fresh start,
+named, never silent and never an exception in the loop.
+
+``lock()`` is an advisory lock on the folder (``flock`` on ``.lock``): one apply or loop at a
+time per state folder on this machine. The servers' own apply locks are separate (plan/lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reconciler.errors import LockHeld
+from reconciler.state.files import write_atomic
+
+KNOWN_HOSTS = "known_hosts.json"
+FACTS = "facts.json"
+MANAGED = "managed.json"
+LEARNED = "learned.npz"
+
+
+@dataclass
+class StateFolder:
+    path: Path
+    notes: list[str] = field(default_factory=list)  # what could not be read, for the caller to log or print
+
+    @classmethod
+    def of(cls, cluster_file: str | Path, state_dir: str) -> StateFolder:
+        """The state folder of a cluster file (``state_dir`` relative to the file's folder)."""
+        return cls(Path(cluster_file).resolve().parent / os.path.expanduser(state_dir))
+
+    # ------------------------------------------------------------------ JSON documents
+
+    def read_json(self, name: str) -> dict[str, Any]:
+        """The JSON object in ``name``, or {} when it is missing or unreadable (noted)."""
+        f = self.path / name
+        try:
+            data = json.loads(f.read_bytes())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            self.notes.append(f"ignoring unreadable {f} ({exc}); starting afresh")
+            return {}
+        if not isinstance(data, dict):
+            self.notes.append(f"ignoring {f}: not a JSON object; starting afresh")
+            return {}
+        return data
+
+    def write_json(self, name: str, data: dict[str, Any]) -> None:
+        self.write_bytes(name, json.dumps(data, indent=2, sort_keys=True).encode())
+
+    def read_bytes(self, name: str) -> bytes | None:
+        try:
+            return (self.path / name).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_atomic(self.path / name, data, 0o600)
+
+    # ------------------------------------------------------------------ what is kept
+
+    def facts(self) -> dict[str, dict[str, str]]:
+        """Public material on record: {"public_keys": {inbound: key}, "tls_pins": {inbound: pin}}."""
+        raw = self.read_json(FACTS)
+        out: dict[str, dict[str, str]] = {}
+        for kind in ("public_keys", "tls_pins"):
+            value = raw.get(kind)
+            out[kind] = {str(k): v for k, v in value.items() if isinstance(v, str)} if isinstance(value, dict) else {}
+        return out
+
+    def remember_facts(self, learned: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+        """Merge newly learned public material into the record; returns the record."""
+        old = self.facts()
+        facts = {k: {**old.get(k, {}), **v} for k, v in learned.items()}
+        for k, v in old.items():
+            facts.setdefault(k, v)
+        self.write_json(FACTS, facts)
+        return facts
+
+    def managed(self) -> dict[str, dict[str, Any]]:
+        """Servers an apply has managed: name → how to reach it (for pruning what left the file)."""
+        raw = self.read_json(MANAGED)
+        return {str(k): v for k, v in raw.items() if isinstance(v, dict)}
+
+    def write_managed(self, managed: dict[str, dict[str, Any]]) -> None:
+        self.write_json(MANAGED, managed)
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.path / KNOWN_HOSTS
+
+    @property
+    def learned(self) -> Path:
+        return self.path / LEARNED
+
+    # ------------------------------------------------------------------ one writer at a time
+
+    @contextlib.contextmanager
+    def lock(self, what: str = "apply") -> Iterator[None]:
+        """Hold the folder's lock, or raise ``LockHeld`` naming who holds it."""
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                raise LockHeld(f"the state folder {self.path} is in use by {holder}; wait for it to finish") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{what} (pid {os.getpid()})".encode(), 0)
+            yield
+        finally:
+            os.close(fd)
