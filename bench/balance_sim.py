@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from reconciler.balance import ServerLoad, Snapshot, decide, rebalance  # noqa: E402
-from reconciler.health.engine import Topology  # noqa: E402
+from reconciler.health.topology import Topology  # noqa: E402
 from reconciler.health.verdicts import IN_ROTATION, Verdicts  # noqa: E402
 from reconciler.model import Cluster  # noqa: E402
 from reconciler.model.cluster import HealthSettings  # noqa: E402

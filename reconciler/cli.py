@@ -712,8 +712,8 @@ def lab_cluster_yaml(lab, hosts, countries: list[str], protocol: str | list[str]
 def cmd_simulate(args: argparse.Namespace) -> int:
     from reconciler.config import load_cluster, load_document
     from reconciler.config.diagnostics import at
-    from reconciler.health.engine import Topology
     from reconciler.health.simulate import Scenario, check_names, inline_topology, run
+    from reconciler.health.topology import Topology
     from reconciler.model.cluster import HealthSettings
 
     scenario, diagnostics, source = load_document(args.scenario, Scenario)

@@ -20,7 +20,7 @@ import pytest
 from reconciler.balance import Snapshot
 from reconciler.credentials import Secret, user_credentials
 from reconciler.errors import ReportError
-from reconciler.health.engine import Topology
+from reconciler.health.topology import Topology
 from reconciler.loop.learned import Learned
 from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens
 from reconciler.loop.reports import Counter, Probe, Report, agent_request, observation, parse_report, traffic_rate

@@ -1,6 +1,7 @@
 """Health verdicts (HEALTH-1..13): a pure engine, time passed in. See ``engine`` for the rules."""
 
-from reconciler.health.engine import HealthEngine, HealthState, Observation, Topology
+from reconciler.health.engine import HealthEngine, HealthState, Observation
+from reconciler.health.topology import Topology
 from reconciler.health.verdicts import STATUS_NAMES, InboundVerdict, Mark, ServerVerdict, Verdicts
 
 __all__ = ["STATUS_NAMES", "HealthEngine", "HealthState", "InboundVerdict", "Mark", "Observation", "ServerVerdict",

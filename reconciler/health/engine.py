@@ -69,9 +69,11 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from reconciler.health.topology import Topology
 from reconciler.health.verdicts import BLOCKED, IN_ROTATION, NO_DATA, OK, UNAVAILABLE, UNREACHABLE, Verdicts
 from reconciler.model.cluster import HealthSettings
 
@@ -81,59 +83,6 @@ _H_RANGE, _C_RANGE = (0.005, 0.5), (0.02, 0.95)
 _EWMA = 0.02  # per-sample weight of a witness's own background-loss estimators
 _FLEET_EWMA = 0.002  # per-sample weight of the fleet-wide estimators (many samples: fast, yet not swayed by a few)
 _FLAP_DECAY = 0.5 ** (1 / 100)  # flap memory halves every 100 evaluations
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Who witnesses whom: servers (witnesses), inbounds (targets), countries, probers."""
-
-    servers: tuple[str, ...]
-    countries: tuple[str, ...]  # per server
-    probers: tuple[bool, ...]  # per server
-    inbounds: tuple[str, ...]  # target ids
-    inbound_server: tuple[int, ...]  # per inbound: index into servers
-
-    def __post_init__(self) -> None:
-        n, m = len(self.servers), len(self.inbounds)
-        if not (len(self.countries) == len(self.probers) == n and len(self.inbound_server) == m):
-            raise ValueError("topology arrays disagree in length")
-        # Derived, cached arrays (frozen dataclass: set through object.__setattr__).
-        server_of = np.asarray(self.inbound_server, dtype=np.int32)
-        own = np.zeros((n, m), dtype=bool)
-        own[server_of, np.arange(m)] = True
-        codes = sorted(set(self.countries))
-        country_idx = np.array([codes.index(c) for c in self.countries], dtype=np.int32)
-        order = np.argsort(country_idx, kind="stable")
-        starts = np.flatnonzero(np.r_[True, np.diff(country_idx[order]) != 0]) if n else np.array([], dtype=np.int64)
-        for name, value in (
-            ("server_of", server_of), ("own", own), ("country_codes", tuple(codes)), ("country_idx", country_idx),
-            ("country_order", order), ("country_starts", starts), ("prober_mask", np.asarray(self.probers, dtype=bool)),
-            ("targets_per_witness", np.maximum(1, m - own.sum(axis=1))),
-            ("prober_target", np.asarray(self.probers, dtype=bool)[server_of] if m else np.zeros(0, dtype=bool)),
-            ("lgamma", np.array([math.lgamma(x) if x > 0 else np.inf for x in range(n + 3)])),
-        ):
-            object.__setattr__(self, name, value)
-
-    @property
-    def n(self) -> int:
-        return len(self.servers)
-
-    @property
-    def m(self) -> int:
-        return len(self.inbounds)
-
-    @classmethod
-    def from_cluster(cls, cluster: object) -> Topology:
-        servers = cluster.servers  # type: ignore[attr-defined]
-        index = {s.name: i for i, s in enumerate(servers)}
-        refs = cluster.inbounds  # type: ignore[attr-defined]
-        return cls(
-            servers=tuple(s.name for s in servers),
-            countries=tuple(s.country for s in servers),
-            probers=tuple(bool(s.prober) for s in servers),
-            inbounds=tuple(r.inbound.id for r in refs),
-            inbound_server=tuple(index[r.server.name] for r in refs),
-        )
 
 
 @dataclass
@@ -195,7 +144,7 @@ class HealthState:
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
-        arrays = {k: v for k, v in vars(self).items() if isinstance(v, np.ndarray)}
+        arrays: dict[str, Any] = {k: v for k, v in vars(self).items() if isinstance(v, np.ndarray)}
         np.savez_compressed(buf, evaluations=np.array(self.evaluations), **arrays)
         return buf.getvalue()
 
@@ -203,14 +152,16 @@ class HealthState:
     def from_bytes(cls, data: bytes, topology: Topology) -> HealthState:
         """Restore a persisted state; a state of another topology starts afresh."""
         with np.load(io.BytesIO(data)) as npz:
-            values = {k: npz[k] for k in npz.files}
-        state = cls(**{k: v for k, v in values.items() if k != "evaluations"}, evaluations=int(values["evaluations"]))
+            values: dict[str, Any] = {k: npz[k] for k in npz.files}
+        evaluations = int(values.pop("evaluations"))
+        state = cls(**values, evaluations=evaluations)
         if state.fail.shape != (topology.n, topology.m):
             return cls.initial(topology)
         return state
 
     def copy(self) -> HealthState:
-        return HealthState(**{k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in vars(self).items()})
+        values: dict[str, Any] = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in vars(self).items()}
+        return HealthState(**values)
 
 
 class HealthEngine:
@@ -384,7 +335,8 @@ def _log_group_chance(k: np.ndarray, w: np.ndarray, y: np.ndarray, lgamma: np.nd
     log_sf = -ys + km1 * np.log(ys) - lgamma[k] - np.log1p(-km1 / ys)
     log_sf = np.where(tail, np.minimum(log_sf, 0.0), 0.0)
     w = np.maximum(w, k)
-    return log_sf + lgamma[w + 1] - lgamma[k + 1] - lgamma[w - k + 1]
+    result: np.ndarray = log_sf + lgamma[w + 1] - lgamma[k + 1] - lgamma[w - k + 1]
+    return result
 
 
 def _update_rate(rate: np.ndarray, samples: np.ndarray, failures: np.ndarray, bounds: tuple[float, float]) -> None:

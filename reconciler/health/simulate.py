@@ -28,7 +28,8 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from reconciler.health.engine import HealthEngine, Observation, Topology
+from reconciler.health.engine import HealthEngine, Observation
+from reconciler.health.topology import Topology
 from reconciler.health.verdicts import Verdicts
 from reconciler.model.cluster import HealthSettings
 from reconciler.model.regions import COUNTRY_REGION
@@ -176,32 +177,34 @@ class World:
         for ev in sc.events:
             if not ev.active(tick):
                 continue
-            kind = ev.kind
-            if kind == "block":
-                sources = np.ones(n, dtype=bool) if ev.block.from_ == "*" else _mask(self.index, ev.block.from_, n)
-                dests = [ev.block.to] if isinstance(ev.block.to, str) else ev.block.to
+            # Exactly one kind is set (Event._one_kind): test each for None, so every branch is typed.
+            if ev.block is not None:
+                block = ev.block
+                dests = [block.to] if isinstance(block.to, str) else block.to
                 cols = np.isin(self.server_of, [self.index[d] for d in dests])
-                if ev.block.from_ == "*":
-                    sources &= ~np.isin(np.arange(n), [self.index[d] for d in dests])
+                if isinstance(block.from_, list):
+                    sources = _mask(self.index, block.from_, n)
+                else:  # "*": everyone but the destinations
+                    sources = ~np.isin(np.arange(n), [self.index[d] for d in dests])
                 fail |= sources[:, None] & cols[None, :]
-            elif kind == "down":
+            elif ev.down is not None:
                 service_ok[self.index[ev.down]] = False
                 reachable[self.index[ev.down]] = False
-            elif kind == "listener_down":
+            elif ev.listener_down is not None:
                 server_listening[self.index[ev.listener_down]] = False
                 reachable[self.index[ev.listener_down]] = False
-            elif kind == "silent":
+            elif ev.silent is not None:
                 reported[self.index[ev.silent]] = False
-            elif kind == "outage":
+            elif ev.outage is not None:
                 reported[self.index[ev.outage]] = False
                 reachable[self.index[ev.outage]] = False
-            elif kind == "isolate":
+            elif ev.isolate is not None:
                 fail[self.index[ev.isolate], :] = True
-            elif kind == "loss":
+            elif ev.loss is not None:
                 fail |= self._loss(ev.loss)
-            elif kind == "reports_missing":
+            elif ev.reports_missing is not None:
                 reported &= rng.random(n) >= ev.reports_missing.p
-            elif kind == "flap":
+            elif ev.flap is not None:
                 if ((tick - ev.at) // ev.flap.period) % 2 == 0:
                     if ev.flap.kind == "down":
                         service_ok[self.index[ev.flap.server]] = False

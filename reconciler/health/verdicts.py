@@ -14,6 +14,7 @@ from functools import cached_property
 
 import numpy as np
 
+from reconciler.health.topology import Topology
 from reconciler.model.cluster import HealthSettings
 
 OK, NO_DATA, BLOCKED, UNREACHABLE, UNAVAILABLE = 0, 1, 2, 3, 4
@@ -90,7 +91,7 @@ def _ago(seconds: float) -> str:
 class Verdicts:
     """The result of one evaluation. Arrays by inbound (M) and by server (N)."""
 
-    topology: object  # reconciler.health.engine.Topology
+    topology: Topology
     now: float
     status: np.ndarray  # (M,) int8
     in_rotation: np.ndarray  # (M,) bool
@@ -112,18 +113,18 @@ class Verdicts:
 
     @cached_property
     def _server_index(self) -> dict[str, int]:
-        return {s: i for i, s in enumerate(self.topology.servers)}  # type: ignore[attr-defined]
+        return {s: i for i, s in enumerate(self.topology.servers)}
 
     @cached_property
     def _inbound_index(self) -> dict[str, int]:
-        return {s: i for i, s in enumerate(self.topology.inbounds)}  # type: ignore[attr-defined]
+        return {s: i for i, s in enumerate(self.topology.inbounds)}
 
     @cached_property
     def _marks_by_inbound(self) -> dict[int, list[Mark]]:
         topo = self.topology
         out: dict[int, list[Mark]] = {}
         for w, t, both in self.pair_marks:
-            mark = Mark("pair-unreachable", topo.servers[w], topo.servers[topo.server_of[t]], topo.inbounds[t], both)  # type: ignore[attr-defined]
+            mark = Mark("pair-unreachable", topo.servers[w], topo.servers[topo.server_of[t]], topo.inbounds[t], both)
             out.setdefault(t, []).append(mark)
         return out
 
@@ -137,7 +138,7 @@ class Verdicts:
         topo = self.topology
         return InboundVerdict(
             id=inbound_id,
-            server=topo.servers[topo.server_of[t]],  # type: ignore[attr-defined]
+            server=topo.servers[topo.server_of[t]],
             status=STATUS_NAMES[int(self.status[t])],
             in_rotation=bool(self.in_rotation[t]),
             marks=self.marks_of_inbound(t),
@@ -149,7 +150,7 @@ class Verdicts:
     def server(self, name: str) -> ServerVerdict:
         i = self._server_index[name]
         topo = self.topology
-        inbounds = np.flatnonzero(topo.server_of == i)  # type: ignore[attr-defined]
+        inbounds = np.flatnonzero(topo.server_of == i)
         marks = tuple(m for t in inbounds for m in self.marks_of_inbound(int(t)))
         status = int(self.server_status[i])
         if inbounds.size:
@@ -167,7 +168,7 @@ class Verdicts:
         )
 
     def servers(self) -> dict[str, ServerVerdict]:
-        return {name: self.server(name) for name in self.topology.servers}  # type: ignore[attr-defined]
+        return {name: self.server(name) for name in self.topology.servers}
 
     # ------------------------------------------------------------------ best available (HEALTH-11, LB-8)
 
@@ -189,28 +190,28 @@ class Verdicts:
 
     def _witness_names(self, t: int) -> list[str]:
         topo = self.topology
-        return [topo.servers[w] for w in np.flatnonzero(self.vote_matrix[:, t])]  # type: ignore[attr-defined]
+        return [topo.servers[w] for w in np.flatnonzero(self.vote_matrix[:, t])]
 
     def _inbound_reason(self, t: int) -> str:
         topo = self.topology
         status = int(self.status[t])
-        server = int(topo.server_of[t])  # type: ignore[attr-defined]
+        server = int(topo.server_of[t])
         if status == UNAVAILABLE:
             if self.server_report_status[server] == UNAVAILABLE and not _listener_only(self, server):
                 return "server unavailable: the proxy service is not running"
-            return f"server unavailable: nothing listening for inbound {topo.inbounds[t]}"  # type: ignore[attr-defined]
+            return f"server unavailable: nothing listening for inbound {topo.inbounds[t]}"
         if status == UNREACHABLE:
             names = self._witness_names(t)
             country = int(self.local_country[t])
             if country >= 0:
-                code = topo.country_codes[country]  # type: ignore[attr-defined]
-                local = [n for n in names if topo.countries[topo.servers.index(n)] == code]  # type: ignore[attr-defined]
-                total = sum(1 for w in range(topo.n) if topo.countries[w] == code and w != server)  # type: ignore[attr-defined]
+                code = topo.country_codes[country]
+                local = [n for n in names if topo.countries[topo.servers.index(n)] == code]
+                total = sum(1 for w in range(topo.n) if topo.countries[w] == code and w != server)
                 return (f"unreachable from {len(local)} of your {total} servers in {code}: {_names(local)} "
                         f"(likely blocked in {code}; servers elsewhere still reach it)")
             if names:
                 text = f"unreachable from {len(names)} of your {int(self.witnesses[t])} servers: {_names(names)}"
-                countries = {topo.countries[topo.servers.index(n)] for n in names}  # type: ignore[attr-defined]
+                countries = {topo.countries[topo.servers.index(n)] for n in names}
                 if len(countries) == 1 and len(names) < int(self.witnesses[t]):
                     code = countries.pop()
                     text += f" — all in {code}; servers elsewhere still reach it (likely blocked in {code})"
@@ -220,7 +221,7 @@ class Verdicts:
             prober = int(self.blocked_by[t])
             if prober >= 0:
                 streak = int(self.fail[prober, t])
-                return (f"blocked: prober {topo.servers[prober]} has not reached it for {streak} checks "  # type: ignore[attr-defined]
+                return (f"blocked: prober {topo.servers[prober]} has not reached it for {streak} checks "
                         f"— change its IP")
             return "blocked (recovering: the prober reaches it again)"
         if status == NO_DATA:
@@ -248,7 +249,7 @@ class Verdicts:
         if status != OK and worst:
             reason = self._inbound_reason(worst[0])
             if 0 < len(worst) < inbounds.size:
-                reason += f" (inbound {self.topology.inbounds[worst[0]]}; others differ)"  # type: ignore[attr-defined]
+                reason += f" (inbound {self.topology.inbounds[worst[0]]}; others differ)"
             return reason
         notes = [m.text for m in marks]
         if self.unreliable[i]:
