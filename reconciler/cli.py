@@ -483,14 +483,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     shown = {e.route.id for e in entries}
     hidden = [r.id for r in cluster.effective_routes if r.id not in shown]
     if args.json:
-        print(json.dumps({"user": user.name, "active": snapshot.user_active(user), "entries": rows, "hidden_routes": hidden},
+        print(json.dumps({"user": user.name, "active": user.active(snapshot.now), "entries": rows, "hidden_routes": hidden},
                          indent=2, ensure_ascii=False))
         return 0
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"{user.name}: {len(rows)} entr{'y' if len(rows) == 1 else 'ies'}"
-                        + ("" if snapshot.user_active(user) else " (disabled or expired)"))
+                        + ("" if user.active(snapshot.now) else " (disabled or expired)"))
     for col in ("route", "entry", "server", "status", "why this inbound", "health"):
         table.add_column(col)
     for r in rows:

@@ -113,3 +113,18 @@ def test_the_example_keeps_no_credentials():
     text = EXAMPLE.read_text()
     for word in ("uuid", "password", "private_key", "token"):
         assert f"{word}:" not in text
+
+
+def test_a_user_is_active_while_enabled_and_until_the_end_of_its_expiry_day():
+    # The one place that decides "active" for balance, subscriptions and the engine adapter.
+    from datetime import UTC, datetime
+
+    from reconciler.model import User
+
+    day_end = datetime(2027, 6, 30, 23, 59, 59, 999999, tzinfo=UTC).timestamp()
+    dated = User(name="a", expires="2027-06-30")
+    assert dated.expires_at == day_end
+    assert dated.active(day_end) and not dated.active(day_end + 1)
+    assert User(name="b", expires="2027-06-30T12:00:00").expires_at == datetime(2027, 6, 30, 12, tzinfo=UTC).timestamp()
+    assert User(name="c").expires_at is None and User(name="c").active(1e12)
+    assert not User(name="d", enabled=False).active(0)

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, time
 from functools import cached_property
 
 import numpy as np
 
 from reconciler.balance.hashing import key64, keys64
 from reconciler.health.verdicts import Verdicts
-from reconciler.model import Cluster, InboundRef, User
+from reconciler.model import Cluster, InboundRef
 
 
 @dataclass(frozen=True)
@@ -90,12 +89,6 @@ class Snapshot:
 
     # ------------------------------------------------------------------ users
 
-    def user_active(self, user: User) -> bool:
-        if not user.enabled:
-            return False
-        end = expires_at(user)
-        return end is None or self.now <= end
-
     @cached_property
     def user_keys(self) -> dict[str, int]:
         return {u.name: key64(u.name) for u in self.cluster.users}
@@ -107,16 +100,6 @@ class Snapshot:
 
     def load(self, server: str) -> ServerLoad:
         return self.loads.get(server, ServerLoad())
-
-
-def expires_at(user: User) -> float | None:
-    """When a user's access ends (epoch seconds, UTC); a date means the end of that day. None: never."""
-    expires = user.expires
-    if expires is None:
-        return None
-    if isinstance(expires, datetime):
-        return (expires if expires.tzinfo else expires.replace(tzinfo=UTC)).timestamp()
-    return datetime.combine(expires, time.max, tzinfo=UTC).timestamp()
 
 
 def key_array(keys: list[int]) -> np.ndarray:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from reconciler.credentials import Secret, clash_api_secret, reality_short_id, ss_server_key, user_credentials
-from reconciler.model import Cluster, Server
+from reconciler.model import Cluster, Server, User
 
 BINARY = "/usr/local/bin/sing-box"
 CONFIG_DIR = "/etc/sing-box"
@@ -113,11 +113,9 @@ class DesiredServer:
         return h.hexdigest()
 
 
-def active_users(cluster: Cluster, now: float) -> list:
-    from reconciler.balance.snapshot import Snapshot  # the one place that decides "active"
-
-    snap = Snapshot(cluster=cluster, now=now)
-    return [u for u in cluster.users if snap.user_active(u)]
+def active_users(cluster: Cluster, now: float) -> list[User]:
+    """The users whose credentials the servers accept at ``now`` (``User.active`` decides)."""
+    return [u for u in cluster.users if u.active(now)]
 
 
 def tls_paths(server_name: str, inbound_id: str) -> dict[str, object]:

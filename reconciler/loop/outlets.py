@@ -78,7 +78,7 @@ def snapshot_digest(snapshot: Snapshot, cluster_hash: str) -> str:
         h.update(repr(sorted(v.pair_marks)).encode())
     h.update("\n".join(f"{u}\0{r}\0{i}" for (u, r), i in sorted(snapshot.assignments.items())).encode())
     h.update(json.dumps([snapshot.public_keys, snapshot.tls_pins], sort_keys=True).encode())
-    h.update(",".join(u.name for u in snapshot.cluster.users if not snapshot.user_active(u)).encode())
+    h.update(",".join(u.name for u in snapshot.cluster.users if not u.active(snapshot.now)).encode())
     return h.hexdigest()
 
 

@@ -13,7 +13,7 @@ place that decides which inbounds a route holds, including the implicit
 
 from __future__ import annotations
 
-from datetime import date, datetime
+from datetime import UTC, date, datetime, time
 from functools import cached_property
 from typing import Annotated, Literal
 
@@ -316,6 +316,27 @@ class User(_Model):
     expires: date | datetime | None = Field(None, description="After this the user gets no subscription.")
     data_limit: ByteSize | None = Field(None, description="Traffic allowance shown to clients; none = unlimited.")
     rotate: int = Field(0, ge=0, description="Bump to rotate this user's credentials and subscription token (GITOPS-6).")
+
+    @property
+    def expires_at(self) -> float | None:
+        """When the user's access ends (epoch seconds, UTC); a date means the end of that day. None: never."""
+        expires = self.expires
+        if expires is None:
+            return None
+        if isinstance(expires, datetime):
+            return (expires if expires.tzinfo else expires.replace(tzinfo=UTC)).timestamp()
+        return datetime.combine(expires, time.max, tzinfo=UTC).timestamp()
+
+    def active(self, now: float) -> bool:
+        """The one place that decides whether a user gets service at ``now``: enabled and not expired.
+
+        Decides the balance (who is assigned), the subscriptions (who gets a document) and the engine
+        adapter (whose credentials a server accepts).
+        """
+        if not self.enabled:
+            return False
+        end = self.expires_at
+        return end is None or now <= end
 
 
 # --------------------------------------------------------------------------- the whole file

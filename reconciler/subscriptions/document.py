@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from reconciler.balance.decide import Entry, decide
-from reconciler.balance.snapshot import Snapshot, expires_at
+from reconciler.balance.snapshot import Snapshot
 from reconciler.credentials import Secret, UserCredentials, user_credentials
+from reconciler.model import User
 from reconciler.subscriptions.formats import FORMATS, clash, links, singbox
 from reconciler.subscriptions.outbound import client_outbound
 
@@ -71,11 +72,11 @@ def _header_base(snapshot: Snapshot, fmt: str) -> dict[str, str]:
     return base
 
 
-def headers(snapshot: Snapshot, user_name: str, fmt: str, user: object | None = None) -> dict[str, str]:
+def headers(snapshot: Snapshot, user_name: str, fmt: str, user: User | None = None) -> dict[str, str]:
     """The response headers of a user's document (its ETag is added with the body)."""
     u = user if user is not None else snapshot.cluster.user(user_name)
     result = dict(_header_base(snapshot, fmt))
-    result["subscription-userinfo"] = f"upload=0; download=0; total={u.data_limit or 0}; expire={int(expires_at(u) or 0)}"  # type: ignore[attr-defined]
+    result["subscription-userinfo"] = f"upload=0; download=0; total={u.data_limit or 0}; expire={int(u.expires_at or 0)}"
     return result
 
 
