@@ -165,15 +165,23 @@ def decide(snapshot: Snapshot, user_name: str, region: str | None = None) -> lis
     region = region or user.region
     ukey = snapshot.user_keys[user.name]
     entries: list[Entry] = []
+    memo = snapshot.memo
     for route in cluster.effective_routes:
-        members = _cached(snapshot, ("members", route.id), lambda r=route: _usable_members(snapshot, r))
+        members = memo.members.get(route.id)
+        if members is None:
+            members = memo.members[route.id] = _usable_members(snapshot, route)
         if not members:
             continue
-        pool, pool_why = (None, "")
+        pool: str | None = None
+        pool_why = ""
         if route.pools:
-            healthy = _cached(snapshot, ("healthy", route.id), lambda r=route: healthy_pools(snapshot, r))
+            healthy = memo.healthy.get(route.id)
+            if healthy is None:
+                healthy = memo.healthy[route.id] = healthy_pools(snapshot, route)
             pool, pool_why = choose_pool(snapshot, route, ukey, region, healthy)
-        cands = _cached(snapshot, ("cands", route.id, pool), lambda m=members, p=pool: _candidates(snapshot, m, p))
+        cands = memo.candidates.get((route.id, pool))
+        if cands is None:
+            cands = memo.candidates[(route.id, pool)] = _candidates(snapshot, members, pool)
         if not cands:
             ref = snapshot.best_available(members)
             why = "best available: every inbound of this route is out of rotation (HEALTH-11)"
@@ -190,28 +198,20 @@ def decide(snapshot: Snapshot, user_name: str, region: str | None = None) -> lis
     return entries
 
 
-def _cached(snapshot: Snapshot, key: tuple, make):  # type: ignore[no-untyped-def]
-    """Per-snapshot memo for what every request on a snapshot shares (candidates, weights, counts).
-
-    The snapshot is immutable, so anything derived from it may be kept on it.
-    """
-    cache = snapshot.__dict__.setdefault("_memo", {})
-    if key not in cache:
-        cache[key] = make()
-    return cache[key]
+Placement = tuple[Weights, np.ndarray, np.ndarray]  # weights, candidate keys, deficits
 
 
-def _placement(snapshot: Snapshot, route: Route, cands: tuple[InboundRef, ...]) -> tuple[Weights, np.ndarray, np.ndarray]:
+def _placement(snapshot: Snapshot, route: Route, cands: tuple[InboundRef, ...]) -> Placement:
     """Weights, candidate keys and deficits for placing a new user; once per snapshot and candidate set."""
     ids = tuple(r.inbound.id for r in cands)
-
-    def make():  # type: ignore[no-untyped-def]
+    placements = snapshot.memo.placements
+    found = placements.get((route.id, ids))
+    if found is None:
         held = _held(snapshot, route.id, ids)
         w = weights(snapshot, route, cands, int(held.sum()) + 1, held)
         keys = np.array([snapshot.inbound_keys[i] for i in ids], dtype=np.uint64)
-        return w, keys, _deficit(w, held, int(held.sum()) + 1)
-
-    return _cached(snapshot, ("placement", route.id, ids), make)
+        found = placements[(route.id, ids)] = (w, keys, _deficit(w, held, int(held.sum()) + 1))
+    return found
 
 
 def _held(snapshot: Snapshot, route_id: str, inbound_ids: tuple[str, ...]) -> np.ndarray:
@@ -221,14 +221,13 @@ def _held(snapshot: Snapshot, route_id: str, inbound_ids: tuple[str, ...]) -> np
 
 def _assignment_counts(snapshot: Snapshot) -> dict[tuple[str, str], int]:
     """(route, inbound) → users assigned in the snapshot; computed once per snapshot."""
-
-    def make() -> dict[tuple[str, str], int]:
-        counts: dict[tuple[str, str], int] = {}
+    counts = snapshot.memo.assignment_counts
+    if counts is None:
+        counts = {}
         for (_, route), inbound in snapshot.assignments.items():
             counts[(route, inbound)] = counts.get((route, inbound), 0) + 1
-        return counts
-
-    return _cached(snapshot, ("counts",), make)
+        snapshot.memo.assignment_counts = counts
+    return counts
 
 
 def _deficit(w: Weights, held: np.ndarray, population: int) -> np.ndarray:

@@ -11,12 +11,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from reconciler.balance.hashing import key64, keys64
 from reconciler.health.verdicts import Verdicts
 from reconciler.model import Cluster, InboundRef
+
+if TYPE_CHECKING:
+    from reconciler.balance.decide import Placement
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,35 @@ class RTTProfile:
     fresh: bool = True
 
 
+class SnapshotMemo:
+    """The snapshot's per-snapshot cache: what every request on one snapshot shares, computed once.
+
+    A snapshot is immutable, so anything derived from it stays true for its lifetime; this object is the
+    one mutable part, owned by the snapshot (a new snapshot, also one made by ``dataclasses.replace``,
+    starts empty) and never compared or shown. Each consumer has its own named slot:
+
+    - ``members``, ``healthy``, ``candidates``, ``placements``, ``assignment_counts`` — ``balance.decide``:
+      a route's usable members, its pools' health, the candidates of a (route, pool), the weights, keys and
+      deficits for placing a new user on a candidate set, and the users assigned per (route, inbound);
+    - ``header_bases``, ``header_json_heads``, ``document_templates`` — ``subscriptions.document``: the
+      user-independent headers of a format, their JSON encoding, and a document per (format, entries)
+      with stand-ins for the user's credentials.
+    """
+
+    __slots__ = ("assignment_counts", "candidates", "document_templates", "header_bases", "header_json_heads",
+                 "healthy", "members", "placements")
+
+    def __init__(self) -> None:
+        self.members: dict[str, tuple[InboundRef, ...]] = {}  # route id → usable members
+        self.healthy: dict[str, dict[str, bool]] = {}  # route id → pool → healthy
+        self.candidates: dict[tuple[str, str | None], tuple[InboundRef, ...]] = {}  # (route id, pool)
+        self.placements: dict[tuple[str, tuple[str, ...]], Placement] = {}  # (route id, candidate ids)
+        self.assignment_counts: dict[tuple[str, str], int] | None = None  # (route id, inbound id) → users
+        self.header_bases: dict[str, dict[str, str]] = {}  # format → headers
+        self.header_json_heads: dict[str, str] = {}  # format → JSON text
+        self.document_templates: dict[tuple[str, tuple[tuple[str, str], ...]], bytes] = {}  # (format, entries)
+
+
 @dataclass(frozen=True)
 class Snapshot:
     cluster: Cluster
@@ -47,6 +80,7 @@ class Snapshot:
     assignments: Mapping[tuple[str, str], str] = field(default_factory=dict)  # (user, route) → inbound id
     public_keys: Mapping[str, str] = field(default_factory=dict)  # inbound id → REALITY public key (a fact)
     tls_pins: Mapping[str, str] = field(default_factory=dict)  # inbound id → base64 SHA-256 of a self-signed cert's key
+    memo: SnapshotMemo = field(default_factory=SnapshotMemo, init=False, compare=False, repr=False)
 
     # ------------------------------------------------------------------ health views
 
@@ -85,7 +119,7 @@ class Snapshot:
     def _inbound_index(self) -> dict[str, int]:
         if self.verdicts is None:
             return {}
-        return {name: i for i, name in enumerate(self.verdicts.topology.inbounds)}  # type: ignore[attr-defined]
+        return {name: i for i, name in enumerate(self.verdicts.topology.inbounds)}
 
     # ------------------------------------------------------------------ users
 

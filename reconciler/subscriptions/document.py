@@ -55,7 +55,7 @@ def choose_format(requested: str | None, user_agent: str | None) -> str:
 def _header_base(snapshot: Snapshot, fmt: str) -> dict[str, str]:
     """The headers of ``fmt`` that do not depend on the user, built once per snapshot (the file outlet
     asks for 300,000 documents' headers); ``subscription-userinfo`` is left empty."""
-    memo = snapshot.__dict__.setdefault("_header_bases", {})
+    memo = snapshot.memo.header_bases
     base = memo.get(fmt)
     if base is None:
         out = snapshot.cluster.settings.outputs
@@ -83,7 +83,7 @@ def headers(snapshot: Snapshot, user_name: str, fmt: str, user: User | None = No
 def headers_json(snapshot: Snapshot, docs: dict[str, Document]) -> bytes:
     """``{format: headers}`` of one user's documents as JSON (the file outlet's ``headers.json``). The
     user-independent part is encoded once per snapshot: the C encoder took 22 µs per user."""
-    memo = snapshot.__dict__.setdefault("_header_json_heads", {})
+    memo = snapshot.memo.header_json_heads
     parts = []
     for fmt, doc in docs.items():
         head = memo.get(fmt)
@@ -132,7 +132,7 @@ def render_formats(snapshot: Snapshot, user_name: str, fmts: tuple[str, ...], se
 
 
 def _template(snapshot: Snapshot, entries: list[Entry], fmt: str, secret: Secret) -> bytes:
-    memo = snapshot.__dict__.setdefault("_document_templates", {})
+    memo = snapshot.memo.document_templates
     key = (fmt, tuple((e.name, e.ref.inbound.id) for e in entries))
     body = memo.get(key)
     if body is None:
