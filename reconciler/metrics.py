@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from reconciler import __version__
@@ -74,17 +75,17 @@ class ReconcilerCollector(Collector):
         self.view = view
         self.stats = stats
 
-    def describe(self) -> Iterator:  # no describe-time collection: the families depend on the cluster
+    def describe(self) -> Iterator[Metric]:  # no describe-time collection: the families depend on the cluster
         return iter(())
 
-    def collect(self) -> Iterator:
+    def collect(self) -> Iterator[Metric]:
         view: FleetView | None = self.view()
         yield from self._loop_metrics(view)
         if view is None:
             return
         yield from _fleet_metrics(view)
 
-    def _loop_metrics(self, view: FleetView | None) -> Iterator:
+    def _loop_metrics(self, view: FleetView | None) -> Iterator[Metric]:
         st = self.stats
         with st._lock:
             totals = dict(st.totals)
@@ -129,7 +130,7 @@ def _le(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(float(bound))
 
 
-def _fleet_metrics(view: FleetView) -> Iterator:
+def _fleet_metrics(view: FleetView) -> Iterator[Metric]:
     cluster, v = view.cluster, view.verdicts
     servers = cluster.servers
     refs = cluster.inbounds
@@ -227,9 +228,9 @@ def _fleet_metrics(view: FleetView) -> Iterator:
         users.add_metric([s.name], float(view.connected.get(s.name, 0)))
         assigned.add_metric([s.name], float(view.assigned.get(s.name, 0)))
         drift.add_metric([s.name], float(view.drift.get(s.name, 0)))
-        i = report_index.get(s.name)
-        last = float(v.last_report[i]) if (v is not None and i is not None) else float("-inf")
-        age.add_metric([s.name], (v.now - last) if last != float("-inf") else -1.0)
+        at = report_index.get(s.name)
+        last = float(v.last_report[at]) if (v is not None and at is not None) else float("-inf")
+        age.add_metric([s.name], (v.now - last) if (v is not None and last != float("-inf")) else -1.0)
     yield from (traffic, cap, known, users, assigned, drift, age)
 
     rtt = GaugeMetricFamily("reconciler_rtt_ewma_seconds", "EWMA of probe RTTs from the witnesses of a region to an inbound (STEER-3).",

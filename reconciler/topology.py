@@ -155,11 +155,11 @@ def svg(cluster: Cluster, health: Mapping[str, str] | None = None) -> str:
         status = health.get(server.name, "unknown")
         colour = STATUS_COLOURS.get(status, STATUS_COLOURS["unknown"])
         rows = max(1, len(server.inbounds))
-        height = _HEAD + rows * _ROW + 6
+        box = _HEAD + rows * _ROW + 6
         badge = " · prober" if server.prober else ""
         parts.append(
             f'<g class="server" data-server="{escape(server.name)}" data-status="{escape(status)}">'
-            f'<rect x="{x_srv}" y="{y}" width="{_SERVER_W}" height="{height}" rx="6" fill="#fafafa" stroke="{colour}" stroke-width="2"/>'
+            f'<rect x="{x_srv}" y="{y}" width="{_SERVER_W}" height="{box}" rx="6" fill="#fafafa" stroke="{colour}" stroke-width="2"/>'
             f'<rect x="{x_srv}" y="{y}" width="{_SERVER_W}" height="{_HEAD - 4}" rx="6" fill="{colour}"/>'
             f'<text x="{x_srv + 8}" y="{y + 16}" fill="#fff" font-weight="bold">{escape(server.name)}'
             f' · {escape(server.country)}/{escape(server.region or "")}{escape(badge)} · {escape(status)}</text>'
@@ -174,7 +174,7 @@ def svg(cluster: Cluster, health: Mapping[str, str] | None = None) -> str:
         if not server.inbounds:
             parts.append(f'<text x="{x_srv + 10}" y="{y + _HEAD + 15}" fill="#999">(no inbounds)</text>')
         parts.append("</g>")
-        y += height + _GAP
+        y += box + _GAP
     left_bottom = y
 
     y = 40.0

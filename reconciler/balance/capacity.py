@@ -31,7 +31,8 @@ class CapacityEstimator:
     def estimate(self, now: float) -> np.ndarray:
         """Current estimates in Mbps (NaN where no real peak was seen yet)."""
         age = np.maximum(0.0, now - self.peak_time)
-        return np.maximum(self.peak * np.exp2(-age / self.half_life), FLOOR_MBPS)
+        estimate: np.ndarray = np.maximum(self.peak * np.exp2(-age / self.half_life), FLOOR_MBPS)
+        return estimate
 
     def observe(self, now: float, traffic_mbps: np.ndarray, valid: np.ndarray) -> None:
         """Fold in one interval's traffic (only where ``valid``: fresh, uncorrupted samples)."""

@@ -129,7 +129,7 @@ def _equal_spare_per_user(cap: np.ndarray, traffic: np.ndarray, users: np.ndarra
     traffic per user; its spare per user is (C - T - (n - U)·t̄) / (n + 1). Solve for the common
     value λ with Σ n = the users being placed, by bisection.
     """
-    population = float(max(population, 1))
+    population = max(population, 1)
     per_user = float(traffic.sum() / users.sum()) if users.sum() > 0 else 0.0
     room = cap - traffic + users * per_user  # capacity available to our users
 

@@ -30,7 +30,8 @@ class GeoIP:
         if not isinstance(record, dict):
             return None
         for key in ("country", "registered_country"):
-            code = (record.get(key) or {}).get("iso_code")
+            entry = record.get(key)
+            code = entry.get("iso_code") if isinstance(entry, dict) else None
             if isinstance(code, str) and code.upper() in COUNTRY_REGION:
                 return code.upper()
         return None

@@ -33,7 +33,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         x = (x ^ (x >> np.uint64(30))) * _M1
         x = (x ^ (x >> np.uint64(27))) * _M2
-        return x ^ (x >> np.uint64(31))
+        mixed: np.ndarray = x ^ (x >> np.uint64(31))
+        return mixed
 
 
 def exponentials(users: np.ndarray, candidates: np.ndarray) -> np.ndarray:
@@ -46,4 +47,5 @@ def exponentials(users: np.ndarray, candidates: np.ndarray) -> np.ndarray:
 
 def scores(users: np.ndarray, candidates: np.ndarray, desirability: np.ndarray) -> np.ndarray:
     """HRW scores d / -ln U, (U, K)."""
-    return desirability[None, :] / exponentials(users, candidates)
+    result: np.ndarray = desirability[None, :] / exponentials(users, candidates)
+    return result

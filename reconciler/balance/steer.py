@@ -17,14 +17,17 @@ no pool is healthy — the caller then serves the route's best available inbound
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
 from reconciler.balance.hashing import exponentials, key64
 from reconciler.balance.snapshot import Snapshot
-from reconciler.model import Route
+from reconciler.model import InboundRef, Route
+from reconciler.model.cluster import Region
 
 
-def pool_members(snapshot: Snapshot, route: Route, pool: str) -> list:
+def pool_members(snapshot: Snapshot, route: Route, pool: str) -> list[InboundRef]:
     return [r for r in snapshot.cluster.members[route.id] if r.inbound.pool == pool and snapshot.usable(r)]
 
 
@@ -80,7 +83,8 @@ def choose_pool(snapshot: Snapshot, route: Route, user_key: int, region: str | N
         ms, pool = min(timed)
         return pool, f"dynamic: lowest RTT from {region} ({ms:.0f} ms)"
     # geo
-    mapped = (route.geo or {}).get(region) if region else None  # type: ignore[call-overload]
+    # A region not in the table (any string a request brings) simply maps to nothing.
+    mapped = route.geo.get(cast(Region, region)) if route.geo and region else None
     if mapped:
         for pool in mapped:
             if healthy.get(pool):

@@ -18,8 +18,9 @@ from typing import Any
 from ruamel.yaml import YAML
 
 from reconciler.config.diagnostics import Diagnostic
-from reconciler.config.loader import load_cluster
+from reconciler.config.loader import LoadResult, load_cluster
 from reconciler.errors import EditError
+from reconciler.model import Cluster, InboundRef
 from reconciler.state.files import write_atomic
 
 _SCALAR = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\']|\'\')*\'|[^\s,}\]#]+')
@@ -35,21 +36,21 @@ class EditResult:
     warnings: list[Diagnostic] = field(default_factory=list)
 
 
-def _load_for_edit(path: str, inbound_id: str):  # type: ignore[no-untyped-def]
-    """The valid cluster and the inbound to edit, or an EditError saying why not."""
+def _load_for_edit(path: str, inbound_id: str) -> tuple[LoadResult, Cluster, InboundRef]:
+    """The load result, its valid cluster and the inbound to edit, or an EditError saying why not."""
     result = load_cluster(path)
-    if result.cluster is None:
+    cluster = result.cluster
+    if cluster is None:
         raise EditError("the file has errors; fix them first", result.errors)
-    ref = next((r for r in result.cluster.inbounds if r.inbound.id == inbound_id), None)
+    ref = next((r for r in cluster.inbounds if r.inbound.id == inbound_id), None)
     if ref is None:
-        raise EditError(f"no inbound with id {inbound_id!r}; known: {', '.join(r.inbound.id for r in result.cluster.inbounds)}")
-    return result, ref
+        raise EditError(f"no inbound with id {inbound_id!r}; known: {', '.join(r.inbound.id for r in cluster.inbounds)}")
+    return result, cluster, ref
 
 
 def assign(path: str, inbound_id: str, route_id: str, pool: str | None = None) -> EditResult:
     """Put an inbound into a route (moving it out of any other), with a pool when the route has pools."""
-    result, ref = _load_for_edit(path, inbound_id)
-    cluster = result.cluster
+    result, cluster, ref = _load_for_edit(path, inbound_id)
     routes = {r.id: r for r in cluster.routes}
     if route_id not in routes:
         known = ", ".join(routes) or "none (declare `routes:` first)"
@@ -63,7 +64,7 @@ def assign(path: str, inbound_id: str, route_id: str, pool: str | None = None) -
     if current == route_id and ref.inbound.pool == pool:
         return EditResult(path, False, f"{inbound_id} is already in route {route_id}", result.warnings)
     updates: dict[str, str | None] = {"route": route_id, "pool": pool}
-    file = _apply(path, result, inbound_id, updates)
+    file = _apply(path, result, cluster, inbound_id, updates)
     moved = f" (moved from {current})" if current and current != route_id else ""
     where = f", pool {pool}" if pool else ""
     return EditResult(file.path, True, f"{inbound_id} → route {route_id}{where}{moved}", file.warnings)
@@ -71,15 +72,14 @@ def assign(path: str, inbound_id: str, route_id: str, pool: str | None = None) -
 
 def unassign(path: str, inbound_id: str) -> EditResult:
     """Take an inbound out of its route (it stays on its server, invisible to clients)."""
-    result, ref = _load_for_edit(path, inbound_id)
-    cluster = result.cluster
+    result, cluster, ref = _load_for_edit(path, inbound_id)
     if ref.inbound.route is None:
         if cluster.route_of(inbound_id) is not None:
             raise EditError(
                 f"{inbound_id} is in the implicit 'default' route (ROUTE-6); declare `routes:` to control membership"
             )
         return EditResult(path, False, f"{inbound_id} is not in any route", result.warnings)
-    file = _apply(path, result, inbound_id, {"route": None, "pool": None})
+    file = _apply(path, result, cluster, inbound_id, {"route": None, "pool": None})
     return EditResult(file.path, True, f"{inbound_id} removed from route {ref.inbound.route}", file.warnings)
 
 
@@ -89,8 +89,8 @@ class _Written:
     warnings: list[Diagnostic]
 
 
-def _apply(main: str, loaded: Any, inbound_id: str, updates: dict[str, str | None]) -> _Written:
-    target = _file_of(loaded, inbound_id)
+def _apply(main: str, loaded: LoadResult, cluster: Cluster, inbound_id: str, updates: dict[str, str | None]) -> _Written:
+    target = _file_of(loaded, cluster, inbound_id)
     with open(target, encoding="utf-8-sig") as fh:
         text = fh.read()
     new_text = text
@@ -107,8 +107,7 @@ def _apply(main: str, loaded: Any, inbound_id: str, updates: dict[str, str | Non
     return _Written(target, check.warnings)
 
 
-def _file_of(loaded: Any, inbound_id: str) -> str:
-    cluster = loaded.cluster
+def _file_of(loaded: LoadResult, cluster: Cluster, inbound_id: str) -> str:
     for si, server in enumerate(cluster.servers):
         for ii, inbound in enumerate(server.inbounds):
             if inbound.id == inbound_id:

@@ -21,7 +21,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 from ruamel.yaml import YAML
@@ -30,6 +30,9 @@ from ruamel.yaml.error import MarkedYAMLError, YAMLError
 from reconciler.config.diagnostics import Diagnostic, Path, Pos, SourceMap, at
 from reconciler.config.semantic import check
 from reconciler.model import Cluster
+
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails  # pydantic's own dependency: the type of ValidationError.errors()
 
 #: Anchors and aliases can make a small file expand enormously ("billion laughs").
 MAX_NODES = 200_000
@@ -266,8 +269,8 @@ def _merge_includes(
             shown = os.path.join(display_base, rel) if display_base else rel
             try:
                 sub, sub_source = _read_yaml(match, shown, overrides)
-            except _Problem as p:
-                d = p.diagnostic
+            except _Problem as problem:
+                d = problem.diagnostic
                 problems.append(d if d.line else at("error", here, f"include {pattern!r}: {d.message}", d.hint, d.code))
                 continue
             if sub is None:
@@ -388,7 +391,7 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-def _pydantic_diagnostic(err: dict[str, Any], data: Any, source: SourceMap, root: type[BaseModel] = Cluster) -> Diagnostic:
+def _pydantic_diagnostic(err: ErrorDetails, data: Any, source: SourceMap, root: type[BaseModel] = Cluster) -> Diagnostic:
     loc = tuple(err["loc"])
     path = _data_path(loc, data)
     kind = err["type"]

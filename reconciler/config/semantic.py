@@ -62,10 +62,10 @@ def _errors(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
             for transport in sorted(inbound.transports):
                 key = (inbound.port, transport)
                 if key in taken:
-                    other = server.inbounds[taken[key]]
+                    holder = server.inbounds[taken[key]]
                     yield at("error", source.value(("servers", si, "inbounds", ii, "port")),
                              f"port {inbound.port}/{transport} on server {server.name!r} is already used by inbound "
-                             f"{other.id!r} ({source.value(('servers', si, 'inbounds', taken[key], 'port'))})",
+                             f"{holder.id!r} ({source.value(('servers', si, 'inbounds', taken[key], 'port'))})",
                              "choose another port; TCP and UDP listeners may share a number", "port")
                     break
                 taken[key] = ii
@@ -101,20 +101,20 @@ def _errors(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
                          f"add `pool:` with one of: {', '.join(route.pools)}", "reference")
 
     for ri, route in enumerate(cluster.routes):
-        base = ("routes", ri)
+        path = ("routes", ri)
         pools = route.pools or []
         dup = {p for p in pools if pools.count(p) > 1}
         for pool in sorted(dup):
-            yield at("error", source.value(base + ("pools",)), f"route {route.id!r} lists pool {pool!r} twice", None, "duplicate")
+            yield at("error", source.value(path + ("pools",)), f"route {route.id!r} lists pool {pool!r} twice", None, "duplicate")
         if route.fallback_pool is not None and route.fallback_pool not in pools:
             hint = _did_you_mean(route.fallback_pool, pools) if pools else "declare `pools:` on the route first"
-            yield at("error", source.value(base + ("fallback_pool",)),
+            yield at("error", source.value(path + ("fallback_pool",)),
                      f"fallback_pool {route.fallback_pool!r} is not one of route {route.id!r}'s pools", hint, "reference")
         for region, geo_pools in (route.geo or {}).items():
             for gi, pool in enumerate(geo_pools):
                 if pool not in pools:
                     hint = _did_you_mean(pool, pools) if pools else "declare `pools:` on the route first"
-                    yield at("error", source.value(base + ("geo", region, gi)),
+                    yield at("error", source.value(path + ("geo", region, gi)),
                              f"geo {region} names pool {pool!r}, which route {route.id!r} does not declare", hint, "reference")
 
 

@@ -30,11 +30,12 @@ import subprocess
 import sys
 import time
 import urllib.request
+from typing import Any, Dict, List, Optional, Tuple  # typing's generics: the servers' Python may predate list[...]
 
 AGENT_VERSION = 1
 
 
-def service_state(unit):
+def service_state(unit: str) -> str:
     try:
         r = subprocess.run(["systemctl", "is-active", unit], capture_output=True, text=True, timeout=10)
         return r.stdout.strip() or "unknown"
@@ -42,7 +43,7 @@ def service_state(unit):
         return "unknown"
 
 
-def listening(wanted):
+def listening(wanted: List[Tuple[int, str]]) -> Dict[str, bool]:
     try:
         out = subprocess.run(["ss", "-Hlntu"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
@@ -58,7 +59,7 @@ def listening(wanted):
     return {f"{p}/{t}": (p, t) in have for p, t in wanted}
 
 
-def clash_connections(address, secret, timeout):
+def clash_connections(address: str, secret: str, timeout: float) -> Tuple[Optional[Dict[str, int]], List[str], int]:
     req = urllib.request.Request(f"http://{address}/connections", headers={"Authorization": f"Bearer {secret}"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -75,7 +76,7 @@ def clash_connections(address, secret, timeout):
     return traffic, sorted(users), len(conns)
 
 
-def quic_probe_packet():
+def quic_probe_packet() -> Tuple[bytes, bytes, bytes]:
     """A 1200-byte QUIC long-header Initial with a reserved version (0x?a?a?a?a): servers reply with Version Negotiation."""
     dcid, scid = os.urandom(8), os.urandom(8)
     head = bytes([0xC0]) + bytes.fromhex("1a2a3a4a") + bytes([len(dcid)]) + dcid + bytes([len(scid)]) + scid
@@ -83,23 +84,23 @@ def quic_probe_packet():
 
 
 class _Quic(asyncio.DatagramProtocol):
-    def __init__(self, scid):
+    def __init__(self, scid: bytes) -> None:
         self.scid = scid
-        self.done = asyncio.get_running_loop().create_future()
+        self.done = asyncio.get_running_loop().create_future()  # type: asyncio.Future[bool]
 
-    def datagram_received(self, data, addr):
+    def datagram_received(self, data: bytes, addr: Tuple[str, int]) -> None:
         # Version Negotiation: long header, version 0, echoing our source connection id as its destination.
         if len(data) >= 7 and data[0] & 0x80 and data[1:5] == b"\0\0\0\0":
             dlen = data[5]
             if data[6:6 + dlen] == self.scid and not self.done.done():
                 self.done.set_result(True)
 
-    def error_received(self, exc):
+    def error_received(self, exc: Exception) -> None:
         if not self.done.done():
             self.done.set_exception(exc)
 
 
-async def probe(p, timeout):
+async def probe(p: Dict[str, Any], timeout: float) -> Dict[str, Any]:
     host, port, kind = p["host"], int(p["port"]), p.get("kind", "tcp")
     start = time.perf_counter()
     try:
@@ -143,21 +144,21 @@ async def probe(p, timeout):
         return {"ok": False, "error": (type(e).__name__ + ": " + str(e))[:200]}
 
 
-async def probe_all(probes, timeout, parallel=64):
+async def probe_all(probes: List[Dict[str, Any]], timeout: float, parallel: int = 64) -> Dict[str, Dict[str, Any]]:
     sem = asyncio.Semaphore(parallel)
 
-    async def one(p):
+    async def one(p: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
         async with sem:
             return p["id"], await probe(p, timeout)
 
     return dict(await asyncio.gather(*(one(p) for p in probes)))
 
 
-def main():
+def main() -> None:
     req = json.load(sys.stdin)
     timeout = float(req.get("timeout", 3.0))
     started = time.time()
-    traffic, users, conns = (None, [], 0)
+    traffic, users, conns = (None, [], 0)  # type: Optional[Dict[str, int]], List[str], int
     if req.get("clash_api"):
         traffic, users, conns = clash_connections(req["clash_api"], req.get("clash_secret", ""), timeout)
     out = {

@@ -242,7 +242,7 @@ def desired(cluster: Cluster, server: Server, secret: Secret, now: float, base_d
             keys.append(KeyRequest(ib.id, "reality"))
         elif ib.protocol != "shadowsocks-2022":
             tls = ib.tls
-            if tls.certificate:
+            if tls.certificate and tls.key:  # the model gives both or neither
                 for src, dst, mode, secret_file in ((tls.certificate, f"{CONFIG_DIR}/tls/{ib.id}.crt", 0o644, False),
                                                      (tls.key, f"{CONFIG_DIR}/tls/{ib.id}.key", 0o600, True)):
                     path = os.path.join(base_dir, os.path.expanduser(src))
@@ -251,7 +251,7 @@ def desired(cluster: Cluster, server: Server, secret: Secret, now: float, base_d
             else:
                 keys.append(KeyRequest(ib.id, "self-signed", tls.server_name))
     listeners = sorted({(ib.port, t) for ib in server.inbounds for t in ib.transports})
-    firewall = ()
+    firewall: tuple[ManagedFile, ...] = ()
     if cluster.settings.harden:
         firewall = (ManagedFile(FIREWALL, firewall_rules(server.ssh.port, listeners).encode(), 0o644),
                     ManagedFile(FIREWALL_UNIT, FIREWALL_UNIT_TEXT.encode(), 0o644))

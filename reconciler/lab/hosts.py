@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from reconciler.errors import LabError
 
@@ -42,7 +43,7 @@ def lab_dir() -> Path:
     return Path(os.environ.get("RECONCILER_LAB_DIR", Path.cwd() / ".lab")).resolve()
 
 
-def _run(cmd: list[str], check: bool = True, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], check: bool = True, timeout: float = 120, **kw: Any) -> subprocess.CompletedProcess[str]:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
     if check and out.returncode != 0:
         raise LabError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr.strip()[-500:]}")
@@ -94,7 +95,7 @@ class Lab:
         self.log = log
         self.state_path = self.root / "state.json"
         self.state = LabState.load(self.state_path)
-        self._procs: dict[int, subprocess.Popen] = {}  # children started by this process, reaped in down()
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}  # children started by this process, reaped in down()
 
     # ------------------------------------------------------------------ paths
 
@@ -314,7 +315,7 @@ class Lab:
         parts = (host.merged / "etc/ssh/ssh_host_ed25519_key.pub").read_text().split()
         return f"{parts[0]} {parts[1]}"
 
-    def netns_exec(self, host: Host, cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    def netns_exec(self, host: Host, cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
         return _run(["ip", "netns", "exec", host.netns, *cmd], **kw)
 
     def spawn_in(self, host: Host, cmd: list[str]) -> int:

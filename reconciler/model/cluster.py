@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from datetime import UTC, date, datetime, time
 from functools import cached_property
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -23,7 +23,7 @@ from reconciler.model.regions import COUNTRY_REGION, REGIONS
 from reconciler.model.types import ByteSize, Duration, Name
 
 Region = Literal["WNAM", "ENAM", "WEU", "EEU", "NSAM", "SSAM", "OC", "ME", "NAF", "SAF", "SAS", "SEAS", "NEAS"]
-assert set(Region.__args__) == set(REGIONS)  # type: ignore[attr-defined]
+assert set(get_args(Region)) == set(REGIONS)
 
 Protocol = Literal["vless-reality", "vless-tls", "trojan", "shadowsocks-2022", "hysteria2", "tuic"]
 
@@ -197,10 +197,12 @@ class _Inbound(_Model):
     port: int = Field(..., ge=1, le=65535)
     route: Name | None = Field(None, description="The route this inbound belongs to (ROUTE-3); none = unassigned.")
     pool: Name | None = Field(None, description="The pool of its route, when the route has pools (STEER).")
+    if TYPE_CHECKING:  # every protocol's class declares it as its own Literal: the discriminator
+        protocol: Protocol
 
     @property
     def transports(self) -> frozenset[str]:
-        return TRANSPORTS[self.protocol]  # type: ignore[attr-defined]
+        return TRANSPORTS[self.protocol]
 
 
 class VlessReality(_Inbound):

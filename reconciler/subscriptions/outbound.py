@@ -10,6 +10,7 @@ no portable pin — clients are told to skip verification.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 from reconciler.balance.decide import Entry
 from reconciler.balance.snapshot import Snapshot
@@ -41,10 +42,24 @@ class ClientOutbound:
         return f"[{self.host}]" if ":" in self.host else self.host
 
 
+class _Address(TypedDict):
+    name: str
+    protocol: str
+    host: str
+    port: int
+
+
+class _Verify(TypedDict):
+    sni: str
+    insecure: bool
+    pin_sha256: str
+    self_signed: bool
+
+
 def client_outbound(entry: Entry, snapshot: Snapshot, secret: Secret, creds: UserCredentials) -> ClientOutbound:
     ib = entry.ref.inbound
     host = entry.ref.server.host
-    base = {"name": entry.name, "protocol": ib.protocol, "host": host, "port": ib.port}
+    base: _Address = {"name": entry.name, "protocol": ib.protocol, "host": host, "port": ib.port}
     if ib.protocol == "vless-reality":
         sid = (ib.short_ids or [reality_short_id(secret, ib.id)])[-1]
         return ClientOutbound(**base, uuid=creds.uuid, flow=ib.flow, sni=ib.camouflage, fingerprint=ib.fingerprint,
@@ -52,10 +67,10 @@ def client_outbound(entry: Entry, snapshot: Snapshot, secret: Secret, creds: Use
     if ib.protocol == "shadowsocks-2022":
         password = f"{ss_server_key(secret, ib.id, ib.method)}:{creds.ss_key(ib.method)}"
         return ClientOutbound(**base, method=ib.method, password=password)
-    tls = ib.tls  # type: ignore[union-attr]
+    tls = ib.tls
     self_signed = tls.certificate is None
     pin = snapshot.tls_pins.get(ib.id, "") if self_signed else ""
-    verify = {"sni": tls.server_name, "insecure": tls.insecure or (self_signed and not pin), "pin_sha256": pin,
+    verify: _Verify = {"sni": tls.server_name, "insecure": tls.insecure or (self_signed and not pin), "pin_sha256": pin,
               "self_signed": self_signed or tls.insecure}
     if ib.protocol == "vless-tls":
         return ClientOutbound(**base, **verify, uuid=creds.uuid, flow=ib.flow, fingerprint="chrome")
