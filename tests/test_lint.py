@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import os
+import re
 import subprocess
 import sys
+import tomllib
 
 from tests.conftest import ROOT
 
@@ -20,3 +24,51 @@ def test_ruff_is_clean():
 def test_import_layers_hold():
     out = subprocess.run([os.path.join(BIN, "lint-imports")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_mypy_strict_is_clean():
+    # [tool.mypy] in pyproject.toml: strict over reconciler/, so an unneeded `type: ignore` fails too.
+    out = subprocess.run([os.path.join(BIN, "mypy")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _guarded(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    """An import only for the type checker (``if TYPE_CHECKING:``) or optional (``try: ... except ImportError``)."""
+    while node in parents:
+        parent = parents[node]
+        if isinstance(parent, ast.If) and node in parent.body and "TYPE_CHECKING" in ast.unparse(parent.test):
+            return True
+        if isinstance(parent, ast.Try) and node in parent.body:
+            caught = " ".join(ast.unparse(h.type) for h in parent.handlers if h.type is not None)
+            if "ImportError" in caught or "ModuleNotFoundError" in caught:
+                return True
+        node = parent
+    return False
+
+
+def test_runtime_imports_are_declared():
+    # What the controller imports at run time must be in [project].dependencies, not merely present
+    # because something else pulled it in (cryptography came with asyncssh until it was declared).
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0].strip().lower().replace("_", "-")
+                for d in project["dependencies"]}
+    owners = importlib.metadata.packages_distributions()
+    missing: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "reconciler").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            else:
+                continue
+            for module in modules:
+                top = module.partition(".")[0]
+                if top in sys.stdlib_module_names or top == "reconciler" or _guarded(node, parents):
+                    continue
+                dists = {d.lower().replace("_", "-") for d in owners.get(top, [top])}
+                if not dists & declared:
+                    missing.setdefault(top, []).append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not missing, f"imported but not in [project].dependencies: {missing}"
