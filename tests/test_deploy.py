@@ -49,7 +49,7 @@ def test_blocked_alert_carries_the_change_ip_advice():
 
 
 def emitted_metric_names() -> set[str]:
-    from reconciler.loop.learned import Learned
+    from reconciler.fleet.learned import Learned
     from reconciler.metrics import FleetView
     from tests.test_loop import LoopStats, cluster, collector_text, snapshot_after  # the collector with a realistic view
 

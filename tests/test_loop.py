@@ -20,12 +20,14 @@ import pytest
 from reconciler.balance import Snapshot
 from reconciler.credentials import Secret, user_credentials
 from reconciler.errors import ReportError
+from reconciler.fleet import snapshot
+from reconciler.fleet.learned import Learned
+from reconciler.fleet.reports import Counter, Probe, Report, agent_request, observation, parse_report, traffic_rate
 from reconciler.health.topology import Topology
-from reconciler.loop.learned import Learned
 from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens
-from reconciler.loop.reports import Counter, Probe, Report, agent_request, observation, parse_report, traffic_rate
 from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
 from reconciler.model import Cluster
+from reconciler.state.folder import StateFolder
 
 SECRET = Secret(b"loop-test-secret-0123456789abcdef")
 
@@ -181,7 +183,8 @@ def test_learned_state_round_trips_and_survives_a_changed_file():
     c = cluster(5)
     learned = Learned.fresh(c)
     run_intervals(c, learned, 20, 1e9, blocked={"s1": {"s0-in"}, "s2": {"s0-in"}})
-    snap = learned.snapshot(c, learned.current_verdicts(c, 1e9 + 200), 1e9 + 200, {})
+    snap = snapshot(c, learned, {}, 1e9 + 200)
+    learned.assignments = dict(snap.assignments)
     assert snap.assignments and learned.assignments
     again = Learned.from_bytes(learned.to_bytes())
     for name in ("rtt_ewma", "rtt_first", "rtt_last"):
@@ -209,11 +212,21 @@ def test_learned_state_round_trips_and_survives_a_changed_file():
 
 def test_unreadable_state_starts_afresh_with_a_note(tmp_path):
     c = cluster(3)
+    state = StateFolder(tmp_path)
+    assert state.load_learned(c).ticks == 0 and state.notes == []  # none yet: fresh, nothing to say
     (tmp_path / "learned.npz").write_bytes(b"garbage")
-    learned, note = Learned.load(tmp_path / "learned.npz", c)
-    assert learned.ticks == 0 and "starting afresh" in note
-    learned, note = Learned.load(tmp_path / "missing.npz", c)
-    assert note is None
+    learned = state.load_learned(c)
+    assert learned.ticks == 0 and "starting afresh" in state.notes[0] and "learned.npz" in state.notes[0]
+
+
+def test_learned_state_saved_through_the_state_folder_is_restored(tmp_path):
+    c = cluster(3)
+    learned = Learned.fresh(c)
+    run_intervals(c, learned, 5, 1e9)
+    StateFolder(tmp_path).save_learned(learned)
+    assert oct((tmp_path / "learned.npz").stat().st_mode & 0o777) == "0o600"
+    again = StateFolder(tmp_path).load_learned(c)
+    assert again.ticks == 5 and again.counters == learned.counters
 
 
 # --------------------------------------------------------------------------- file outlet and live answers
@@ -222,7 +235,9 @@ def test_unreadable_state_starts_afresh_with_a_note(tmp_path):
 def snapshot_after(c: Cluster, learned: Learned, blocked=None, ticks=15, start=1e9) -> Snapshot:
     run_intervals(c, learned, ticks, start, blocked=blocked)
     now = start + ticks * c.settings.health.report_interval
-    return learned.snapshot(c, learned.current_verdicts(c, now), now, {})
+    snap = snapshot(c, learned, {}, now)
+    learned.assignments = dict(snap.assignments)
+    return snap
 
 
 def test_files_are_written_once_rewritten_only_where_changed_and_match_the_live_answers(tmp_path):
@@ -352,7 +367,7 @@ def test_http_outlet_serves_subscriptions_metrics_health_and_status():
     # spec: ROUTE-8, HEALTH-13 — GET/HEAD, formats by path and User-Agent, ETag/304, 404 for unknown tokens
     from prometheus_client import CollectorRegistry
 
-    from reconciler.loop.demo import free_port
+    from reconciler.lab.demo import free_port
     from reconciler.loop.http import HttpOutlet
 
     c = cluster(5, users=5)

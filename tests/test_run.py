@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from reconciler.credentials import Secret, user_credentials
-from reconciler.loop.demo import free_port
+from reconciler.lab.demo import free_port
 from reconciler.loop.service import Backoff
 
 SECRET = "run-test-secret-0123456789abcdef"

@@ -7,7 +7,7 @@ import json
 import jsonschema
 from ruamel.yaml import YAML
 
-from reconciler.cli import schema_text
+from reconciler.config.schema import schema_text
 from tests.conftest import EXAMPLE, ROOT
 
 SCHEMA = ROOT / "schemas" / "cluster.schema.json"

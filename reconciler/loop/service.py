@@ -34,15 +34,16 @@ from prometheus_client import CollectorRegistry
 
 from reconciler.apply.run import apply_all
 from reconciler.apply.session import Progress, pool_for, remember
+from reconciler.balance import Snapshot
 from reconciler.config import load_cluster
 from reconciler.credentials import Secret, clash_api_secret
 from reconciler.engine.singbox import AGENT
 from reconciler.errors import RemoteError, ReportError
+from reconciler.fleet import snapshot
+from reconciler.fleet.reports import Report, agent_request, parse_report
 from reconciler.health.verdicts import Verdicts
 from reconciler.loop.http import HttpOutlet
-from reconciler.loop.learned import Learned
 from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens, cluster_digest
-from reconciler.loop.reports import Report, agent_request, parse_report
 from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
 from reconciler.model import Cluster
 from reconciler.plan.observe import observe
@@ -50,7 +51,6 @@ from reconciler.ssh import Target
 from reconciler.state.folder import StateFolder
 
 log = logging.getLogger("reconciler.loop")
-STATE_FILE = "learned.npz"
 MAX_BACKOFF_TICKS = 16
 
 
@@ -99,10 +99,11 @@ class Loop:
         self.view: FleetView | None = None
         self.drift: dict[str, int] = {}
         self.facts = self.state.facts()  # public keys and pins: they change only when an apply changes them
-        self.learned, note = Learned.load(self.state.path / STATE_FILE, cluster)
-        if note:
-            log.warning(note)
-        elif self.learned.ticks:
+        self.learned = self.state.load_learned(cluster)
+        for note in self.state.notes:
+            log.warning("%s", note)
+        self.state.notes.clear()
+        if self.learned.ticks:
             log.info("restored learned state: %d interval(s), last at %s", self.learned.ticks,
                      time.strftime("%H:%M:%S", time.localtime(self.learned.last_tick)))
         self.registry = CollectorRegistry(auto_describe=False)
@@ -195,7 +196,7 @@ class Loop:
 
     def _save(self) -> None:
         try:
-            self.learned.save(self.state.path / STATE_FILE)
+            self.state.save_learned(self.learned)
         except OSError as exc:
             log.error("cannot save the learned state: %s", exc)
 
@@ -225,19 +226,20 @@ class Loop:
             reports = await self.collect(cluster)
             now = time.time()
             verdicts = self.learned.fold(cluster, reports, now)
-            snapshot = self.learned.snapshot(cluster, verdicts, now, self.facts)
+            snap = snapshot(cluster, self.learned, self.facts, now, verdicts)
+            self.learned.assignments = dict(snap.assignments)  # stickiness (LB-6): the next interval starts here
         except Exception:  # noqa: BLE001 — a bug in one interval must not end the loop; it is logged with its traceback
             log.exception("interval %d failed", self._tick_index)
             self.stats.record("collect", False, time.perf_counter() - started, time.time())
             return None
         self.stats.record("collect", True, time.perf_counter() - started, now)
-        self.answers.publish(snapshot)
-        self.view = self._fleet_view(cluster, verdicts, snapshot)
+        self.answers.publish(snap)
+        self.view = self._fleet_view(cluster, verdicts, snap)
         self._last_tick_end = time.time()
         self._report_changes(verdicts)
         out_start = time.perf_counter()
         try:
-            stats = await asyncio.to_thread(self.files.write, snapshot)
+            stats = await asyncio.to_thread(self.files.write, snap)
             if stats.written or stats.removed:
                 log.info("subscriptions: %d user(s) rewritten, %d unchanged, %d removed (%.2fs)",
                          stats.written, stats.unchanged, stats.removed, stats.seconds)
@@ -278,16 +280,16 @@ class Loop:
         results = await asyncio.gather(*(one(s) for s in cluster.servers))
         return dict(results)
 
-    def _fleet_view(self, cluster: Cluster, verdicts: Verdicts, snapshot) -> FleetView:  # type: ignore[no-untyped-def]
-        loads = snapshot.loads
+    def _fleet_view(self, cluster: Cluster, verdicts: Verdicts, snap: Snapshot) -> FleetView:
+        loads = snap.loads
         assigned: dict[str, int] = {}
         server_of = {r.inbound.id: r.server.name for r in cluster.inbounds}
-        for inbound in snapshot.assignments.values():
+        for inbound in snap.assignments.values():
             s = server_of.get(inbound)
             if s:
                 assigned[s] = assigned.get(s, 0) + 1
         rtt = self.learned.rtt_by_region(cluster)
-        return FleetView(cluster=cluster, verdicts=verdicts, snapshot=snapshot,
+        return FleetView(cluster=cluster, verdicts=verdicts, snapshot=snap,
                          traffic_mbps={k: v.traffic_mbps for k, v in loads.items()},
                          connected={k: v.users for k, v in loads.items()},
                          capacity_mbps={k: v.capacity_mbps for k, v in loads.items()}, assigned=assigned, rtt_ms=rtt,

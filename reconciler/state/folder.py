@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from reconciler.errors import LockHeld
+from reconciler.fleet.learned import Learned
+from reconciler.model import Cluster
 from reconciler.state.files import write_atomic
 
 KNOWN_HOSTS = "known_hosts.json"
@@ -101,6 +103,21 @@ class StateFolder:
 
     def write_managed(self, managed: dict[str, dict[str, Any]]) -> None:
         self.write_json(MANAGED, managed)
+
+    def load_learned(self, cluster: Cluster) -> Learned:
+        """The learned state adopted to ``cluster``; unreadable → a fresh one, noted."""
+        try:
+            data = self.read_bytes(LEARNED)
+        except OSError as exc:
+            data = None
+            self.notes.append(f"cannot read {self.learned}: {exc.strerror}; starting afresh")
+        learned, note = Learned.restore(data, cluster, str(self.learned))
+        if note:
+            self.notes.append(note)
+        return learned
+
+    def save_learned(self, learned: Learned) -> None:
+        self.write_bytes(LEARNED, learned.to_bytes())
 
     @property
     def known_hosts(self) -> Path:

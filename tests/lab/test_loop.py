@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.cli import lab_cluster_yaml
+from reconciler.lab import lab_cluster_yaml
 from reconciler.credentials import Secret, user_credentials
-from reconciler.loop.demo import LoopProcess, free_port, subscription_hosts
-from reconciler.loop.learned import Learned
+from reconciler.fleet.learned import Learned
+from reconciler.lab.demo import LoopProcess, free_port, subscription_hosts
 from tests.lab.conftest import ORIGIN_PORT, SECRET, Client, reconciler, reset_hosts, ssh
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -149,7 +149,7 @@ def test_agent_probes_every_protocol_like_a_client(lab, fleet):
     # The agent itself, run by hand on one host against the others: every probe succeeds with an RTT.
     from reconciler.config import load_cluster
     from reconciler.credentials import clash_api_secret
-    from reconciler.loop.reports import agent_request
+    from reconciler.fleet.reports import agent_request
 
     cluster = load_cluster(str(fleet["path"])).cluster
     req = agent_request(cluster, "vps5", clash_api_secret(Secret(SECRET.encode()), "vps5"), 2.0)

@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-from reconciler.cli import lab_cluster_yaml
+from reconciler.lab import lab_cluster_yaml
 from tests.lab.conftest import ORIGIN_PORT, Client, blob_sha, reconciler, reset_hosts, ssh
 
 PROTOCOL_INBOUNDS = [

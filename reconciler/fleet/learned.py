@@ -4,8 +4,8 @@
 hysteresis), capacity peaks (LB-3), traffic counters, RTT EWMAs per witness and
 target (STEER-3), the users' assignments (stickiness, LB-6) and the last
 reports. ``fold`` advances it by one interval (pure: time and reports passed
-in); ``save``/``load`` persist it as one file written atomically (temporary
-file, fsync, rename), so a crash at any moment leaves the old or the new state.
+in); ``to_bytes``/``from_bytes`` are its persisted form, which the state
+folder (``reconciler.state.folder``) writes atomically and reads back.
 
 When the cluster file changes which servers or inbounds exist, the state is
 carried over by name: a new server starts fresh, the others keep their
@@ -17,17 +17,16 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from reconciler.balance import RTTProfile, ServerLoad, Snapshot, rebalance
+from reconciler.balance import RTTProfile, ServerLoad
 from reconciler.balance.capacity import CapacityEstimator
-from reconciler.health.engine import HealthEngine, HealthState, Topology
+from reconciler.fleet.reports import Counter, Report, observation, traffic_rate
+from reconciler.health.engine import HealthEngine, HealthState
+from reconciler.health.topology import Topology
 from reconciler.health.verdicts import Verdicts
-from reconciler.loop.reports import Counter, Report, observation, traffic_rate
 from reconciler.model import Cluster
-from reconciler.state.files import write_atomic
 
 FORMAT = 1
 # Which axes the engine's arrays run along: s = servers (witnesses), m = inbounds (targets).
@@ -151,16 +150,6 @@ class Learned:
                                                                fresh=bool(now - last <= stale_after))
         return out
 
-    def snapshot(self, cluster: Cluster, verdicts: Verdicts | None, now: float, facts: dict[str, dict[str, str]]) -> Snapshot:
-        """The snapshot both outlets answer from; assignments are rebalanced and kept (stickiness)."""
-        base = Snapshot(cluster=cluster, now=now, verdicts=verdicts, loads=self.loads(now),
-                        rtt=self.rtt_profiles(cluster, now, cluster.settings.health.staleness),
-                        assignments=dict(self.assignments), public_keys=facts.get("public_keys", {}),
-                        tls_pins=facts.get("tls_pins", {}))
-        self.assignments = rebalance(base)
-        return Snapshot(cluster=cluster, now=now, verdicts=verdicts, loads=base.loads, rtt=base.rtt,
-                        assignments=self.assignments, public_keys=base.public_keys, tls_pins=base.tls_pins)
-
     # ------------------------------------------------------------------ topology changes
 
     def adopt(self, cluster: Cluster) -> Learned:
@@ -239,19 +228,12 @@ class Learned:
                    traffic_mbps=meta["traffic_mbps"], connected=meta["connected"],
                    assignments={(u, r): i for u, r, i in meta["assignments"]}, last_tick=meta["last_tick"], ticks=meta["ticks"])
 
-    def save(self, path: Path) -> None:
-        write_atomic(path, self.to_bytes(), 0o600)
-
     @classmethod
-    def load(cls, path: Path, cluster: Cluster) -> tuple[Learned, str | None]:
-        """The persisted state adopted to ``cluster``, or a fresh one and why."""
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
+    def restore(cls, data: bytes | None, cluster: Cluster, where: str = "the learned state") -> tuple[Learned, str | None]:
+        """The persisted state (``data``; None: none yet) adopted to ``cluster``, or a fresh one and why."""
+        if data is None:
             return cls.fresh(cluster), None
-        except OSError as exc:
-            return cls.fresh(cluster), f"cannot read {path}: {exc.strerror}; starting afresh"
         try:
             return cls.from_bytes(data).adopt(cluster), None
-        except (ValueError, KeyError, TypeError, OSError) as exc:
-            return cls.fresh(cluster), f"ignoring unreadable state {path} ({exc}); starting afresh"
+        except (ValueError, KeyError, TypeError, IndexError, OSError, EOFError) as exc:
+            return cls.fresh(cluster), f"ignoring unreadable {where} ({type(exc).__name__}: {exc}); starting afresh"

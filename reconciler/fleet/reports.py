@@ -16,7 +16,8 @@ import numpy as np
 
 from reconciler.engine.singbox import CLASH_API, SERVICE
 from reconciler.errors import ReportError
-from reconciler.health.engine import Observation, Topology
+from reconciler.health.engine import Observation
+from reconciler.health.topology import Topology
 from reconciler.model import Cluster
 
 

@@ -19,9 +19,15 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
+from rich.console import Console
+
 from reconciler.credentials import load_secret, user_credentials
+from reconciler.errors import LabError
+from reconciler.lab.cluster import lab_cluster_yaml
+from reconciler.lab.hosts import Host, Lab
 
 COUNTRIES = ["DE", "DE", "DE", "NL", "RU"]  # three witnesses in one country, one elsewhere, a prober
 
@@ -98,10 +104,12 @@ def subscription_hosts(loop: LoopProcess, token: str) -> list[str]:
     return hosts
 
 
-def run_lab_demo(console, out: Path, hosts_wanted: int, duration: float, scenario: str, interval: float,  # type: ignore[no-untyped-def]
-                 main: Callable[[list[str]], int], cluster_yaml: Callable[..., str]) -> int:
-    from reconciler.lab import Lab, LabError
+def reconciler_command(argv: list[str]) -> int:
+    """``reconciler ARGV`` as its own process, its output shown as it comes (as an operator would run it)."""
+    return subprocess.run([sys.executable, "-m", "reconciler", *argv], stdin=subprocess.DEVNULL, check=False).returncode
 
+
+def run_lab_demo(console: Console, out: Path, hosts_wanted: int, duration: float, scenario: str, interval: float) -> int:
     started = time.monotonic()
     os.environ.setdefault("RECONCILER_SECRET", secrets.token_urlsafe(32))  # a throwaway secret for the demo
     hosts_wanted = max(4, hosts_wanted)
@@ -115,13 +123,13 @@ def run_lab_demo(console, out: Path, hosts_wanted: int, duration: float, scenari
         countries[-1] = "RU"
         listen = f"127.0.0.1:{free_port()}"
         path = out / "lab-cluster.yaml"
-        path.write_text(cluster_yaml(lab, hosts, countries, prober_index=len(hosts) - 1, report_interval=interval,
+        path.write_text(lab_cluster_yaml(lab, hosts, countries, prober_index=len(hosts) - 1, report_interval=interval,
                                      listen=listen, users=8))
         console.print(f"wrote {path}: {len(hosts)} servers in {', '.join(sorted(set(countries)))}; "
                       f"{hosts[-1].name} (RU) is the designated prober; report interval {interval:g}s")
         for title, argv, expected in (("plan", ["plan", "-f", str(path)], 2), ("apply", ["apply", "-f", str(path)], 0)):
             console.rule(f"reconciler {title}")
-            code = main(argv)
+            code = reconciler_command(argv)
             if code != expected:
                 console.print(f"[red]{title} exited {code}, expected {expected}[/red]")
                 return 1
@@ -158,7 +166,7 @@ def run_lab_demo(console, out: Path, hosts_wanted: int, duration: float, scenari
         lab.down()
 
 
-def _print_status(console, st: dict) -> None:  # type: ignore[no-untyped-def]
+def _print_status(console: Console, st: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title="verdicts")
@@ -169,10 +177,12 @@ def _print_status(console, st: dict) -> None:  # type: ignore[no-untyped-def]
     console.print(table)
 
 
-def _block_scenario(console, lab, hosts, countries, loop: LoopProcess, path: Path, interval: float) -> int:  # type: ignore[no-untyped-def]
+def _block_scenario(console: Console, lab: Lab, hosts: list[Host], countries: list[str], loop: LoopProcess, path: Path,
+                    interval: float) -> int:
     from reconciler.config import load_cluster
 
     cluster = load_cluster(str(path)).cluster
+    assert cluster is not None  # written and planned from above
     secret = load_secret(cluster.settings.secret.env, cluster.settings.secret.file)
     tokens = {u.name: user_credentials(secret, u.name, u.rotate).token for u in cluster.users}
     F = cluster.settings.health.failure_streak

@@ -1,0 +1,68 @@
+"""The ``reconciler`` command line: small command modules that parse, call and print.
+
+Exit codes: 0 success, 1 error (invalid file, failed command), 2 ``plan`` with changes
+pending, 130 interrupted. Errors are the tree in ``reconciler.errors``: each is printed as
+``error: <message>`` (with the file's diagnostics for an invalid file) and mapped to its
+``exit_code``; a temporary one says that trying again may succeed. Whatever the input, no
+traceback reaches the operator; set ``RECONCILER_DEBUG=1`` to see one for a bug report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+
+from reconciler import __version__
+from reconciler.cli import fleet, lab, plan, routes, run, validate
+from reconciler.cli.common import print_diagnostics
+from reconciler.errors import ConfigError, ReconcilerError
+
+MODULES = (validate, routes, plan, fleet, run, lab)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="reconciler", description="Declarative GitOps reconciler for self-hosted VPN clusters.",
+                                epilog="example:\n  reconciler validate -f cluster.yaml\n\n"
+                                       "`reconciler COMMAND --help` shows each command's options and an example.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"reconciler {__version__}", help="print the version and exit")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for module in MODULES:
+        module.register(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] | None = getattr(args, "run", None)
+    if handler is None:  # no command, or a command group without its action
+        (getattr(args, "group_parser", None) or p).print_help(sys.stderr)
+        return 1
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except ConfigError as exc:
+        print_diagnostics(exc.diagnostics)
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except ReconcilerError as exc:
+        print(f"error: {exc}" + (" (this may heal by itself: try again later)" if exc.temporary else ""), file=sys.stderr)
+        return exc.exit_code
+    except Exception as exc:  # the last line of defence: never a traceback for the operator
+        if os.environ.get("RECONCILER_DEBUG"):
+            traceback.print_exc()
+        print(f"internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print("  hint: this is a bug in reconciler; rerun with RECONCILER_DEBUG=1 and report the output", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

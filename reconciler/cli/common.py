@@ -1,0 +1,105 @@
+"""What every command shares: the cluster-file option, loading with diagnostics, the secret, the
+fleet snapshot, and the few ways a command reports a problem (by raising from ``reconciler.errors``)."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from reconciler.config import load_cluster
+from reconciler.config.diagnostics import Diagnostic
+from reconciler.credentials import Secret, load_secret
+from reconciler.errors import ConfigError, InvalidInput
+from reconciler.model import Cluster, User
+
+if TYPE_CHECKING:  # numpy and the decision cores load only for the commands that decide
+    from reconciler.balance import Snapshot
+    from reconciler.state.folder import StateFolder
+
+DEFAULT_FILE = os.environ.get("RECONCILER_FILE", "cluster.yaml")
+
+
+def add_command(sub: Any, name: str, help: str, example: str, description: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand whose ``--help`` ends with an example."""
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name, help=help, description=description or help[:1].upper() + help[1:] + ".",
+        epilog=f"example:\n  {example}", formatter_class=argparse.RawDescriptionHelpFormatter)
+    return parser
+
+
+def add_file(parser: argparse.ArgumentParser, positional: bool = False) -> None:
+    """``-f/--file`` on every command; ``positional`` keeps the older ``COMMAND FILE`` spelling as an alias."""
+    parser.add_argument("-f", "--file", default=None, help=f"the cluster file (default: $RECONCILER_FILE or {DEFAULT_FILE})")
+    if positional:
+        parser.add_argument("file_arg", nargs="?", metavar="FILE", help="the cluster file, the same as -f FILE")
+
+
+def cluster_file(args: argparse.Namespace) -> str:
+    file: str | None = getattr(args, "file_arg", None) or args.file
+    return file or DEFAULT_FILE
+
+
+def print_diagnostics(diagnostics: Sequence[Diagnostic]) -> None:
+    for d in diagnostics:
+        print(d.render(), file=sys.stderr)
+
+
+def load(path: str) -> Cluster:
+    """The valid cluster in ``path``, or ``ConfigError`` carrying its diagnostics (warnings are validate's)."""
+    result = load_cluster(path)
+    if result.cluster is None:
+        n = len(result.errors)
+        raise ConfigError(f"{path}: invalid — {n} error{'s' if n != 1 else ''}", result.errors)
+    return result.cluster
+
+
+def secret_of(cluster: Cluster) -> Secret:
+    return load_secret(cluster.settings.secret.env, cluster.settings.secret.file)
+
+
+def state_of(path: str, cluster: Cluster) -> StateFolder:
+    from reconciler.state.folder import StateFolder
+
+    return StateFolder.of(path, cluster.settings.outputs.state_dir)
+
+
+def warn(note: str) -> None:
+    print(f"warning: {note}", file=sys.stderr)
+
+
+def fleet_snapshot(path: str, cluster: Cluster, now: float | None = None) -> Snapshot:
+    """The snapshot the loop would answer from now: the same ``fleet.snapshot`` over the state folder."""
+    from reconciler.fleet import snapshot
+
+    state = state_of(path, cluster)
+    facts, learned = state.facts(), state.load_learned(cluster)
+    for note in state.notes:
+        warn(note)
+    snap = snapshot(cluster, learned, facts, time.time() if now is None else now)
+    pending = [r.inbound.id for r in cluster.inbounds if r.inbound.protocol == "vless-reality" and not snap.usable(r)]
+    if pending:
+        print(f"note: {len(pending)} REALITY inbound(s) have no public key yet (apply first): {', '.join(pending)}",
+              file=sys.stderr)
+    return snap
+
+
+def user_named(cluster: Cluster, name: str) -> User:
+    try:
+        return cluster.user(name)
+    except KeyError:
+        close = difflib.get_close_matches(name, [u.name for u in cluster.users], n=1)
+        raise InvalidInput(f"no user {name!r}" + (f"; did you mean {close[0]!r}?" if close else "")) from None
+
+
+def base_dir(path: str) -> Path:
+    return Path(path).resolve().parent
+
+
+def plural(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else (many or one + 's')}"

@@ -1,0 +1,118 @@
+"""``plan`` and ``apply``: what would change on each server, and making it so (GITOPS-3, GITOPS-4, GITOPS-7)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from reconciler.cli.common import add_command, add_file, base_dir, cluster_file, load, secret_of, state_of
+from reconciler.model import Cluster
+
+if TYPE_CHECKING:  # imported when a command runs: asyncssh and friends cost ~0.3 s of every other command's start
+    from reconciler.apply.run import ServerResult
+    from reconciler.plan.observe import Observed
+    from reconciler.ssh import SSHPool
+    from reconciler.state.folder import StateFolder
+
+T = TypeVar("T")
+
+
+def register(sub: Any) -> None:
+    pl = add_command(sub, "plan", "what apply would change on each server (GITOPS-3); exit 0 none, 2 changes, 1 error",
+                     "reconciler plan -f cluster.yaml --out plan.json")
+    add_file(pl)
+    pl.add_argument("--json", action="store_true", help="the plan as JSON")
+    pl.add_argument("--out", help="save the plan, to apply exactly it with `apply PLAN`")
+    pl.add_argument("--prune", action="store_true", help="also remove what left the cluster file (GITOPS-7)")
+    pl.set_defaults(run=cmd_plan)
+
+    ap = add_command(sub, "apply", "make the servers match the file (GITOPS-4)", "reconciler apply plan.json")
+    ap.add_argument("plan", nargs="?", help="a plan saved with `plan --out`; refused when stale")
+    add_file(ap)
+    ap.add_argument("--prune", action="store_true", help="remove what left the cluster file (GITOPS-7)")
+    ap.add_argument("--json", action="store_true", help="the results as JSON")
+    ap.set_defaults(run=cmd_apply)
+
+
+def _observe(path: str, prune: bool,
+             then: Callable[[list[Observed], SSHPool, StateFolder], Awaitable[T]] | None = None
+             ) -> tuple[Cluster, StateFolder, list[Observed], T | None]:
+    """Observe every server; ``then`` runs on the same SSH connections right after (apply: one handshake per server)."""
+    from reconciler.apply.session import pool_for
+    from reconciler.plan.observe import observe
+
+    cluster = load(path)
+    secret = secret_of(cluster)
+    state = state_of(path, cluster)
+
+    async def go() -> tuple[list[Observed], T | None]:
+        async with pool_for(state) as pool:
+            observed = await observe(cluster, secret, pool, str(base_dir(path)), prune, state.managed())
+            return observed, (await then(observed, pool, state) if then is not None else None)
+
+    observed, result = asyncio.run(go())
+    return cluster, state, observed, result
+
+
+def _warnings(cluster: Cluster) -> list[str]:
+    if not cluster.unassigned:
+        return []
+    return [f"{len(cluster.unassigned)} inbound(s) are not in any route — clients cannot see them yet: "
+            + ", ".join(r.inbound.id for r in cluster.unassigned)]
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from reconciler.plan.actions import render_human, render_json
+    from reconciler.plan.observe import fingerprint
+    from reconciler.plan.saved import save_plan
+
+    path = cluster_file(args)
+    cluster, _, observed, _ = _observe(path, args.prune)
+    plans = [o.plan for o in observed]
+    fp = fingerprint(observed)
+    sys.stdout.write(render_json(plans, fp) if args.json else render_human(plans, _warnings(cluster)))
+    if args.out:
+        save_plan(args.out, plans, fp, path, args.prune)
+        print(f"saved the plan to {args.out}; apply exactly it with `reconciler apply {args.out}`", file=sys.stderr)
+    if any(p.error or p.problems for p in plans):
+        return 1
+    return 2 if any(p.changes for p in plans) else 0
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    from reconciler.apply.run import apply_all
+    from reconciler.apply.session import Progress, remember
+    from reconciler.plan.saved import load_plan
+
+    path, prune = cluster_file(args), args.prune
+    saved = load_plan(args.plan) if args.plan else None
+    if saved is not None:
+        path, prune = saved.file, saved.prune
+
+    async def then(observed: list[Observed], pool: SSHPool, state: StateFolder) -> list[ServerResult]:
+        if saved is not None:
+            saved.check(observed)  # StalePlan: nothing is applied
+        progress = Progress([o.plan.server for o in observed])
+        try:
+            # The commit returns the public material the servers generated: `observed` then holds it.
+            return await apply_all(observed, pool, progress)
+        finally:
+            progress.close()
+
+    cluster, state, observed, results = _observe(path, prune, then)
+    assert results is not None
+    remember(state, cluster, observed, results)
+    if args.json:
+        print(json.dumps([asdict(r) for r in results], indent=2, default=str))
+    else:
+        for r in results:
+            print(f"{'ok  ' if r.ok else 'FAIL'} {r.server:16s} {r.seconds:6.1f}s  {r.message}")
+        failed = sum(not r.ok for r in results)
+        print(f"Apply: {sum(r.ok for r in results)} ok, {failed} failed, {sum(r.changed for r in results)} changed.")
+    return 0 if all(r.ok for r in results) else 1
+

@@ -1,0 +1,89 @@
+"""``route assign|unassign``, ``routes`` and ``topology``: route membership (ROUTE-3..8)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from reconciler.cli.common import add_command, add_file, cluster_file, load, print_diagnostics
+from reconciler.config.edit import assign, unassign
+from reconciler.model import Cluster
+from reconciler.topology import RENDERERS
+
+
+def register(sub: Any) -> None:
+    r = add_command(sub, "route", "edit route membership in place, comments kept (ROUTE-3)",
+                    "reconciler route assign de-1-reality europe --pool central")
+    rsub = r.add_subparsers(dest="route_command", metavar="ACTION")
+    r.set_defaults(group_parser=r)
+    ra = add_command(rsub, "assign", "put an inbound into a route (moving it if needed)", "reconciler route assign de-1-reality europe")
+    ra.add_argument("inbound", help="the inbound's id")
+    ra.add_argument("route", help="the route's id")
+    ra.add_argument("--pool", help="the pool, when the route has pools")
+    add_file(ra)
+    ra.set_defaults(run=cmd_route)
+    ru = add_command(rsub, "unassign", "take an inbound out of its route", "reconciler route unassign de-1-reality")
+    ru.add_argument("inbound", help="the inbound's id")
+    add_file(ru)
+    ru.set_defaults(run=cmd_route)
+
+    rl = add_command(sub, "routes", "list routes, their inbounds and warnings (ROUTE-4, ROUTE-5)", "reconciler routes -f cluster.yaml")
+    add_file(rl)
+    rl.set_defaults(run=cmd_routes)
+
+    t = add_command(sub, "topology", "draw servers, inbounds and routes (ROUTE-8)", "reconciler topology --format svg -o topology.svg")
+    add_file(t)
+    t.add_argument("--format", choices=["svg", "mermaid", "dot"], default="mermaid", help="the picture's format")
+    t.add_argument("-o", "--out", default="-", help="output file ('-' for stdout)")
+    t.set_defaults(run=cmd_topology)
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    file = cluster_file(args)
+    if args.route_command == "assign":
+        result = assign(file, args.inbound, args.route, args.pool)
+    else:
+        result = unassign(file, args.inbound)
+    print_diagnostics(result.warnings)
+    print(f"{result.file}: {result.summary}" if result.changed else f"{result.file}: unchanged — {result.summary}")
+    return 0
+
+
+def routes_table(cluster: Cluster) -> Table:
+    table = Table(title="Routes (in subscription order)")
+    for column in ("#", "route", "balance", "pools / steering", "inbounds (server)"):
+        table.add_column(column)
+    for n, route in enumerate(cluster.effective_routes, 1):
+        members = cluster.members[route.id]
+        label = f"{route.flag} {route.name}" if route.flag else route.name
+        if route.implicit:
+            label += " (implicit)"
+        pools = f"{', '.join(route.pools)} / {route.steering}" if route.pools else "—"
+        inbounds = "\n".join(
+            f"{ref.inbound.name} ({ref.server.name}{', ' + ref.inbound.pool if ref.inbound.pool else ''})" for ref in members
+        ) or "[dim]empty — hidden from subscriptions[/dim]"
+        table.add_row(str(n), f"{label}\n[dim]{route.id}[/dim]", route.balance, pools, inbounds)
+    if cluster.unassigned:
+        table.add_row("", "[yellow]unassigned[/yellow]", "", "",
+                      "\n".join(f"{r.inbound.name} ({r.server.name})" for r in cluster.unassigned))
+    return table
+
+
+def cmd_routes(args: argparse.Namespace) -> int:
+    Console().print(routes_table(load(cluster_file(args))))
+    return 0
+
+
+def cmd_topology(args: argparse.Namespace) -> int:
+    text = RENDERERS[args.format](load(cluster_file(args)))
+    if args.out == "-":
+        sys.stdout.write(text)
+    else:
+        Path(args.out).write_text(text, encoding="utf-8")
+        print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,92 @@
+"""``run``: the reconcile loop (GITOPS-5) and ``simulate``: a health scenario replayed (HEALTH-1..13)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from typing import Any
+
+from reconciler.cli.common import add_command, add_file, cluster_file, load, print_diagnostics, secret_of
+from reconciler.config import load_cluster, load_document
+from reconciler.config.diagnostics import at
+from reconciler.errors import ConfigError
+from reconciler.model.cluster import HealthSettings
+
+
+def register(sub: Any) -> None:
+    rn = add_command(sub, "run", "the reconcile loop: collect, verdicts, outlets, drift correction (GITOPS-5)",
+                     "reconciler run -f cluster.yaml --listen 127.0.0.1:8080")
+    add_file(rn)
+    rn.add_argument("--listen", help="HTTP address HOST:PORT (default: settings.outputs.listen)")
+    rn.add_argument("--duration", type=float, help="stop after this many seconds (tests, demos)")
+    rn.add_argument("--ticks", type=int, help="stop after this many intervals")
+    rn.add_argument("--no-watch", action="store_true", help="do not watch the file for changes")
+    rn.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="how much to log")
+    rn.set_defaults(run=cmd_run)
+
+    sim = add_command(sub, "simulate", "replay a health scenario through the verdict engine (HEALTH-1..13)",
+                      "reconciler simulate tests/scenarios/block.yaml")
+    sim.add_argument("scenario", help="the scenario file (YAML)")
+    sim.add_argument("--json", action="store_true", help="one JSON object per line per tick")
+    sim.add_argument("--all", action="store_true", help="table: every server every tick, not only changes")
+    sim.set_defaults(run=cmd_simulate)
+
+
+def setup_logging(level: str = "info") -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)-7s %(message)s", datefmt="%H:%M:%S", force=True)
+    logging.getLogger("asyncssh").setLevel(logging.WARNING)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from reconciler.loop.service import run_loop  # aiohttp, asyncssh, prometheus: only for this command
+
+    setup_logging(args.log_level)
+    path = cluster_file(args)
+    cluster = load(path)
+    coro = run_loop(path, cluster, secret_of(cluster), listen=args.listen, duration=args.duration, max_ticks=args.ticks,
+                    watch=not args.no_watch)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from reconciler.health.simulate import Scenario, check_names, inline_topology, run
+    from reconciler.health.topology import Topology
+
+    scenario, diagnostics, source = load_document(args.scenario, Scenario)
+    if scenario is None:
+        raise ConfigError(f"{args.scenario}: invalid scenario", diagnostics)
+    settings = scenario.health or HealthSettings()
+    if scenario.cluster is not None:
+        cluster_path = os.path.join(os.path.dirname(os.path.abspath(args.scenario)), scenario.cluster)
+        loaded = load_cluster(cluster_path, display=os.path.join(os.path.dirname(args.scenario), scenario.cluster))
+        if loaded.cluster is None:
+            raise ConfigError(f"{scenario.cluster}: invalid cluster file", loaded.errors)
+        topology = Topology.from_cluster(loaded.cluster)
+        settings = scenario.health or loaded.cluster.settings.health
+    else:
+        topology = inline_topology(scenario.servers or [])
+    problems = check_names(scenario, topology)
+    if problems:
+        print_diagnostics([at("error", source.key(("events", i)), msg, f"known servers: {', '.join(topology.servers)}", "reference")
+                           for i, msg in problems])
+        return 1
+    if args.json:
+        import json
+
+        for tick, verdicts in run(scenario, topology, settings):
+            line = {"tick": tick, "servers": {name: v.as_json() for name, v in verdicts.servers().items()}}
+            print(json.dumps(line, ensure_ascii=False))
+        return 0
+    from reconciler.cli.timeline import print_timeline
+
+    print_timeline(scenario, topology, settings, args.all)
+    return 0

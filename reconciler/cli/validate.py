@@ -1,0 +1,128 @@
+"""``validate``, ``schema`` and ``init``: the cluster file itself (GITOPS-1, GITOPS-2, ROUTE-6)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from reconciler.cli.common import add_command, add_file, cluster_file, plural, print_diagnostics
+from reconciler.config import load_cluster
+from reconciler.config.schema import SCHEMA_PATH, schema_text
+from reconciler.errors import InvalidInput
+from reconciler.model import Cluster
+
+INIT_TEMPLATE = """\
+# yaml-language-server: $schema=schemas/cluster.schema.json
+# A minimal cluster: one server, one inbound, one route. Validate with
+#   reconciler validate -f {file}
+# Secrets never go here: set RECONCILER_SECRET (see settings.secret).
+
+settings:
+  health:
+    report_interval: 60s
+
+servers:
+  - name: vps-1
+    host: 203.0.113.10              # your server's address
+    ssh: {{user: root, port: 22}}
+    country: DE                     # ISO 3166-1 alpha-2; the region is derived
+    inbounds:
+      - id: vps-1-reality
+        name: "My VPN"              # what users see in their app
+        protocol: vless-reality
+        port: 443
+        camouflage: www.example.com # a real TLS site REALITY presents
+        route: default
+
+routes:
+  - id: default                     # the route a file without routes gets implicitly (ROUTE-6)
+    name: default
+
+users:
+  - name: me
+"""
+
+
+def register(sub: Any) -> None:
+    v = add_command(sub, "validate", "check a cluster file: schema and semantics (GITOPS-2)", "reconciler validate -f cluster.yaml")
+    add_file(v, positional=True)
+    v.add_argument("--json", action="store_true", help="the result as JSON (errors, warnings, summary)")
+    v.set_defaults(run=cmd_validate)
+
+    s = add_command(sub, "schema", "write the JSON Schema of the cluster file (GITOPS-1)", "reconciler schema --check")
+    s.add_argument("--out", default=str(SCHEMA_PATH), help="where to write it ('-' for stdout)")
+    s.add_argument("--check", action="store_true", help="exit 1 when the file on disk is stale")
+    s.set_defaults(run=cmd_schema)
+
+    i = add_command(sub, "init", "scaffold a minimal valid cluster file", "reconciler init -f cluster.yaml")
+    add_file(i, positional=True)
+    i.add_argument("--force", action="store_true", help="overwrite an existing file")
+    i.set_defaults(run=cmd_init)
+
+
+def summary(cluster: Cluster) -> dict[str, int]:
+    return {
+        "servers": len(cluster.servers),
+        "inbounds": len(cluster.inbounds),
+        "routes": len(cluster.effective_routes),
+        "empty_routes": sum(1 for r in cluster.effective_routes if not cluster.members[r.id]),
+        "unassigned_inbounds": len(cluster.unassigned),
+        "users": len(cluster.users),
+    }
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    file = cluster_file(args)
+    result = load_cluster(file)
+    cluster = result.cluster
+    if args.json:
+        print(json.dumps({"file": file, "valid": result.ok, "errors": [d.as_json() for d in result.errors],
+                          "warnings": [d.as_json() for d in result.warnings],
+                          "summary": summary(cluster) if cluster else None}, indent=2, ensure_ascii=False))
+        return 0 if result.ok else 1
+    print_diagnostics(result.diagnostics)
+    if cluster is None or not result.ok:
+        print(f"{file}: invalid — {plural(len(result.errors), 'error')}", file=sys.stderr)
+        return 1
+    s = summary(cluster)
+    warn = f"; {plural(len(result.warnings), 'warning')}" if result.warnings else ""
+    print(f"{file}: valid — {plural(s['servers'], 'server')}, {plural(s['inbounds'], 'inbound')}, "
+          f"{plural(s['routes'], 'route')} ({s['empty_routes']} empty), {plural(s['users'], 'user')}{warn}")
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    text = schema_text()
+    if args.out == "-":
+        sys.stdout.write(text)
+        return 0
+    out = Path(args.out)
+    if args.check:
+        current = out.read_text(encoding="utf-8") if out.exists() else ""
+        if current != text:
+            print(f"{out} is stale; run `reconciler schema` and commit the result", file=sys.stderr)
+            return 1
+        print(f"{out} is up to date")
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    path = Path(cluster_file(args))
+    if path.exists() and not args.force:
+        raise InvalidInput(f"{path} already exists; use --force to overwrite")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(INIT_TEMPLATE.format(file=path), encoding="utf-8")
+    schema = path.parent / SCHEMA_PATH
+    if not schema.exists():
+        schema.parent.mkdir(parents=True, exist_ok=True)
+        schema.write_text(schema_text(), encoding="utf-8")
+        print(f"wrote {schema}")
+    print(f"wrote {path}; next: reconciler validate -f {path}")
+    return 0
