@@ -162,3 +162,20 @@ def test_the_cli_answers_from_the_saved_learned_state_not_a_fresh_one(tmp_path, 
     entries = {e["route"]: e for e in json.loads(run.out)["entries"]}
     assert entries["dynamic"]["pool"] == "west"  # u0 is in WEU: the near pool by measured RTT
     assert "no health data" not in entries["dynamic"]["health"]
+
+
+def test_a_server_whose_engine_api_is_down_is_folded_and_saved(tmp_path):
+    # spec: HEALTH-3 — a report without traffic (the engine's API did not answer) is still a report;
+    # it used to leave a None counter behind, and saving the learned state then raised.
+    path = tmp_path / "cluster.yaml"
+    path.write_text(cluster_text(10.0, "127.0.0.1:1"))
+    cluster = load_cluster(str(path)).cluster
+    assert cluster is not None
+    learned = Learned.fresh(cluster)
+    got = reports(cluster, 1e9, 1)
+    raw = json.loads(json.dumps({"agent": 1, "service": "active", "listeners": {}, "traffic": None, "users": [], "probes": {}}))
+    got["de-1"] = parse_report("de-1", json.dumps(raw), 1e9)
+    learned.fold(cluster, got, 1e9)
+    assert "de-1" not in learned.counters and "de-2" in learned.counters
+    StateFolder(tmp_path / "state").save_learned(learned)
+    assert StateFolder(tmp_path / "state").load_learned(cluster).ticks == 1

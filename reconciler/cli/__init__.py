@@ -16,7 +16,12 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from reconciler import __version__
-from reconciler.cli import fleet, lab, plan, routes, run, validate
+from reconciler.cli import fleet as fleet
+from reconciler.cli import lab as lab
+from reconciler.cli import plan as plan
+from reconciler.cli import routes as routes
+from reconciler.cli import run as run
+from reconciler.cli import validate as validate
 from reconciler.cli.common import print_diagnostics
 from reconciler.errors import ConfigError, ReconcilerError
 

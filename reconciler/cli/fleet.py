@@ -83,9 +83,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     snap = fleet_snapshot(path, cluster)
     active = user.active(snap.now)
     entries = decide(snap, user.name)
-    rows = [{"route": e.route.id, "entry": e.name, "server": e.ref.server.name, "inbound": e.ref.inbound.id,
-             "pool": e.pool, "status": e.status, "in_rotation": e.in_rotation, "why": e.why, "health": e.health}
-            for e in entries]
+    rows: list[dict[str, Any]] = [
+        {"route": e.route.id, "entry": e.name, "server": e.ref.server.name, "inbound": e.ref.inbound.id, "pool": e.pool,
+         "status": e.status, "in_rotation": e.in_rotation, "why": e.why, "health": e.health} for e in entries]
     shown = {e.route.id for e in entries}
     hidden = [r.id for r in cluster.effective_routes if r.id not in shown]
     if args.json:
@@ -97,7 +97,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     for col in ("route", "entry", "server", "status", "why this inbound", "health"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["route"], r["entry"], r["server"], r["status"], r["why"], r["health"])
+        table.add_row(*(str(r[k]) for k in ("route", "entry", "server", "status", "why", "health")))
     Console().print(table)
     if hidden:
         print(f"hidden routes (empty or nothing usable yet): {', '.join(hidden)}")

@@ -87,16 +87,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_apply(args: argparse.Namespace) -> int:
     from reconciler.apply.run import apply_all
     from reconciler.apply.session import Progress, remember
-    from reconciler.plan.saved import load_plan
+    from reconciler.plan.saved import check_fresh, load_plan
 
     path, prune = cluster_file(args), args.prune
     saved = load_plan(args.plan) if args.plan else None
     if saved is not None:
-        path, prune = saved.file, saved.prune
+        path, prune = saved.cluster_file, saved.prune
 
     async def then(observed: list[Observed], pool: SSHPool, state: StateFolder) -> list[ServerResult]:
         if saved is not None:
-            saved.check(observed)  # StalePlan: nothing is applied
+            check_fresh(saved, observed)  # StalePlan: nothing is applied
         progress = Progress([o.plan.server for o in observed])
         try:
             # The commit returns the public material the servers generated: `observed` then holds it.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -72,7 +73,9 @@ class Learned:
             rep = reports.get(name)
             if rep is None:
                 continue
-            rate, self.counters[name] = traffic_rate(self.counters.get(name), rep.traffic_bytes, rep.received)
+            rate, counter = traffic_rate(self.counters.get(name), rep.traffic_bytes, rep.received)
+            if counter is not None:  # an engine whose API did not answer has no counter (yet): keep none
+                self.counters[name] = counter
             if rate is not None:
                 rates[i], valid[i] = rate, True
                 self.traffic_mbps[name] = rate
@@ -201,7 +204,7 @@ class Learned:
             "connected": self.connected, "assignments": [[u, r, i] for (u, r), i in self.assignments.items()],
             "last_tick": self.last_tick, "ticks": self.ticks, "capacity_half_life": self.capacity.half_life,
         }
-        arrays = {f"h_{k}": v for k, v in vars(self.health).items() if isinstance(v, np.ndarray)}
+        arrays: dict[str, Any] = {f"h_{k}": v for k, v in vars(self.health).items() if isinstance(v, np.ndarray)}
         arrays.update(cap_peak=self.capacity.peak, cap_time=self.capacity.peak_time, rtt_ewma=self.rtt_ewma,
                       rtt_first=self.rtt_first, rtt_last=self.rtt_last,
                       h_evaluations=np.array(self.health.evaluations),

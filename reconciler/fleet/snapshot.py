@@ -26,9 +26,11 @@ def snapshot(cluster: Cluster, learned: Learned, facts: Mapping[str, Mapping[str
     state's verdicts as of ``now`` without new reports, or none before the first interval."""
     if verdicts is None and learned.ticks:
         verdicts = learned.current_verdicts(cluster, now)
-    parts = {"cluster": cluster, "now": now, "verdicts": verdicts, "loads": learned.loads(now),
-             "rtt": learned.rtt_profiles(cluster, now, cluster.settings.health.staleness),
-             "public_keys": dict(facts.get("public_keys", {})), "tls_pins": dict(facts.get("tls_pins", {}))}
-    before = Snapshot(assignments=dict(learned.assignments), **parts)
+    loads = learned.loads(now)
+    rtt = learned.rtt_profiles(cluster, now, cluster.settings.health.staleness)
+    keys, pins = dict(facts.get("public_keys", {})), dict(facts.get("tls_pins", {}))
+    before = Snapshot(cluster=cluster, now=now, verdicts=verdicts, loads=loads, rtt=rtt, assignments=dict(learned.assignments),
+                      public_keys=keys, tls_pins=pins)
     # A new snapshot, not a copy: whatever ``before`` memoised was computed from the old assignments.
-    return Snapshot(assignments=rebalance(before), **parts)
+    return Snapshot(cluster=cluster, now=now, verdicts=verdicts, loads=loads, rtt=rtt, assignments=rebalance(before),
+                    public_keys=keys, tls_pins=pins)

@@ -35,7 +35,7 @@ COUNTRIES = ["DE", "DE", "DE", "NL", "RU"]  # three witnesses in one country, on
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 class LoopProcess:
@@ -59,11 +59,12 @@ class LoopProcess:
         except (OSError, urllib.error.URLError):
             return 0, b"", {}
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         code, body, _ = self.get("/status.json")
-        return json.loads(body) if code == 200 else {"ready": False}
+        doc: dict[str, Any] = json.loads(body) if code == 200 else {"ready": False}
+        return doc
 
-    def wait(self, predicate: Callable[[dict], bool], timeout: float, poll: float = 0.5) -> dict | None:
+    def wait(self, predicate: Callable[[dict[str, Any]], bool], timeout: float, poll: float = 0.5) -> dict[str, Any] | None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

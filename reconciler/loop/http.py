@@ -17,6 +17,7 @@ import json
 import time
 from collections.abc import Callable
 from html import escape
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -103,7 +104,7 @@ class HttpOutlet:
         return web.Response(text=status_html(self.view()), content_type="text/html", charset="utf-8")
 
 
-def status_document(view: FleetView | None) -> dict[str, object]:
+def status_document(view: FleetView | None) -> dict[str, Any]:
     if view is None:
         return {"ready": False}
     v = view.verdicts
@@ -127,20 +128,20 @@ def status_html(view: FleetView | None) -> str:
     if view is None:
         return "<!doctype html><title>reconciler</title><p>Starting: no interval has finished yet.</p>"
     doc = status_document(view)
-    health = {name: s["status"] for name, s in doc["servers"].items()}  # type: ignore[union-attr]
+    health = {name: s["status"] for name, s in doc["servers"].items()}
     rows = []
-    for name, s in doc["servers"].items():  # type: ignore[union-attr]
+    for name, s in doc["servers"].items():
         colour = STATUS_COLOURS.get(s["status"], STATUS_COLOURS["unknown"])
         rows.append(f"<tr><td>{escape(name)}</td><td>{escape(s['country'])}</td>"
                     f"<td><span class=dot style='background:{colour}'></span>{escape(s['status'])}</td>"
                     f"<td>{'yes' if s['in_rotation'] else '<b>no</b>'}</td><td>{s['traffic_mbps']:g}</td>"
                     f"<td>{s['connected_users']}</td><td>{s['assigned_users']}</td><td>{escape(s['reason'])}</td></tr>")
     route_rows = []
-    for rid, r in doc["routes"].items():  # type: ignore[union-attr]
+    for rid, r in doc["routes"].items():
         flag = " ⚠ best available only" if r["best_available_only"] else ""
         route_rows.append(f"<tr><td>{escape(rid)}</td><td>{len(r['active'])}/{len(r['inbounds'])}{flag}</td>"
                           f"<td>{escape(', '.join(r['active']))}</td></tr>")
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(doc["time"])))  # type: ignore[arg-type]
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(doc["time"])))
     return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="15">
 <title>reconciler status</title><style>
 body{{font-family:system-ui,sans-serif;margin:1.5em}} table{{border-collapse:collapse;margin:1em 0}}

@@ -24,15 +24,20 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from reconciler.balance import Snapshot, decide
+from reconciler.balance.decide import Entry
 from reconciler.credentials import Secret, UserCredentials, user_credentials, user_token
 from reconciler.model import Cluster
-from reconciler.state.files import write_atomic
+from reconciler.state.files import write_atomic, write_new
 from reconciler.subscriptions import FORMATS, Document, render
 from reconciler.subscriptions.document import EXTENSIONS, headers_json, render_formats
 
 MANIFEST = "subscription-files.json"
+# Documents are regenerated from the snapshot at will, so they are not fsynced one by one: the manifest,
+# written durably after them, is what records them.
+DOC_MODE = 0o644
 
 
 class Tokens:
@@ -83,7 +88,7 @@ def snapshot_digest(snapshot: Snapshot, cluster_hash: str) -> str:
 
 
 def user_fingerprint(snapshot: Snapshot, user_name: str, inbound_json: dict[str, str], outputs_json: str,
-                     entries: list | None = None) -> str:
+                     entries: list[Entry] | None = None) -> str:
     """What the user's documents depend on: the user, the output settings, their entries, those inbounds and keys."""
     entries = decide(snapshot, user_name) if entries is None else entries
     user = snapshot.cluster.user(user_name)
@@ -121,7 +126,7 @@ class FileOutlet:
         self._file_tokens: Tokens | None = None
         self.manifest = self._read_manifest()
 
-    def _read_manifest(self) -> dict:
+    def _read_manifest(self) -> dict[str, Any]:
         try:
             data = json.loads(self.manifest_path.read_text())
             return data if isinstance(data, dict) and isinstance(data.get("users"), dict) else {"users": {}}
@@ -175,7 +180,7 @@ class FileOutlet:
         stats.seconds = time.perf_counter() - start
         return stats
 
-    def _in_workers(self, snapshot: Snapshot, old: dict[str, list[str]]) -> list[tuple[dict, int, int]]:
+    def _in_workers(self, snapshot: Snapshot, old: dict[str, list[str]]) -> list[tuple[dict[str, list[str]], int, int]]:
         """Worker processes render and write slices of the users from one pickled snapshot; this process
         takes the first slice meanwhile (a bigger one: the workers start ~2 s later).
 
@@ -207,7 +212,7 @@ class FileOutlet:
         return self._file_tokens
 
 
-def _worker(payload: bytes, lo: int, hi: int, old: dict[str, list[str]]) -> tuple[dict, int, int]:
+def _worker(payload: bytes, lo: int, hi: int, old: dict[str, list[str]]) -> tuple[dict[str, list[str]], int, int]:
     import pickle
 
     snapshot, secret, directory, formats = pickle.loads(payload)
@@ -240,7 +245,7 @@ def _write_range(snapshot: Snapshot, secret: Secret, directory: str, formats: tu
 
 
 def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], user: str, token: str,
-                entries: list, creds: UserCredentials, known: bool = True) -> None:
+                entries: list[Entry], creds: UserCredentials, known: bool = True) -> None:
     docs = render_formats(snapshot, user, formats, secret, entries=entries, credentials=creds)
     files = {f"{fmt}.{EXTENSIONS[fmt]}": doc.body for fmt, doc in docs.items()}
     files["headers.json"] = headers_json(snapshot, docs)
@@ -256,34 +261,14 @@ def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tup
             shutil.rmtree(staging)
             os.mkdir(staging)
         for name, data in files.items():
-            _write_new(f"{staging}/{name}", data)
+            write_new(f"{staging}/{name}", data, DOC_MODE, sync=False)
         try:
             os.rename(staging, folder)
             return
         except OSError:  # it appeared meanwhile (another writer): replace file by file below
             shutil.rmtree(staging, ignore_errors=True)
     for name, data in files.items():
-        _replace(f"{folder}/{name}", data)
-
-
-def _write_new(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-
-
-def _replace(path: str, data: bytes) -> None:
-    """Write then rename (no fsync: a crash of this process cannot leave a part; power loss is the disk's business)."""
-    head, name = os.path.split(path)
-    tmp = os.path.join(head, f".{name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        write_atomic(f"{folder}/{name}", data, DOC_MODE, sync=False)
 
 
 class LiveAnswers:

@@ -27,8 +27,10 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -41,7 +43,7 @@ from reconciler.engine.singbox import AGENT
 from reconciler.errors import RemoteError, ReportError
 from reconciler.fleet import snapshot
 from reconciler.fleet.reports import Report, agent_request, parse_report
-from reconciler.health.verdicts import Verdicts
+from reconciler.health.verdicts import ServerVerdict, Verdicts
 from reconciler.loop.http import HttpOutlet
 from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens, cluster_digest
 from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
@@ -115,15 +117,15 @@ class Loop:
         self._last_tick_end = 0.0
         self._started = time.time()
         self._busy = asyncio.Lock()  # one plan/apply at a time; ticks never wait for it
-        self._tasks: list[asyncio.Task] = []
-        self._posts: set[asyncio.Task] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._posts: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
     def _out_dir(self, cluster: Cluster) -> Path:
         return Path(self.base_dir) / os.path.expanduser(cluster.settings.outputs.subscriptions_dir)
 
-    def _region_lookup(self):  # type: ignore[no-untyped-def]
+    def _region_lookup(self) -> Callable[[str], str | None] | None:
         db = self.cluster.settings.steering.geoip_database
         if not db:
             return None
@@ -308,7 +310,7 @@ class Loop:
             self._last_status[name] = sv.status
         log.info("interval %d: %s", self._tick_index, ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
 
-    def _webhook(self, server: str, verdict) -> None:  # type: ignore[no-untyped-def]
+    def _webhook(self, server: str, verdict: ServerVerdict) -> None:
         url = self.cluster.settings.outputs.webhook_url
         if not url:
             return
@@ -422,7 +424,7 @@ class Loop:
             except TimeoutError:
                 proc.kill()
                 await proc.communicate()
-                err, proc.returncode = b"timed out after 120s", -1
+                err = b"timed out after 120s"
             ok = proc.returncode == 0
             self.stats.record("git", ok, time.perf_counter() - started, time.time())
             if not ok:
@@ -431,7 +433,7 @@ class Loop:
                 self.reload()
 
 
-async def _post(url: str, payload: dict) -> None:
+async def _post(url: str, payload: dict[str, Any]) -> None:
     import aiohttp
 
     try:

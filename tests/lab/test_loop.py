@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.lab import lab_cluster_yaml
 from reconciler.credentials import Secret, user_credentials
 from reconciler.fleet.learned import Learned
+from reconciler.lab import lab_cluster_yaml
 from reconciler.lab.demo import LoopProcess, free_port, subscription_hosts
 from tests.lab.conftest import ORIGIN_PORT, SECRET, Client, reconciler, reset_hosts, ssh
 
