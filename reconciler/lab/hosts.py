@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from reconciler.errors import LabError
+from reconciler.state.files import write_atomic
 
 BRIDGE = "rlabbr0"
 SUBNET = "198.18.0"
@@ -80,11 +81,8 @@ class LabState:
                    helpers=data.get("helpers", []))
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"hosts": [asdict(h) for h in self.hosts], "inotify_before": self.inotify_before,
-                                   "helpers": self.helpers}, indent=2))
-        tmp.replace(path)
+        write_atomic(path, json.dumps({"hosts": [asdict(h) for h in self.hosts], "inotify_before": self.inotify_before,
+                                       "helpers": self.helpers}, indent=2).encode())
 
 
 class Lab:
