@@ -46,3 +46,40 @@ def test_console_script_runs_without_a_command_and_with_bad_usage():
     assert out.returncode == 1
     out = subprocess.run([exe, "route"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "Traceback" not in out.stderr
+
+
+def _commands(parser, prefix=()):
+    """(command path, its parser) for every command and subcommand."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield (*prefix, name), sub
+                yield from _commands(sub, (*prefix, name))
+
+
+def test_every_command_and_option_has_help_and_an_example():
+    from reconciler.cli import parser
+
+    commands = list(_commands(parser()))
+    assert len(commands) >= 16
+    for path, sub in commands:
+        assert sub.description and "example:\n  reconciler " in (sub.epilog or ""), path
+        for action in sub._actions:
+            assert action.help, (path, action.dest)
+
+
+def test_every_command_takes_the_cluster_file_the_same_way():
+    from reconciler.cli import parser
+
+    for path, sub in _commands(parser()):
+        options = {o for a in sub._actions for o in a.option_strings}
+        takes_file = any(a.dest == "file" for a in sub._actions)
+        if takes_file:
+            assert {"-f", "--file"} <= options, path
+
+
+def test_cli_modules_stay_small():
+    for module in (ROOT / "reconciler" / "cli").glob("*.py"):
+        assert len(module.read_text().splitlines()) <= 150, module.name

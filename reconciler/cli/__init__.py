@@ -34,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
                                        "`reconciler COMMAND --help` shows each command's options and an example.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"reconciler {__version__}", help="print the version and exit")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", help="what to do (each has --help)")
     for module in MODULES:
         module.register(sub)
     return p

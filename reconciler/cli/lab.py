@@ -21,7 +21,7 @@ from reconciler.topology import RENDERERS
 
 def register(sub: Any) -> None:
     lab = add_command(sub, "lab", "local sandbox servers (root): network namespaces with systemd and sshd", "reconciler lab up --hosts 3")
-    labsub = lab.add_subparsers(dest="lab_command", metavar="ACTION")
+    labsub = lab.add_subparsers(dest="lab_command", metavar="ACTION", help="what to do")
     lab.set_defaults(group_parser=lab)
     lu = add_command(labsub, "up", "start N hosts and write a cluster file for them", "reconciler lab up --hosts 3 --write lab-cluster.yaml")
     lu.add_argument("--hosts", type=int, default=3, help="how many hosts")

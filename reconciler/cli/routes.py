@@ -19,7 +19,7 @@ from reconciler.topology import RENDERERS
 def register(sub: Any) -> None:
     r = add_command(sub, "route", "edit route membership in place, comments kept (ROUTE-3)",
                     "reconciler route assign de-1-reality europe --pool central")
-    rsub = r.add_subparsers(dest="route_command", metavar="ACTION")
+    rsub = r.add_subparsers(dest="route_command", metavar="ACTION", help="what to do")
     r.set_defaults(group_parser=r)
     ra = add_command(rsub, "assign", "put an inbound into a route (moving it if needed)", "reconciler route assign de-1-reality europe")
     ra.add_argument("inbound", help="the inbound's id")
