@@ -4,11 +4,16 @@ apply learnt, and progress output."""
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TextIO
 
 from reconciler.model import Cluster
 from reconciler.ssh import KnownHosts, SSHPool
 from reconciler.state.folder import StateFolder
+
+if TYPE_CHECKING:
+    from rich.live import Live
+    from rich.table import Table
 
 
 def pool_for(state: StateFolder, concurrency: int = 32) -> SSHPool:
@@ -33,14 +38,16 @@ def remember(state: StateFolder, cluster: Cluster, observed: list[Any], results:
 
 
 class Progress:
-    """Per-server phases: a live table on a terminal, plain lines otherwise (CI logs)."""
+    """Per-server phases: a live table on a terminal, plain lines otherwise (CI logs).
 
-    def __init__(self, servers: list[str], stream=None, log=None):  # type: ignore[no-untyped-def]
+    The one progress type: ``apply_all`` takes any ``(server, phase)`` callable, and this is the one we pass."""
+
+    def __init__(self, servers: list[str], stream: TextIO | None = None, log: Callable[[str], object] | None = None):
         self.stream = stream or sys.stderr
         self.log = log  # a callable taking one line (the loop's logger): no live table then
         self.tty = self.stream.isatty() and log is None
         self.phase = {s: "waiting" for s in servers}
-        self._live = None
+        self._live: Live | None = None
         if self.tty:
             from rich.console import Console
             from rich.live import Live
@@ -48,7 +55,7 @@ class Progress:
             self._live = Live(self._table(), console=Console(file=self.stream), refresh_per_second=8, transient=True)
             self._live.start()
 
-    def _table(self):  # type: ignore[no-untyped-def]
+    def _table(self) -> Table:
         from rich.table import Table
 
         t = Table(title="apply")

@@ -11,6 +11,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
@@ -39,7 +40,7 @@ class Facts:
     listeners: tuple[Listener, ...]
     public: dict[str, str | None]  # path → content of public material (REALITY .pub, certificates)
     present: dict[str, bool]  # path → private material exists
-    lock: dict[str, object] | None
+    lock: dict[str, Any] | None
     extra: tuple[str, ...] = field(default_factory=tuple)  # files found in managed folders
     firewall: bool = False  # our nftables table is loaded
 
@@ -76,7 +77,10 @@ def parse_ss(output: str) -> tuple[Listener, ...]:
     return tuple(sorted(set(out), key=lambda x: (x.port, x.proto, x.process)))
 
 
-def parse_lock(text: str | None) -> dict[str, object] | None:
+def parse_lock(text: str | None) -> dict[str, Any] | None:
+    """The apply lock's holder file (``reconciler.plan.lock.holder`` writes it) → a dict; None when free.
+
+    Anything that is not a JSON object is kept as ``{"holder": text}`` (shown to the operator as is)."""
     if not text:
         return None
     try:

@@ -1,12 +1,19 @@
-"""Gather facts from servers over SSH and build their plans (the I/O half of planning)."""
+"""Gather facts from servers through a ``Runner`` and build their plans (the I/O half of planning).
+
+Called by the CLI's plan and apply and by the loop: ``observe`` → one ``Observed`` per server (its plan,
+facts, desired state, target), ``fingerprint`` of them (saved plans carry it), ``learned_facts`` (the
+public material worth remembering).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
-import shlex
+import json
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from reconciler.credentials import Secret
 from reconciler.engine import remote
@@ -15,10 +22,10 @@ from reconciler.errors import RemoteError
 from reconciler.model import Cluster
 from reconciler.plan.actions import ServerPlan, plan_removal, plan_server, preflight
 from reconciler.plan.facts import Facts, parse_facts, spki_pin
-from reconciler.ssh import SSHPool, Target
+from reconciler.plan.lock import LOCK_FILE
+from reconciler.ssh import Runner, Target
 
-LOCK_DIR = "/run/reconciler.lock"
-LOCK_FILE = f"{LOCK_DIR}/holder"
+DIFF_LIMIT = 1 << 20  # old contents read for a diff, per file
 
 
 def facts_request(d: DesiredServer | None) -> dict[str, object]:
@@ -39,19 +46,16 @@ def facts_request(d: DesiredServer | None) -> dict[str, object]:
             "firewall": d is None or bool(d.firewall)}
 
 
-async def gather(pool: SSHPool, target: Target, d: DesiredServer | None) -> Facts:
-    # -I -S: no site import and no user environment (faster start, same result on every server).
-    res = await pool.run(target, f"python3 -I -S -c {shlex.quote(remote.facts_script(facts_request(d)))}")
+async def gather(runner: Runner, target: Target, d: DesiredServer | None) -> Facts:
+    res = await runner.script(target, remote.FACTS, facts_request(d))
     return parse_facts(res.stdout)
 
 
-async def current_contents(pool: SSHPool, target: Target, paths: list[str]) -> dict[str, bytes | None]:
-    """Old contents of changed files, for diffs (small files only)."""
-    out: dict[str, bytes | None] = {}
-    for path in paths:
-        res = await pool.run(target, f"cat {shlex.quote(path)} 2>/dev/null | head -c 1048576", check=False)
-        out[path] = res.stdout.encode() if res.code == 0 else None
-    return out
+async def current_contents(runner: Runner, target: Target, paths: list[str]) -> dict[str, bytes | None]:
+    """Old contents of changed files, for diffs (small files only: at most ``DIFF_LIMIT`` bytes each)."""
+    res = await runner.script(target, remote.FILES, {"op": "read", "paths": paths, "limit": DIFF_LIMIT})
+    files = json.loads(res.stdout)["files"]
+    return {p: base64.b64decode(files[p]) if files.get(p) is not None else None for p in paths}
 
 
 @dataclass
@@ -62,8 +66,8 @@ class Observed:
     target: Target
 
 
-async def observe(cluster: Cluster, secret: Secret, pool: SSHPool, base_dir: str, prune: bool,
-                  previous: dict[str, dict] | None = None, now: float | None = None) -> list[Observed]:
+async def observe(cluster: Cluster, secret: Secret, runner: Runner, base_dir: str, prune: bool,
+                  previous: dict[str, dict[str, Any]] | None = None, now: float | None = None) -> list[Observed]:
     """Facts and plans for every server in parallel; one server's failure never stops the others."""
     now = time.time() if now is None else now
 
@@ -76,20 +80,20 @@ async def observe(cluster: Cluster, secret: Secret, pool: SSHPool, base_dir: str
             plan.error = f"cannot read a file the cluster names: {exc}"
             return Observed(plan, None, None, target)
         plan.desired_digest = d.digest()
-        facts = await _facts_or_error(pool, target, d, plan)
+        facts = await _facts_or_error(runner, target, d, plan)
         if facts is None:
             return Observed(plan, None, d, target)
         plan.problems = preflight(facts, d)
         if not plan.problems:
             changed = [f.path for f in d.files if facts.files.get(f.path) not in (None, f.sha256)]
-            old = await current_contents(pool, target, changed) if changed else {}
+            old = await current_contents(runner, target, changed) if changed else {}
             plan.actions = plan_server(d, facts, old, prune)
         return Observed(plan, facts, d, target)
 
-    async def gone(name: str, info: dict) -> Observed:
+    async def gone(name: str, info: dict[str, Any]) -> Observed:
         target = Target(**info)
         plan = ServerPlan(name, target.host, removed=True)
-        facts = await _facts_or_error(pool, target, None, plan)
+        facts = await _facts_or_error(runner, target, None, plan)
         if facts is None:
             return Observed(plan, None, None, target)
         plan.actions = plan_removal(facts)
@@ -102,10 +106,10 @@ async def observe(cluster: Cluster, secret: Secret, pool: SSHPool, base_dir: str
     return list(await asyncio.gather(*tasks))
 
 
-async def _facts_or_error(pool: SSHPool, target: Target, d: DesiredServer | None, plan: ServerPlan) -> Facts | None:
+async def _facts_or_error(runner: Runner, target: Target, d: DesiredServer | None, plan: ServerPlan) -> Facts | None:
     """The server's facts (their digest noted on the plan), or None with the plan's error set."""
     try:
-        facts = await gather(pool, target, d)
+        facts = await gather(runner, target, d)
     except RemoteError as exc:
         plan.error = str(exc)
         return None

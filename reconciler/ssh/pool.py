@@ -1,4 +1,7 @@
-"""One asyncssh connection per server, host keys pinned (trust on first use, recorded), bounded concurrency."""
+"""One asyncssh connection per server, host keys pinned (trust on first use, recorded), bounded concurrency.
+
+``SSHPool`` is the real ``reconciler.ssh.runner.Runner``: plan, apply and the loop reach servers through it.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +12,18 @@ import random
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import asyncssh
 
 from reconciler.errors import ConnectError, HostKeyChanged, RemoteCommandError
 from reconciler.state.files import write_atomic
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from typing import Any
+
+    from reconciler.ssh.runner import Script
 
 
 @dataclass(frozen=True)
@@ -101,7 +111,8 @@ class SSHPool:
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             try:
-                known = ([asyncssh.import_public_key(pinned)], [], []) if pinned else None
+                known: tuple[list[asyncssh.SSHKey], list[asyncssh.SSHKey], list[asyncssh.SSHKey]] | None = (
+                    ([asyncssh.import_public_key(pinned)], [], []) if pinned else None)
                 kwargs: dict[str, object] = {"client_keys": [target.identity]} if target.identity else {}
                 if not pinned:  # first contact: record the key operators pin, like OpenSSH prefers it
                     kwargs["server_host_key_algs"] = ["ssh-ed25519", "ecdsa-sha2-nistp256", "rsa-sha2-512", "rsa-sha2-256"]
@@ -136,17 +147,42 @@ class SSHPool:
         async with self.sem:
             conn = await self.connection(target)
             try:
-                res = await asyncio.wait_for(conn.run(command, check=False, input=input,
-                                                      encoding=None if isinstance(input, bytes) else "utf-8"), timeout)
+                res = await _execute(conn, command, timeout, input)
             except _RETRYABLE as exc:
                 self._conns.pop(target.name, None)
                 raise ConnectError(f"{target.name}: connection lost while running a command: {exc}") from exc
-        out = res.stdout if isinstance(res.stdout, str) else (res.stdout or b"").decode(errors="replace")
-        err = res.stderr if isinstance(res.stderr, str) else (res.stderr or b"").decode(errors="replace")
-        code = res.exit_status if res.exit_status is not None else -1
-        if check and code != 0:
-            raise RemoteCommandError(target.name, command, code, err)
-        return Result(code, out or "", err or "")
+        if check and res.code != 0:
+            raise RemoteCommandError(target.name, command, res.code, res.stderr)
+        return res
+
+    async def script(self, target: Target, script: Script, request: Mapping[str, Any], *, input: bytes | None = None,
+                     timeout: float = 120.0, detach: bool = False, fresh: bool = False) -> Result:
+        """``Runner.script``: ``python3 -I -S -c <text>`` on the server (see ``reconciler.ssh.runner``)."""
+        text, stdin = script.prepare(request)
+        if input is not None:
+            if stdin is not None:
+                raise ValueError(f"script {script.name} reads its request on stdin: no other input")
+        command = f"python3 -I -S -c {shlex.quote(text)}"
+        if script.survive:
+            command = f"setsid -w {command}"
+        if detach:  # detached stdio too: else SSH waits for the script to end
+            command = f"setsid -f {command} < /dev/null > /dev/null 2>&1"
+        data = input if input is not None else stdin
+        if not fresh:
+            res = await self.run(target, command, check=False, timeout=timeout, input=data)
+        else:
+            async with self.sem:
+                conn = await self.fresh(target)  # a new TCP connection: established ones pass any firewall
+                try:
+                    res = await _execute(conn, command, timeout, data)
+                except (*_RETRYABLE, asyncssh.Error) as exc:
+                    raise ConnectError(f"{target.name}: a fresh connection failed while running {script.name}: {exc}",
+                                       target.name) from exc
+                finally:
+                    conn.close()
+        if res.code != 0:
+            raise RemoteCommandError(target.name, f"the {script.name} script", res.code, res.stderr or res.stdout)
+        return res
 
     async def put(self, target: Target, data: bytes, path: str, mode: int = 0o644) -> None:
         """Write ``data`` to ``path`` (not atomic: callers write to a temporary name and rename)."""
@@ -184,3 +220,12 @@ class SSHPool:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+
+
+async def _execute(conn: asyncssh.SSHClientConnection, command: str, timeout: float, input: str | bytes | None) -> Result:
+    res = await asyncio.wait_for(conn.run(command, check=False, input=input,
+                                          encoding=None if isinstance(input, bytes) else "utf-8"), timeout)
+    out = res.stdout if isinstance(res.stdout, str) else (res.stdout or b"").decode(errors="replace")
+    err = res.stderr if isinstance(res.stderr, str) else (res.stderr or b"").decode(errors="replace")
+    code = res.exit_status if res.exit_status is not None else -1
+    return Result(code, out or "", err or "")

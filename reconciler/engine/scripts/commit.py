@@ -1,0 +1,243 @@
+"""One transaction on one server, in one round trip (request: JSON on stdin; answer: one JSON line).
+
+Writes the changed small files it carries, generates missing REALITY key pairs and self-signed
+certificates (existing ones are kept; the public halves are returned), renders ``config.json`` from the
+template (REALITY private keys are substituted here and never leave the server), runs ``sing-box check``
+with the staged engine, keeps the old files (hard links), swaps the new ones in with atomic renames,
+reloads or restarts, and verifies the listeners within a timeout; on any failure it restores the old
+files, restarts and verifies again. The runner starts it under ``setsid -w``, so a dropped SSH session
+cannot leave a server half-switched, and it releases the apply lock when it ends (when it is given one).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+TYPE_CHECKING = False  # typing is not imported on the servers: mypy alone reads these imports
+if TYPE_CHECKING:
+    from typing import Any
+
+
+def at(root: str, path: str) -> str:
+    """Where a server path is: under ``root`` (a fake host's directory in tests), else itself."""
+    return path if root == "/" else root.rstrip("/") + path
+
+
+def sh(cmd: list[str], timeout: float = 60) -> tuple[int, str]:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return r.returncode, (r.stdout + r.stderr)[-2000:]
+
+
+def write(path: str, data: bytes, mode: int) -> None:
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def listening(root: str, want: list[tuple[int, str]]) -> bool:
+    """The kernel's socket tables (no ss process per poll): TCP in LISTEN (0A), UDP unconnected (07)."""
+    have = set()
+    for proto, state in (("tcp", "0A"), ("udp", "07")):
+        for name in ("/proc/net/%s" % proto, "/proc/net/%s6" % proto):
+            try:
+                with open(at(root, name)) as f:
+                    next(f)
+                    for line in f:
+                        parts = line.split()
+                        if len(parts) > 3 and parts[3] == state:
+                            have.add((int(parts[1].rsplit(":", 1)[1], 16), proto))
+            except OSError:
+                pass
+    return all((p, t) in have for p, t in want)
+
+
+class Commit:
+    def __init__(self, req: dict[str, Any]) -> None:
+        self.req = req
+        self.root = str(req.get("root", "/"))
+        self.result: dict[str, Any] = {"ok": False, "stage": "stage", "rolled_back": False, "error": "", "made": [],
+                                       "public": {}, "seconds": {}}
+        self.clock = time.monotonic()
+        new = req.get("binary_new")
+        self.binary = self.at(new) if new and os.path.exists(self.at(new)) else self.at(req["binary"])
+        self.running = req.get("running", True)  # the engine was serving before this commit (from the facts)
+        self.moves = [(self.at(n), self.at(p)) for n, p in req["moves"]] + [(self.at(req["config_new"]), self.at(req["config"]))]
+        self.backups: list[str] = []
+
+    def at(self, path: str) -> str:
+        return at(self.root, path)
+
+    def step(self, name: str) -> None:
+        # Seconds spent in each stage (apply --json shows them): where a slow server spends its commit.
+        now = time.monotonic()
+        self.result["seconds"][self.result["stage"]] = round(now - self.clock, 3)
+        self.clock = now
+        self.result["stage"] = name
+
+    def stage(self) -> None:
+        # The changed small files travel in this request (no file-transfer session per file).
+        for f in self.req["files"]:
+            write(self.at(f["path"]), base64.b64decode(f["data"]), f["mode"])
+
+    def keys(self) -> None:
+        # Missing REALITY key pairs and self-signed certificates are made here, once; existing ones are kept.
+        for k in self.req["keys"]:
+            a, b = k["paths"]
+            if not (os.path.exists(self.at(a)) and os.path.exists(self.at(b))):
+                os.makedirs(os.path.dirname(self.at(a)), mode=0o700, exist_ok=True)
+                if k["kind"] == "reality":
+                    out = subprocess.run([self.binary, "generate", "reality-keypair"], capture_output=True, text=True,
+                                         check=True).stdout
+                    vals = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+                    files = ((a, vals["PrivateKey"].strip(), 0o600), (b, vals["PublicKey"].strip(), 0o644))
+                else:
+                    out = subprocess.run([self.binary, "generate", "tls-keypair", k["server_name"], "-m", "120"],
+                                         capture_output=True, text=True, check=True).stdout
+                    key = out[out.index("-----BEGIN PRIVATE KEY-----"):out.index("-----END PRIVATE KEY-----") + 25] + "\n"
+                    cert = out[out.index("-----BEGIN CERTIFICATE-----"):out.index("-----END CERTIFICATE-----") + 25] + "\n"
+                    files = ((a, cert, 0o644), (b, key, 0o600))
+                for path, text, mode in files:
+                    write(self.at(path), text.encode(), mode)
+                self.result["made"].append(k["inbound"])
+            public = b if k["kind"] == "reality" else a
+            with open(self.at(public)) as f:
+                self.result["public"][public] = f.read()
+
+    def unit(self, props: str = "LoadState,NeedDaemonReload,UnitFileState") -> dict[str, str]:
+        code, out = sh(["systemctl", "show", "--property=" + props, self.req["service"]])
+        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def verify(self) -> bool:
+        # Listeners from /proc every few ms; systemd asked only when they are up, or every half second
+        # meanwhile so that a unit that failed or is crash-looping ends the wait at once.
+        want = [(int(p), str(t)) for p, t in self.req["listeners"]]
+        start = time.time()
+        deadline, asked = start + self.req["verify_timeout"], start
+        pause = 0.02
+        while time.time() < deadline:
+            if listening(self.root, want) and sh(["systemctl", "is-active", self.req["service"]])[0] == 0:
+                return True
+            if time.time() - asked >= 0.5:
+                asked = time.time()
+                state = self.unit("ActiveState,SubState")
+                if state.get("ActiveState") == "failed" or state.get("SubState") == "auto-restart":
+                    return False
+            time.sleep(pause)
+            pause = min(pause * 1.5, 0.25)
+        return False
+
+    def restart(self, action: str) -> None:
+        # daemon-reload costs ~150 ms of the manager's time: only when systemd says the unit needs it
+        # (a new unit file loads on first use; a changed one sets NeedDaemonReload).
+        service = self.req["service"]
+        props = self.unit()
+        if props.get("LoadState") != "loaded" or props.get("NeedDaemonReload") == "yes":
+            sh(["systemctl", "daemon-reload"])
+            props = self.unit()
+        if props.get("UnitFileState") != "enabled":
+            sh(["systemctl", "enable", "--no-reload", service])
+        if action == "reload":
+            code, out = sh(["systemctl", "reload", service])
+            if code != 0:
+                action = "restart"
+        if action in ("restart", "start"):
+            sh(["systemctl", "restart", service])
+
+    def render(self) -> None:
+        new = self.at(self.req["template_new"])
+        with open(new if os.path.exists(new) else self.at(self.req["template"])) as f:
+            text = f.read()
+        for inbound, path in self.req["reality"].items():
+            with open(self.at(path)) as f:
+                text = text.replace("@@REALITY_PRIVATE_KEY:%s@@" % inbound, f.read().strip())
+        fd = os.open(self.at(self.req["config_new"]), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+
+    def swap(self) -> None:
+        for _new, path in self.moves:
+            if os.path.exists(path):
+                try:  # a hard link keeps the old file at no cost (the engine binary is tens of MB)
+                    if os.path.exists(path + ".reconciler-old"):
+                        os.remove(path + ".reconciler-old")
+                    os.link(path, path + ".reconciler-old")
+                except OSError:
+                    shutil.copy2(path, path + ".reconciler-old")
+                self.backups.append(path)
+        for new, path in self.moves:
+            os.replace(new, path)
+
+    def run(self) -> dict[str, Any]:
+        req, result = self.req, self.result
+        config = self.at(req["config"])
+        try:
+            self.stage()
+            self.step("keys")
+            self.keys()
+            self.step("render")
+            self.render()
+            self.step("check")
+            # A running engine is protected by checking first. With none running there is nothing to protect:
+            # the start itself is the check (~60 ms of CPU saved), and a failed start is explained below.
+            if self.running:
+                code, out = sh([self.binary, "check", "-c", self.at(req["config_new"])])
+                if code != 0:
+                    raise RuntimeError("sing-box check rejected the new configuration: " + out.strip())
+            self.step("swap")
+            self.swap()
+            self.step("restart")
+            self.restart(req["action"])
+            self.step("verify")
+            if not self.verify():
+                raise RuntimeError("the service did not come up with the new configuration (listeners %s)" % req["listeners"])
+            self.step("done")
+            result["ok"] = True
+        except Exception as e:
+            result["error"] = str(e)[-1500:]
+            if not self.running and result["stage"] in ("restart", "verify"):
+                try:  # swapped in by now: the new engine and configuration are in place
+                    code, out = sh([self.at(req["binary"]), "check", "-c", config])
+                    if code != 0:
+                        result["error"] = "sing-box check rejected the new configuration: " + out.strip()
+                except (OSError, subprocess.SubprocessError):
+                    pass
+            if result["stage"] in ("restart", "verify", "swap"):
+                for _new, path in self.moves:
+                    if path in self.backups:
+                        os.replace(path + ".reconciler-old", path)
+                    elif os.path.exists(path) and (path != config or not self.running):
+                        os.remove(path)
+                result["rolled_back"] = True
+                if self.running:
+                    self.restart("restart")
+                    result["rollback_verified"] = self.verify()
+                else:  # it was not running before: back to not running
+                    sh(["systemctl", "stop", req["service"]])
+                    result["rollback_verified"] = sh(["systemctl", "is-active", req["service"]])[0] != 0
+        finally:
+            for new, _ in self.moves:
+                if os.path.exists(new):
+                    os.remove(new)
+            for path in self.backups:
+                if os.path.exists(path + ".reconciler-old"):
+                    os.remove(path + ".reconciler-old")
+            if req.get("lock"):
+                shutil.rmtree(self.at(req["lock"]), ignore_errors=True)
+        return result
+
+
+def main() -> None:
+    print(json.dumps(Commit(json.load(sys.stdin)).run()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The server's apply lock, in one place: where it lives, who holds it, its lease, stale take-over, release.
+
+The lock is a directory on the server (``LOCK_DIR``; ``mkdir`` is atomic) holding ``LOCK_FILE``, a JSON
+holder ``{"by": "user@controller", "pid": ..., "since": <unix time>}`` (``holder``). Observation reads it
+as a fact (``facts_request`` names ``LOCK_FILE``; ``facts.parse_lock`` parses it, as facts stay pure).
+Apply takes the lock before changing a server (``acquire``) and gives it back (``release``); the commit
+script releases it itself when the commit is the last step, so an SSH session that dies mid-commit
+leaves no lock behind.
+
+A second apply is refused with the holder (``LockHeld``, temporary) unless the lock is stale: its holder
+is a process of this controller that is gone, or it is older than the lease. The lease must outlast the
+longest bounded step an apply takes under the lock — the engine upload allows 600 s, a commit
+``3 × verify_timeout + 60`` s — or a slow but live apply could be taken over: 15 minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from reconciler.engine import remote
+from reconciler.errors import LockHeld, RemoteCommandError
+from reconciler.plan.facts import parse_lock
+from reconciler.ssh import Runner, Target
+
+LOCK_DIR = "/run/reconciler.lock"
+LOCK_FILE = f"{LOCK_DIR}/holder"
+LONGEST_STEP_SECONDS = 600  # the engine upload's timeout (apply.run._stage_engine)
+LEASE_SECONDS = 900  # longer than any bounded step under the lock, so only a dead apply's lock expires
+assert LEASE_SECONDS > LONGEST_STEP_SECONDS
+
+
+def holder(now: float | None = None) -> dict[str, Any]:
+    """Who is applying: this user at this controller, this process, since ``now``."""
+    return {"by": f"{os.environ.get('USER', 'root')}@{socket.gethostname()}", "pid": os.getpid(),
+            "since": int(time.time() if now is None else now)}
+
+
+def describe(info: dict[str, Any] | None, raw: str = "") -> str:
+    """``user@host (pid N) since <UTC time>``, for the operator."""
+    if info is not None and "by" in info:
+        try:
+            since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(int(info.get("since", 0))))
+            return f"{info.get('by')} (pid {info.get('pid')}) since {since}"
+        except (ValueError, TypeError, OverflowError):
+            pass
+    return raw.strip() or "unknown"
+
+
+def is_stale(info: dict[str, Any] | None, now: float, me: dict[str, Any] | None = None) -> bool:
+    """A lock left by an apply that died: past the lease, or this controller's with its process gone."""
+    if not info:
+        return False
+    try:
+        since = int(info.get("since", 0))
+    except (ValueError, TypeError):
+        since = 0
+    if since and now - since > LEASE_SECONDS:
+        return True
+    me = me or holder(now)
+    if info.get("by") == me["by"] and isinstance(info.get("pid"), int) and info["pid"] != me["pid"]:
+        return not os.path.exists(f"/proc/{info['pid']}")
+    return False
+
+
+async def acquire(runner: Runner, target: Target, server: str, dirs: Sequence[str] = (), private: Sequence[str] = (),
+                  now: float | None = None) -> None:
+    """Take the server's lock (one round trip; ``dirs`` are created first, ``private`` ones made 0700).
+
+    A stale lock is taken over; a live one raises ``LockHeld`` naming its holder."""
+    now = time.time() if now is None else now
+    request = {"op": "acquire", "lock": LOCK_DIR, "holder_file": LOCK_FILE, "holder": json.dumps(holder(now)),
+               "dirs": list(dirs), "private": list(private), "take_over": False}
+    for take_over in (False, True):
+        res = await runner.script(target, remote.LOCK, {**request, "take_over": take_over})
+        try:
+            answer = json.loads(res.stdout)
+        except ValueError as exc:
+            raise RemoteCommandError(server, "the lock script", res.code, res.stdout + res.stderr) from exc
+        if answer.get("ok"):
+            return
+        raw = str(answer.get("holder") or "")
+        info = parse_lock(raw)
+        if take_over or not is_stale(info, now):
+            break
+    raise LockHeld(f"another apply holds the lock on {server}: {describe(info, raw)}. If no apply is running there, "
+                   f"remove {LOCK_DIR} on the server (locks also expire after {LEASE_SECONDS // 60} minutes)", server)
+
+
+async def release(runner: Runner, target: Target) -> None:
+    """Give the lock back (ours: taken by ``acquire``)."""
+    await runner.script(target, remote.LOCK, {"op": "release", "lock": LOCK_DIR})

@@ -1,0 +1,71 @@
+"""The seam between the controller and its servers: what plan, apply and the loop may ask of a server.
+
+Every remote action is "run the named script with this request" (``Runner.script``): the script is
+Python text (standard library only) that the server's ``python3 -I -S`` runs, the request a JSON-able
+dict. ``SSHPool`` (``reconciler.ssh.pool``) is the real runner; ``FakeRunner`` (``reconciler.ssh.fake``)
+runs the very same scripts locally against a temporary directory, like httpx's ``MockTransport``.
+``Runner.run`` remains for the raw commands that are not scripts (the loop's collection agent).
+
+How a request reaches a script (``Script.delivery``):
+- spliced (the default): the request replaces the line ``REQUEST: Any = None`` as a Python literal, so
+  a script starts without importing json (the facts script runs at every observation);
+- on stdin as JSON (``stdin=True``): requests too large for a command line (the commit carries files).
+
+Errors (``reconciler.errors``): ``ConnectError`` when the server cannot be reached or the connection
+drops, ``HostKeyChanged``, ``RemoteCommandError`` when a script exits non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from reconciler.ssh.pool import Result, Target
+
+REQUEST_LINE = "REQUEST: Any = None"  # the line a spliced request replaces, once per script
+
+
+@dataclass(frozen=True)
+class Script:
+    """A server-side script: its name (``facts``, ``commit``, ...) and its text."""
+
+    name: str
+    source: str
+    stdin: bool = False  # the request travels as JSON on stdin instead of being spliced in
+    survive: bool = False  # runs under ``setsid -w``: finishes (or rolls back) even if the SSH session drops
+
+    def __post_init__(self) -> None:
+        if not self.stdin and self.source.count(REQUEST_LINE + "\n") != 1:
+            raise ValueError(f"script {self.name}: a spliced request needs exactly one line {REQUEST_LINE!r}")
+
+    def prepare(self, request: Mapping[str, Any]) -> tuple[str, str | None]:
+        """(the text to run, what goes on stdin) for this request."""
+        if self.stdin:
+            return self.source, json.dumps(request)
+        return self.source.replace(REQUEST_LINE + "\n", f"REQUEST: Any = {dict(request)!r}\n", 1), None
+
+
+class Runner(Protocol):
+    """What the controller may do on a server. Implementations: ``SSHPool``, ``FakeRunner``."""
+
+    async def script(self, target: Target, script: Script, request: Mapping[str, Any], *, input: bytes | None = None,
+                     timeout: float = 120.0, detach: bool = False, fresh: bool = False) -> Result:
+        """Run ``script`` with ``request`` on ``target`` and return its output.
+
+        ``input``: bytes for the script's stdin (only for spliced scripts). ``detach``: start it in its own
+        session and return at once (its output is lost: such a script writes its answer to a file).
+        ``fresh``: over a brand-new connection, to prove new sessions still get through (the firewall).
+        Raises ``RemoteCommandError`` if it exits non-zero, ``ConnectError`` if the server cannot be reached.
+        """
+        ...
+
+    async def run(self, target: Target, command: str, check: bool = True, timeout: float = 120.0,
+                  input: str | bytes | None = None) -> Result:
+        """A raw shell command (what is not a script yet: the loop's collection agent)."""
+        ...
+
+    async def close(self) -> None:
+        """Close every connection (and, for a fake, wait for what it started)."""
+        ...
