@@ -1,0 +1,252 @@
+"""Plan and apply end to end against fake hosts (GITOPS-3, GITOPS-4, GITOPS-7): the real server-side scripts run
+locally against a temporary directory per server (``reconciler.ssh.fake``); no root, no network.
+
+Each test asserts on the fake host's files and systemd state, not only on results. tests/lab/ covers real hosts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from reconciler.apply.run import ServerResult, apply_all
+from reconciler.credentials import Secret
+from reconciler.engine.singbox import AGENT, BINARY, CONFIG, FIREWALL, SERVICE, TEMPLATE, UNIT
+from reconciler.errors import ConfigError, StalePlan
+from reconciler.model import Cluster
+from reconciler.plan.lock import LEASE_SECONDS, LOCK_DIR, LOCK_FILE
+from reconciler.plan.observe import Observed, fingerprint, observe
+from reconciler.plan.saved import check_fresh, load_plan, save_plan
+from reconciler.ssh.fake import FakeRunner, fake_engine
+
+SECRET = Secret(b"fakehost-test-secret-0123456789abc")
+NOW = 1.8e9
+
+
+def cluster(tmp_path: Path, users=("alice",), servers=("a",), inbounds=None, harden=True) -> Cluster:
+    engine = tmp_path / "engine" / "sing-box"
+    if not engine.exists():
+        engine.parent.mkdir(parents=True, exist_ok=True)
+        engine.write_bytes(fake_engine("1.14.4"))
+        engine.chmod(0o755)
+    inbounds = inbounds or [
+        {"id": "{s}-tls", "name": "T", "protocol": "trojan", "port": 443, "route": "r", "tls": {"server_name": "x.test"}},
+        {"id": "{s}-ss", "name": "S", "protocol": "shadowsocks-2022", "port": 8388, "route": "r"},
+    ]
+    return Cluster.model_validate({
+        "settings": {"engine": {"binary": str(engine)}, "harden": harden},
+        "servers": [{"name": s, "host": f"192.0.2.{i + 1}", "country": "DE",
+                     "inbounds": [{**ib, "id": ib["id"].format(s=s)} for ib in inbounds]} for i, s in enumerate(servers)],
+        "routes": [{"id": "r", "name": "R"}], "users": [{"name": u} for u in users]})
+
+
+def plan(c: Cluster, runner: FakeRunner, prune: bool = False, previous=None) -> list[Observed]:
+    return asyncio.run(observe(c, SECRET, runner, ".", prune, previous, NOW))
+
+
+def apply(observed: list[Observed], runner: FakeRunner) -> list[ServerResult]:
+    async def go() -> list[ServerResult]:
+        try:
+            return await apply_all(observed, runner, lambda server, phase: None, verify_timeout=5.0)
+        finally:
+            await runner.close()
+
+    return asyncio.run(go())
+
+
+def kinds(o: Observed) -> list[tuple[str, str]]:
+    return [(a.sign, a.kind) for a in o.plan.actions]
+
+
+@pytest.fixture
+def runner(tmp_path) -> FakeRunner:
+    return FakeRunner(tmp_path / "hosts")
+
+
+def converge(tmp_path, runner, c=None) -> Cluster:
+    c = c or cluster(tmp_path)
+    results = apply(plan(c, runner), runner)
+    assert all(r.ok for r in results), [r.message for r in results]
+    return c
+
+
+def test_a_bare_host_is_planned_then_provisioned(tmp_path, runner):
+    # spec: GITOPS-3, GITOPS-4 — the plan says what changes; apply does exactly that, and verifies it
+    c = cluster(tmp_path)
+    [o] = plan(c, runner)
+    assert kinds(o) == [("+", "install-engine"), ("+", "generate-key"), ("+", "write-file"), ("+", "write-file"),
+                        ("+", "write-file"), ("~", "restart"), ("+", "harden")]
+    host = runner.host("a")
+    assert host.read(TEMPLATE) is None and host.unit(SERVICE)["active"] == "inactive"
+
+    [r] = apply([o], runner)
+    assert r.ok and r.changed and r.phase == "done", r.message
+    for f in o.desired.files:
+        assert host.read(f.path) == f.content, f.path
+        assert host.path(f.path).stat().st_mode & 0o777 == f.mode
+    assert host.read(BINARY) == fake_engine("1.14.4")
+    assert host.read(BINARY + ".sha256").decode() == hashlib.sha256(fake_engine("1.14.4")).hexdigest()
+    assert host.read(BINARY + ".version").decode().startswith("sing-box version 1.14.4")
+    assert host.read(CONFIG) == next(f.content for f in o.desired.files if f.path == TEMPLATE)  # no REALITY key to fill in
+    assert host.read("/etc/sing-box/tls/a-tls.key").startswith(b"-----BEGIN PRIVATE KEY-----")
+    unit = host.unit(SERVICE)
+    assert unit["active"] == "active" and unit["enabled"] and unit["starts"] == 1
+    assert unit["listeners"] == [(443, "tcp"), (8388, "tcp"), (8388, "udp")]
+    assert "table inet reconciler" in host.firewall and host.read(FIREWALL) == o.desired.firewall[0].content
+    assert host.unit("reconciler-firewall.service")["enabled"]
+    assert not host.path(LOCK_DIR).exists()  # released
+    assert not list(host.path("/etc/sing-box").glob("*.reconciler-*"))  # nothing staged is left behind
+    assert "/etc/sing-box/tls/a-tls.crt" in o.facts.public  # what the commit generated is learnt at once
+
+
+def test_a_second_apply_changes_nothing_and_asks_systemd_nothing(tmp_path, runner):
+    # spec: GITOPS-3 — converged servers plan nothing; a no-op apply touches neither files nor units
+    c = converge(tmp_path, runner)
+    host = runner.host("a")
+    before = {p: p.stat().st_mtime_ns for p in host.path("/etc").rglob("*") if p.is_file()}
+    log = host.log
+    [o] = plan(c, runner)
+    assert o.plan.actions == [] and o.facts.active == "active" and o.facts.enabled == "enabled"
+    runner.calls.clear()
+    [r] = apply([o], runner)
+    assert r.ok and not r.changed and r.message == "up to date"
+    assert runner.calls == []  # not even the lock
+    assert host.log == log  # the converged facts came without systemctl (the unit's cgroup and wants link)
+    assert {p: p.stat().st_mtime_ns for p in host.path("/etc").rglob("*") if p.is_file()} == before
+
+
+def test_a_change_the_engine_rejects_is_not_swapped_in(tmp_path, runner):
+    # spec: GITOPS-7 — `sing-box check` refuses the new configuration: the running one stays, untouched
+    converge(tmp_path, runner)
+    host = runner.host("a")
+    old = host.read(TEMPLATE), host.read(CONFIG)
+    host.script(fail_check_if='"name": "bob"')
+    [o] = plan(cluster(tmp_path, users=("alice", "bob")), runner)
+    assert kinds(o) == [("~", "write-file"), ("~", "reload")]
+    [r] = apply([o], runner)
+    assert not r.ok and "check failed" in r.message and "nothing was changed" in r.message and not r.rolled_back
+    assert (host.read(TEMPLATE), host.read(CONFIG)) == old
+    assert host.unit(SERVICE)["active"] == "active" and host.unit(SERVICE)["starts"] == 1
+    assert not host.path(LOCK_DIR).exists()
+
+
+def test_a_unit_that_fails_after_the_restart_gets_the_previous_files_back(tmp_path, runner):
+    # spec: GITOPS-7 — the new configuration passes check but the service does not come up: roll back, restart
+    converge(tmp_path, runner)
+    host = runner.host("a")
+    old = host.read(TEMPLATE), host.read(CONFIG)
+    host.script(fail_start_if='"name": "bob"')
+    [o] = plan(cluster(tmp_path, users=("alice", "bob")), runner)
+    [r] = apply([o], runner)
+    assert not r.ok and r.rolled_back and "verify failed" in r.message, r.message
+    assert r.details["commit"]["rollback_verified"] is True
+    assert (host.read(TEMPLATE), host.read(CONFIG)) == old
+    unit = host.unit(SERVICE)
+    assert unit["active"] == "active" and unit["listeners"] == [(443, "tcp"), (8388, "tcp"), (8388, "udp")]
+    assert not list(host.path("/etc/sing-box").glob("*.reconciler-*")) and not host.path(LOCK_DIR).exists()
+
+
+def test_one_servers_failure_is_that_servers_result(tmp_path, runner):
+    # spec: GITOPS-4 — servers apply in parallel; a failing one never stops the others
+    c = cluster(tmp_path, servers=("a", "b"))
+    runner.host("b").script(fail_start_if="")  # b's engine never starts
+    results = apply(plan(c, runner), runner)
+    assert [(r.server, r.ok) for r in results] == [("a", True), ("b", False)]
+    assert runner.host("a").unit(SERVICE)["active"] == "active"
+    assert runner.host("b").unit(SERVICE)["active"] != "active" and runner.host("b").read(CONFIG) is None
+
+
+def test_a_held_lock_refuses_the_apply_and_a_stale_one_is_taken_over(tmp_path, runner):
+    # spec: GITOPS-4 — one apply at a time per server; a lock whose lease ran out belongs to a dead apply
+    c = cluster(tmp_path)
+    host = runner.host("a")
+    other = json.dumps({"by": "ci@runner-7", "pid": 4242, "since": int(time.time()) - 60})
+    host.write(LOCK_FILE, other.encode())
+    [o] = plan(c, runner)
+    assert o.facts.lock == json.loads(other)
+    log = host.log
+    [r] = apply([o], runner)
+    assert not r.ok and r.phase == "lock" and "another apply holds the lock on a: ci@runner-7 (pid 4242)" in r.message
+    assert host.read(LOCK_FILE).decode() == other and host.read(TEMPLATE) is None and host.log == log
+
+    stale = json.dumps({"by": "ci@runner-7", "pid": 4242, "since": int(time.time()) - LEASE_SECONDS - 5})
+    host.write(LOCK_FILE, stale.encode())
+    [r] = apply(plan(c, runner), runner)
+    assert r.ok, r.message
+    assert host.read(TEMPLATE) is not None and not host.path(LOCK_DIR).exists()
+
+
+def test_prune_removes_keys_of_inbounds_that_left_and_whole_servers(tmp_path, runner):
+    # spec: GITOPS-3 — with --prune, what left the cluster file leaves the servers
+    c = converge(tmp_path, runner, cluster(tmp_path, servers=("a", "b")))
+    a, b = runner.host("a"), runner.host("b")
+    assert a.read("/etc/sing-box/tls/a-tls.crt") is not None
+    only_ss = [{"id": "{s}-ss", "name": "S", "protocol": "shadowsocks-2022", "port": 8388, "route": "r"}]
+    smaller = cluster(tmp_path, servers=("a",), inbounds=only_ss)
+    previous = {s.name: {"name": s.name, "host": s.host, "port": 22, "user": "root"} for s in c.servers}
+    observed = plan(smaller, runner, prune=True, previous=previous)
+    [oa, ob] = observed
+    assert ("-", "remove-file") in kinds(oa) and ob.plan.removed
+    assert kinds(ob) == [("-", "stop"), ("-", "remove-file"), ("-", "remove-file"), ("-", "remove-file")]
+    results = apply(observed, runner)
+    assert all(r.ok for r in results), [r.message for r in results]
+    assert a.read("/etc/sing-box/tls/a-tls.crt") is None and a.read("/etc/sing-box/tls/a-tls.key") is None
+    assert a.unit(SERVICE)["listeners"] == [(8388, "tcp"), (8388, "udp")]
+    assert b.unit(SERVICE)["active"] == "inactive" and not b.unit(SERVICE)["enabled"]
+    for path in (BINARY, BINARY + ".sha256", BINARY + ".version", TEMPLATE, UNIT, CONFIG):
+        assert b.read(path) is None, path
+    assert b.read(AGENT) is not None  # not in the removal plan: left as it is
+    assert all(not o.plan.actions for o in plan(smaller, runner, prune=True, previous={"a": previous["a"]}))
+
+
+def test_a_saved_plan_is_refused_once_a_server_changed(tmp_path, runner):
+    # spec: GITOPS-3 — apply FILE carries out the saved plan only while its desired state and facts still hold
+    converge(tmp_path, runner, cluster(tmp_path, servers=("a", "b")))
+    c = cluster(tmp_path, servers=("a", "b"), users=("alice", "bob"))
+    observed = plan(c, runner)
+    saved_path = tmp_path / "plan.json"
+    save_plan(saved_path, [o.plan for o in observed], fingerprint(observed), tmp_path / "c.yaml", prune=False)
+    saved = load_plan(saved_path)
+    assert saved.cluster_file == str((tmp_path / "c.yaml").resolve()) and saved.prune is False
+    check_fresh(saved, plan(c, runner))  # nothing changed: it holds
+
+    runner.host("b").write(UNIT, b"[Service]\nExecStart=/bin/true\n")  # drift on b since the plan
+    with pytest.raises(StalePlan) as err:
+        check_fresh(saved, plan(c, runner))
+    assert err.value.servers == ["b"]
+    with pytest.raises(StalePlan) as err:  # the desired state changed for both
+        check_fresh(saved, plan(cluster(tmp_path, servers=("a", "b"), users=("alice", "carol")), runner))
+    assert err.value.servers == ["a", "b"]
+
+
+@pytest.mark.parametrize("text,reason", [
+    (None, "cannot read"), ("{not json", "is not JSON"), ("[]", "not a JSON object"),
+    ('{"fingerprint": "x", "file": "c.yaml", "prune": false}', "`servers` is missing"),
+    ('{"fingerprint": "x", "file": "c.yaml", "prune": false, "servers": [{"server": "a"}]}', "servers[0] lacks"),
+])
+def test_an_unreadable_saved_plan_is_a_config_error(tmp_path, text, reason):
+    path = tmp_path / "plan.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_plan(path)
+    assert reason in str(err.value) and str(path) in str(err.value)
+
+
+def test_an_engine_that_reports_another_version_is_not_installed(tmp_path, runner):
+    # spec: GITOPS-4 — the engine is pinned by version: staged bytes that report another are removed, nothing swapped
+    c = cluster(tmp_path)
+    pinned = Cluster.model_validate({**c.model_dump(mode="json", exclude={"routes": {0: {"implicit"}}}),
+                                     "settings": {**c.settings.model_dump(mode="json"), "engine": {
+                                         "binary": c.settings.engine.binary, "version": "1.13.0"}}})
+    [o] = plan(pinned, runner)
+    [r] = apply([o], runner)
+    host = runner.host("a")
+    assert not r.ok and r.phase == "install engine" and "not version 1.13.0" in r.message, r.message
+    assert not list(host.path("/usr/local/bin").iterdir()) and host.read(TEMPLATE) is None
+    assert not host.path(LOCK_DIR).exists() and host.unit(SERVICE)["active"] == "inactive"
