@@ -27,6 +27,7 @@ from reconciler.model import Cluster
 
 KINDS = ("collect", "plan", "apply", "load", "git", "outlets")
 RESULTS = ("ok", "error")
+TASKS = ("tick", "plan", "watch", "git")  # the loop's supervised tasks
 BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -56,6 +57,7 @@ class LoopStats:
         self.sums = dict.fromkeys(KINDS, 0.0)
         self.last_success = dict.fromkeys(KINDS, 0.0)
         self.server_errors: dict[str, int] = {}
+        self.task_failures = dict.fromkeys(TASKS, 0)
 
     def record(self, kind: str, ok: bool, seconds: float, now: float) -> None:
         with self._lock:
@@ -64,6 +66,10 @@ class LoopStats:
             self.sums[kind] += seconds
             if ok:
                 self.last_success[kind] = now
+
+    def task_failed(self, task: str) -> None:
+        with self._lock:
+            self.task_failures[task] = self.task_failures.get(task, 0) + 1
 
     def server_error(self, server: str) -> None:
         with self._lock:
@@ -93,6 +99,7 @@ class ReconcilerCollector(Collector):
             sums = dict(st.sums)
             last = dict(st.last_success)
             server_errors = dict(st.server_errors)
+            task_failures = dict(st.task_failures)
         info = InfoMetricFamily("reconciler", "The reconciler's version, engine and the loaded cluster file's digest.")
         cluster = view.cluster if view else None
         info.add_metric([], {"version": __version__,
@@ -118,6 +125,10 @@ class ReconcilerCollector(Collector):
         for k in KINDS:
             g.add_metric([k], last[k])
         yield g
+        tf = CounterMetricFamily("reconciler_task_failures", "Times a task of the loop failed and was restarted.", labels=["task"])
+        for task, n in sorted(task_failures.items()):
+            tf.add_metric([task], n)
+        yield tf
         servers = [s.name for s in cluster.servers] if cluster else []
         e = CounterMetricFamily("reconciler_collect_errors", "Collection runs that failed, by server (it is then no_data).",
                                 labels=["server"])

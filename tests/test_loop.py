@@ -73,8 +73,10 @@ def test_parse_report_reads_the_agent_and_rejects_garbage():
     for bad in ("", "not json", "[1, 2]", '{"x": 1}'):
         with pytest.raises(ReportError):
             parse_report("s0", bad, 1.0)
-    weird = parse_report("s0", agent_json(probes={"a": {"ok": True, "rtt_ms": "fast"}, "b": "nope", "c": {"ok": True, "rtt_ms": -1}}), 1)
-    assert weird.probes == {"a": Probe(True, None, None), "c": Probe(True, None, None)}
+    # One bad field makes the whole report unreadable (that server is no_data this interval, with the reason).
+    for probes in ({"a": {"ok": True, "rtt_ms": "fast"}}, {"b": "nope"}, {"c": {"ok": True, "rtt_ms": -1}}):
+        with pytest.raises(ReportError, match="probes"):
+            parse_report("s0", agent_json(probes=probes), 1)
 
 
 def test_traffic_rate_handles_first_sample_resets_and_missing_api():

@@ -45,36 +45,86 @@ class Report:
         return self.service == "active"
 
 
+# Bounds on what one agent may send: far above a real fleet's reports (a server probes every other
+# inbound once and lists the users it serves), far below what would hurt the controller.
+MAX_REPORT_BYTES = 32 * 1024 * 1024
+MAX_ENTRIES = 1_000_000
+MAX_TEXT = 256
+MAX_COUNTER = 2**63 - 1
+
+
+def _whole(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNTER:
+        raise ReportError(f"`{what}` is not a non-negative integer: {str(value)[:40]!r}")
+    return value
+
+
+def _finite(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ReportError(f"`{what}` is not a finite non-negative number: {str(value)[:40]!r}")
+    return float(value)
+
+
+def _text(value: object, what: str, limit: int = MAX_TEXT) -> str:
+    if not isinstance(value, str):
+        raise ReportError(f"`{what}` is not text")
+    return value[:limit]
+
+
+def _mapping(value: object, what: str) -> dict[str, object]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ReportError(f"`{what}` is not an object")
+    if len(value) > MAX_ENTRIES:
+        raise ReportError(f"`{what}` has {len(value)} entries (at most {MAX_ENTRIES})")
+    return value
+
+
 def parse_report(server: str, text: str, received: float) -> Report:
-    """Parse the agent's JSON (the last line of its output)."""
+    """The agent's report (the last line of its output), checked field by field.
+
+    The output is untrusted (a broken or hostile server can print anything): every field is
+    checked for its type and bounds here, once, and anything wrong raises ``ReportError`` naming
+    the field — that server then has no report this interval (no_data), and nothing downstream
+    ever sees an unchecked value.
+    """
+    if len(text) > MAX_REPORT_BYTES:
+        raise ReportError(f"the agent printed {len(text)} bytes (at most {MAX_REPORT_BYTES})")
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     if not lines:
         raise ReportError("the agent printed nothing")
     try:
         raw = json.loads(lines[-1])
-    except ValueError as exc:
-        raise ReportError(f"the agent's output is not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise ReportError(f"the agent's output is not JSON: {str(exc)[:200]}") from None
     if not isinstance(raw, dict) or "service" not in raw:
         raise ReportError("the agent's output is not a report")
     traffic = raw.get("traffic")
-    total = None
-    if isinstance(traffic, dict):
-        try:
-            total = int(traffic.get("up", 0)) + int(traffic.get("down", 0))
-        except (TypeError, ValueError):
-            total = None
+    total = None  # the engine's API did not answer
+    if traffic is not None:
+        t = _mapping(traffic, "traffic")
+        total = min(MAX_COUNTER, _whole(t.get("up", 0), "traffic.up") + _whole(t.get("down", 0), "traffic.down"))
     probes: dict[str, Probe] = {}
-    for key, value in (raw.get("probes") or {}).items():
-        if not isinstance(value, dict):
-            continue
+    for key, value in _mapping(raw.get("probes"), "probes").items():
+        if not isinstance(value, dict) or not isinstance(value.get("ok"), bool):
+            raise ReportError(f"`probes.{key[:60]}` is not a probe result")
         rtt = value.get("rtt_ms")
-        rtt_f = float(rtt) if isinstance(rtt, int | float) and math.isfinite(rtt) and rtt >= 0 else None
-        probes[str(key)] = Probe(bool(value.get("ok")), rtt_f, value.get("error"))
-    listeners = {str(k): bool(v) for k, v in (raw.get("listeners") or {}).items()}
-    users = tuple(sorted(str(u) for u in raw.get("users") or ()))
-    return Report(server=server, received=received, service=str(raw.get("service")), listeners=listeners,
-                  traffic_bytes=total, users=users, connections=int(raw.get("connections") or 0), probes=probes,
-                  took_ms=float(raw.get("took_ms") or 0.0))
+        error = value.get("error")
+        probes[key] = Probe(value["ok"], None if rtt is None else _finite(rtt, f"probes.{key[:60]}.rtt_ms"),
+                            None if error is None else _text(error, f"probes.{key[:60]}.error"))
+    listeners: dict[str, bool] = {}
+    for key, value in _mapping(raw.get("listeners"), "listeners").items():
+        if not isinstance(value, bool):
+            raise ReportError(f"`listeners.{key[:40]}` is not true or false")
+        listeners[key] = value
+    users_raw = raw.get("users") or []
+    if not isinstance(users_raw, list) or len(users_raw) > MAX_ENTRIES:
+        raise ReportError("`users` is not a list of names")
+    users = tuple(sorted(_text(u, "users[]") for u in users_raw))
+    return Report(server=server, received=received, service=_text(raw["service"], "service", 64), listeners=listeners,
+                  traffic_bytes=total, users=users, connections=_whole(raw.get("connections") or 0, "connections"),
+                  probes=probes, took_ms=_finite(raw.get("took_ms") or 0.0, "took_ms"))
 
 
 def probe_kind(protocol: str) -> str:

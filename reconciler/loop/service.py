@@ -24,10 +24,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ from reconciler.health.verdicts import ServerVerdict, Verdicts
 from reconciler.loop.http import HttpOutlet
 from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens, cluster_digest
 from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
-from reconciler.model import Cluster
+from reconciler.model import Cluster, Server
 from reconciler.plan.observe import observe
 from reconciler.ssh import Target
 from reconciler.state.folder import StateFolder
@@ -116,6 +117,8 @@ class Loop:
         self._tick_index = 0
         self._last_tick_end = 0.0
         self._started = time.time()
+        self._failed: dict[str, float] = {}  # supervised task → when it last failed (until it runs cleanly again)
+        self._interval_error = ""  # why the last interval failed ("" when it did not)
         self._busy = asyncio.Lock()  # one plan/apply at a time; ticks never wait for it
         self._tasks: list[asyncio.Task[None]] = []
         self._posts: set[asyncio.Task[None]] = set()
@@ -140,6 +143,10 @@ class Loop:
 
     def _healthy(self) -> tuple[bool, str]:
         interval = self.cluster.settings.health.report_interval
+        if self._failed:
+            return False, "failed and restarting: " + ", ".join(f"the {name} task" for name in sorted(self._failed))
+        if self._interval_error:
+            return False, self._interval_error
         if self.view is None:
             late = time.time() - self._started > 3 * interval + 60
             return (not late, "starting: the first interval has not finished" + (" (late)" if late else ""))
@@ -164,12 +171,11 @@ class Loop:
         log.info("listening on http://%s (subscriptions /sub/<token>, /metrics, /healthz, status page /)", self.listen)
         self.pool = pool_for(self.state)
         try:
-            self._tasks = [asyncio.create_task(self._ticker(), name="tick"),
-                           asyncio.create_task(self._planner(), name="plan")]
+            self._tasks = [self._supervise("tick", self._ticker), self._supervise("plan", self._planner)]
             if self.watch_enabled:
-                self._tasks.append(asyncio.create_task(self._watcher(), name="watch"))
+                self._tasks.append(self._supervise("watch", self._watcher))
             if self.cluster.settings.git_pull_interval:
-                self._tasks.append(asyncio.create_task(self._git_puller(), name="git"))
+                self._tasks.append(self._supervise("git", self._git_puller))
             if self.duration is not None:
                 self._tasks.append(asyncio.create_task(self._deadline(self.duration), name="deadline"))
             await self.stop.wait()
@@ -201,6 +207,33 @@ class Loop:
             self.state.save_learned(self.learned)
         except OSError as exc:
             log.error("cannot save the learned state: %s", exc)
+        except Exception:  # noqa: BLE001 — every exit path saves; a bug here is logged, never the end of shutdown
+            log.exception("cannot save the learned state")
+
+    def _supervise(self, name: str, body: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+        """Run ``body`` as a task until the loop stops. If it raises, the failure is logged with its
+        traceback, counted (``reconciler_task_failures_total``), makes ``/healthz`` unhealthy until
+        the task has run a clean round again (``_recovered``), and the task restarts after a backoff."""
+
+        async def supervised() -> None:
+            delay = 1.0
+            while not self.stop.is_set():
+                try:
+                    await body()
+                    return
+                except Exception:  # noqa: BLE001 — supervised: logged, counted, restarted
+                    log.exception("the %s task failed; restarting it in %.0fs", name, delay)
+                    self.stats.task_failed(name)
+                    self._failed[name] = time.time()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), delay)
+                delay = min(delay * 2, 60.0)
+
+        return asyncio.create_task(supervised(), name=name)
+
+    def _recovered(self, name: str) -> None:
+        if self._failed.pop(name, None) is not None:
+            log.info("the %s task is running cleanly again", name)
 
     # ------------------------------------------------------------------ tick: collect → verdicts → outlets
 
@@ -208,12 +241,13 @@ class Loop:
         interval = self.cluster.settings.health.report_interval
         next_at = time.monotonic()
         while not self.stop.is_set():
-            await self.tick()
+            if await self.tick() is not None:
+                self._recovered("tick")
             if self.max_ticks is not None and self._tick_index >= self.max_ticks:
                 self.stop.set()
                 return
             interval = self.cluster.settings.health.report_interval
-            next_at += interval
+            next_at += interval if math.isfinite(interval) and interval > 0 else 60.0
             now = time.monotonic()
             if next_at < now:  # an interval that overran: start the next one now, do not catch up in a burst
                 next_at = now
@@ -230,15 +264,17 @@ class Loop:
             verdicts = self.learned.fold(cluster, reports, now)
             snap = snapshot(cluster, self.learned, self.facts, now, verdicts)
             self.learned.assignments = dict(snap.assignments)  # stickiness (LB-6): the next interval starts here
-        except Exception:  # noqa: BLE001 — a bug in one interval must not end the loop; it is logged with its traceback
+            self.stats.record("collect", True, time.perf_counter() - started, now)
+            self.answers.publish(snap)
+            self.view = self._fleet_view(cluster, verdicts, snap)
+            self._report_changes(verdicts)
+        except Exception as exc:  # noqa: BLE001 — a bug in one interval must not end the loop; it is logged with its traceback
             log.exception("interval %d failed", self._tick_index)
             self.stats.record("collect", False, time.perf_counter() - started, time.time())
+            self._interval_error = f"interval {self._tick_index} failed: {type(exc).__name__}: {exc}"[:300]
             return None
-        self.stats.record("collect", True, time.perf_counter() - started, now)
-        self.answers.publish(snap)
-        self.view = self._fleet_view(cluster, verdicts, snap)
+        self._interval_error = ""
         self._last_tick_end = time.time()
-        self._report_changes(verdicts)
         out_start = time.perf_counter()
         try:
             stats = await asyncio.to_thread(self.files.write, snap)
@@ -246,8 +282,12 @@ class Loop:
                 log.info("subscriptions: %d user(s) rewritten, %d unchanged, %d removed (%.2fs)",
                          stats.written, stats.unchanged, stats.removed, stats.seconds)
             self.stats.record("outlets", True, time.perf_counter() - out_start, time.time())
-        except OSError as exc:
-            log.error("cannot write subscription files to %s: %s", self.files.directory, exc)
+        except Exception as exc:  # noqa: BLE001 — the files stay as they were (each write is atomic); next interval tries again
+            self._interval_error = f"cannot write subscription files: {type(exc).__name__}: {exc}"[:300]
+            if isinstance(exc, OSError):
+                log.error("cannot write subscription files to %s: %s", self.files.directory, exc)
+            else:
+                log.exception("cannot write subscription files to %s", self.files.directory)
             self.stats.record("outlets", False, time.perf_counter() - out_start, time.time())
         await asyncio.to_thread(self._save)
         return verdicts
@@ -257,7 +297,7 @@ class Loop:
         probe_timeout = max(0.5, min(3.0, interval / 4))
         budget = max(5.0, min(0.8 * interval, 60.0))
 
-        async def one(server) -> tuple[str, Report | None]:  # type: ignore[no-untyped-def]
+        async def one(server: Server) -> tuple[str, Report | None]:
             name = server.name
             if not self.backoff.due(name, self._tick_index):
                 return name, None
@@ -269,11 +309,13 @@ class Loop:
                     hint = " (the agent is not installed yet: apply first)" if "No such file" in res.stderr else ""
                     raise ReportError(f"the agent exited {res.code}{hint}: {res.stderr.strip()[-300:]}")
                 report = parse_report(name, res.stdout, time.time())
-            except (RemoteError, ReportError, OSError, TimeoutError) as exc:
+            except Exception as exc:  # noqa: BLE001 — one server's failure, whatever it is, is that server's no_data
                 wait = self.backoff.failed(name, self._tick_index)
                 self.stats.server_error(name)
-                log.warning("%s: no report this interval: %s%s", name, str(exc) or type(exc).__name__,
-                            f"; next try in {wait + 1} interval(s)" if wait else "")
+                expected = isinstance(exc, RemoteError | ReportError | OSError | TimeoutError)
+                log.log(logging.WARNING if expected else logging.ERROR, "%s: no report this interval: %s%s", name,
+                        str(exc) or type(exc).__name__, f"; next try in {wait + 1} interval(s)" if wait else "",
+                        exc_info=not expected)
                 return name, None
             if self.backoff.succeeded(name):
                 log.info("%s: reporting again", name)
@@ -327,6 +369,7 @@ class Loop:
     async def _planner(self) -> None:
         while not self.stop.is_set():
             await self.plan_and_heal()
+            self._recovered("plan")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.plan_now.wait(), self.cluster.settings.plan_interval)
             self.plan_now.clear()

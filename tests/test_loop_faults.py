@@ -1,0 +1,152 @@
+"""The loop survives faults and tells the truth about them (/healthz, metrics), and saves its
+state on every exit path.
+
+The real ``Loop.run`` runs in-process with its HTTP server on loopback; only the SSH side is
+replaced (collection returns generated reports, planning is a no-op: there are no servers to
+reach here). The lab tests (tests/lab/) inject the same faults on real hosts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+
+from reconciler.config import load_cluster
+from reconciler.credentials import Secret
+from reconciler.fleet import parse_report
+from reconciler.lab.demo import free_port
+from reconciler.loop.service import Loop
+from reconciler.model import Cluster
+
+SECRET = Secret(b"loop-faults-test-secret-0123456789")
+
+
+def write_cluster(tmp_path, port: int) -> str:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(f'settings:\n  outputs: {{listen: "127.0.0.1:{port}"}}\n  health: {{report_interval: 1s}}\n'
+                    "servers:\n"
+                    "  - {name: a, host: 198.18.0.10, country: DE, inbounds: [{id: a-in, name: A, protocol: shadowsocks-2022, port: 8388}]}\n"
+                    "  - {name: b, host: 198.18.0.11, country: DE, inbounds: [{id: b-in, name: B, protocol: shadowsocks-2022, port: 8388}]}\n"
+                    "users:\n  - name: alice\n")
+    return str(path)
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=3) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def a_report(name: str, at: float, traffic: object = None) -> object:
+    raw = {"service": "active", "listeners": {"8388/tcp": True, "8388/udp": True}, "traffic": traffic,
+           "probes": {"a-in": {"ok": True, "rtt_ms": 1.0}, "b-in": {"ok": True, "rtt_ms": 1.0}}}
+    return parse_report(name, json.dumps(raw), at)
+
+
+def make_loop(path: str, port: int) -> Loop:
+    cluster = load_cluster(path).cluster
+    assert cluster is not None
+    loop = Loop(path, cluster, SECRET, listen=f"127.0.0.1:{port}", watch=False)
+
+    async def no_plan() -> None:  # nothing to reach: no SSH from this test
+        return None
+
+    loop.plan_and_heal = no_plan  # type: ignore[method-assign]
+    return loop
+
+
+async def watch(port: int, loop: Loop, until: float, probe) -> list[tuple[int, str]]:  # type: ignore[no-untyped-def]
+    """/healthz seen every 0.2 s while ``probe`` has not returned True (bounded by ``until``)."""
+    seen = []
+    while time.monotonic() < until and not loop.stop.is_set():
+        seen.append(await asyncio.to_thread(get, f"http://127.0.0.1:{port}/healthz"))
+        if probe(seen):
+            break
+        await asyncio.sleep(0.2)
+    return seen
+
+
+def test_a_failing_interval_and_a_crashing_task_are_survived_told_and_counted(tmp_path):
+    # spec: HEALTH-1 — intervals continue; /healthz says what failed until it runs cleanly again
+    port = free_port()
+    path = write_cluster(tmp_path, port)
+    loop = make_loop(path, port)
+    calls = {"n": 0}
+
+    async def collect(cluster: Cluster) -> dict[str, object]:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("a bug in one interval")
+        return {s.name: a_report(s.name, time.time(), traffic=None if s.name == "a" else {"up": 1, "down": 2})
+                for s in cluster.servers}
+
+    real_tick = loop.tick
+
+    async def tick():  # type: ignore[no-untyped-def]
+        if calls["n"] == 3:
+            calls["n"] += 1
+            raise SystemError("the tick task itself fails")
+        return await real_tick()
+
+    loop.collect = collect  # type: ignore[method-assign]
+    loop.tick = tick  # type: ignore[method-assign]
+
+    async def scenario() -> tuple[int, list[tuple[int, str]], str]:
+        runner = asyncio.create_task(loop.run())
+        seen = await watch(port, loop, time.monotonic() + 30, lambda s: calls["n"] >= 7 and s[-1][0] == 200)
+        metrics = await asyncio.to_thread(get, f"http://127.0.0.1:{port}/metrics")
+        loop.stop.set()
+        return await asyncio.wait_for(runner, 30), seen, metrics[1]
+
+    rc, seen, metrics = asyncio.run(scenario())
+    assert rc == 0
+    bodies = [b for code, b in seen if code == 503]
+    assert any("interval 2 failed: RuntimeError" in b for b in bodies), seen
+    assert any("failed and restarting: the tick task" in b for b in bodies), seen
+    assert seen[-1][0] == 200 and calls["n"] >= 7  # it recovered and went on ticking
+    assert 'reconciler_task_failures_total{task="tick"} 1.0' in metrics
+    assert 'reconciler_reconcile_total{kind="collect",result="error"} 1.0' in metrics
+    # State is saved on the way out, with server a (its engine API down: traffic null) in it.
+    state = tmp_path / ".reconciler" / "learned.npz"
+    assert state.exists() and oct(state.stat().st_mode & 0o777) == "0o600"
+
+
+def test_state_is_saved_even_when_the_loop_is_stopped_mid_interval(tmp_path):
+    port = free_port()
+    path = write_cluster(tmp_path, port)
+    loop = make_loop(path, port)
+    started = asyncio.Event()
+
+    async def slow_collect(cluster: Cluster) -> dict[str, object]:
+        started.set()
+        await asyncio.sleep(60)  # cancelled by the stop below
+        return {}
+
+    loop.collect = slow_collect  # type: ignore[method-assign]
+
+    async def scenario() -> int:
+        runner = asyncio.create_task(loop.run())
+        await asyncio.wait_for(started.wait(), 20)
+        loop.stop.set()
+        return await asyncio.wait_for(runner, 30)
+
+    assert asyncio.run(scenario()) == 0
+    assert (tmp_path / ".reconciler" / "learned.npz").exists()
+
+
+def test_healthz_names_what_failed_until_it_recovers(tmp_path):
+    port = free_port()
+    path = write_cluster(tmp_path, port)
+    loop = make_loop(path, port)
+    loop._interval_error = "interval 1 failed: x"
+    assert loop._healthy() == (False, "interval 1 failed: x")
+    loop._interval_error = ""
+    loop._failed["plan"] = time.time()
+    assert loop._healthy()[0] is False and "plan" in loop._healthy()[1]
+    loop._recovered("plan")
+    assert "failed" not in loop._healthy()[1]
