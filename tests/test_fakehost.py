@@ -17,7 +17,7 @@ import pytest
 from reconciler.apply.run import ServerResult, apply_all
 from reconciler.credentials import Secret
 from reconciler.engine.singbox import AGENT, BINARY, CONFIG, FIREWALL, SERVICE, TEMPLATE, UNIT
-from reconciler.errors import ConfigError, StalePlan
+from reconciler.errors import ConfigError, RemoteCommandError, StalePlan
 from reconciler.model import Cluster
 from reconciler.plan.lock import LEASE_SECONDS, LOCK_DIR, LOCK_FILE
 from reconciler.plan.observe import Observed, fingerprint, observe
@@ -250,3 +250,35 @@ def test_an_engine_that_reports_another_version_is_not_installed(tmp_path, runne
     assert not r.ok and r.phase == "install engine" and "not version 1.13.0" in r.message, r.message
     assert not list(host.path("/usr/local/bin").iterdir()) and host.read(TEMPLATE) is None
     assert not host.path(LOCK_DIR).exists() and host.unit(SERVICE)["active"] == "inactive"
+
+
+def test_the_ssh_pool_sends_the_same_scripts_as_the_fake(tmp_path, monkeypatch):
+    # The real runner's command lines (quoting, the spliced or stdin request, setsid) run through a local shell
+    # in place of SSH: the lock script takes, refuses and releases the lock under a root folder.
+    import subprocess
+
+    from reconciler.engine import remote
+    from reconciler.ssh import KnownHosts, Result, SSHPool, Target
+
+    commands: list[str] = []
+
+    async def run(target, command, check=True, timeout=120.0, input=None):  # what SSH would do on the server
+        commands.append(command)
+        out = subprocess.run(["sh", "-c", command], input=input.encode() if isinstance(input, str) else input,
+                             capture_output=True, timeout=timeout)
+        return Result(out.returncode, out.stdout.decode(), out.stderr.decode())
+
+    pool = SSHPool(KnownHosts(tmp_path / "known_hosts.json"))
+    monkeypatch.setattr(pool, "run", run)
+    t, root = Target("a", "192.0.2.1"), str(tmp_path / "server")
+    (tmp_path / "server/run").mkdir(parents=True)
+    req = {"op": "acquire", "lock": LOCK_DIR, "holder_file": LOCK_FILE, "holder": "me", "dirs": ["/etc/x"], "root": root}
+    got = [json.loads(asyncio.run(pool.script(t, remote.LOCK, req)).stdout) for _ in range(2)]
+    assert got == [{"ok": True}, {"ok": False, "holder": "me"}] and (tmp_path / "server/etc/x").is_dir()
+    assert commands[0].startswith("python3 -I -S -c ")
+    asyncio.run(pool.script(t, remote.LOCK, {"op": "release", "lock": LOCK_DIR, "root": root}))
+    assert not (tmp_path / "server/run/reconciler.lock").exists()
+    with pytest.raises(RemoteCommandError) as err:  # the commit reads its request on stdin, under setsid -w
+        asyncio.run(pool.script(t, remote.COMMIT, {"root": root}, timeout=30))
+    assert commands[-1].startswith("setsid -w python3 -I -S -c ") and "the commit script" in str(err.value)
+    assert "KeyError" in err.value.stderr

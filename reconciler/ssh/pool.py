@@ -184,29 +184,6 @@ class SSHPool:
             raise RemoteCommandError(target.name, f"the {script.name} script", res.code, res.stderr or res.stdout)
         return res
 
-    async def put(self, target: Target, data: bytes, path: str, mode: int = 0o644) -> None:
-        """Write ``data`` to ``path`` (not atomic: callers write to a temporary name and rename)."""
-        async with self.sem:
-            conn = await self.connection(target)
-            try:
-                async with conn.start_sftp_client() as sftp:
-                    async with sftp.open(path, "wb") as fh:
-                        await fh.write(data)
-                    await sftp.chmod(path, mode)
-            except _RETRYABLE as exc:
-                self._conns.pop(target.name, None)
-                raise ConnectError(f"{target.name}: connection lost while uploading {path}: {exc}") from exc
-
-    async def put_file(self, target: Target, local: str, path: str, mode: int = 0o755) -> None:
-        async with self.sem:
-            conn = await self.connection(target)
-            try:
-                await asyncssh.scp(local, (conn, path), preserve=False)
-                await conn.run(f"chmod {mode:o} {shlex.quote(path)}", check=True)
-            except _RETRYABLE as exc:
-                self._conns.pop(target.name, None)
-                raise ConnectError(f"{target.name}: connection lost while uploading {path}: {exc}") from exc
-
     async def close(self) -> None:
         for conn in self._conns.values():
             conn.close()
