@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import hmac
 import os
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -106,6 +107,15 @@ def user_credentials(secret: Secret, user: str, rotate: int = 0, shadowsocks: bo
         ss_key_256=base64.b64encode(ss).decode() if ss else "",
         token=user_token(secret, user, rotate),
     )
+
+
+TOKEN_CHARS = 32  # 24 bytes of HMAC, base64url without padding
+_TOKEN = re.compile(rf"[A-Za-z0-9_-]{{{TOKEN_CHARS}}}")
+
+
+def is_token(text: str) -> bool:
+    """Whether ``text`` has the form of a subscription token (checked before a token names a path or a user)."""
+    return _TOKEN.fullmatch(text) is not None
 
 
 def user_token(secret: Secret, user: str, rotate: int = 0) -> str:

@@ -288,8 +288,8 @@ def test_a_big_write_in_worker_processes_gives_the_same_files(tmp_path, monkeypa
     two = FileOutlet(tmp_path / "b", tmp_path / "sb", SECRET, workers=2)
     stats = two.write(snap)
     assert stats.written == 300
-    assert two.manifest["users"] == one.manifest["users"]
-    for token in (t for t, _ in one.manifest["users"].values()):
+    assert two.published == one.published
+    for token in (p.token for p in one.published.values()):
         for name in ("links.txt", "sing-box.json", "clash.yaml", "headers.json"):
             assert (tmp_path / "a" / token / name).read_bytes() == (tmp_path / "b" / token / name).read_bytes()
     assert two.write(snap).skipped_all

@@ -4,6 +4,8 @@ Both outlets call the same pure ``render`` on the same snapshot, so a file and
 a live response for one user agree byte for byte (and so do their ETags).
 
 Files: ``<subscriptions_dir>/<token>/{links.txt, sing-box.json, clash.yaml, headers.json}``
+(folders 0700, files 0600: they hold credentials; give the web server that publishes them the
+owner or a group by the service's own means)
 — a static host or object store serves ``/sub/<token>/…`` without knowing us;
 ``headers.json`` carries the headers clients read (for an uploader that sets
 them). Each file is written to a temporary name and renamed over the old one,
@@ -24,11 +26,11 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import NamedTuple
 
 from reconciler.balance import Snapshot, decide
 from reconciler.balance.decide import Entry
-from reconciler.credentials import Secret, UserCredentials, user_credentials, user_token
+from reconciler.credentials import Secret, UserCredentials, is_token, user_credentials, user_token
 from reconciler.model import Cluster
 from reconciler.state.files import write_atomic, write_new
 from reconciler.subscriptions import FORMATS, Document, render
@@ -36,8 +38,18 @@ from reconciler.subscriptions.document import EXTENSIONS, headers_json, render_f
 
 MANIFEST = "subscription-files.json"
 # Documents are regenerated from the snapshot at will, so they are not fsynced one by one: the manifest,
-# written durably after them, is what records them.
-DOC_MODE = 0o644
+# written durably after them, records each user's token, fingerprint and published size, and the sizes
+# are checked at start-up (``verify``), so a document cut short (a full disk, a crash) is written again.
+DOC_MODE = 0o600
+DIR_MODE = 0o700
+
+
+class Published(NamedTuple):
+    """What the manifest records of one user's folder."""
+
+    token: str
+    fingerprint: str
+    size: int  # bytes of all its files together
 
 
 class Tokens:
@@ -124,14 +136,54 @@ class FileOutlet:
         self.workers = workers if workers is not None else min(8, os.cpu_count() or 1)
         self._cluster_hash: tuple[int, str] | None = None
         self._file_tokens: Tokens | None = None
-        self.manifest = self._read_manifest()
+        self.notes: list[str] = []  # what could not be read, for the caller to log
+        self.digest, self.published = self._read_manifest()
 
-    def _read_manifest(self) -> dict[str, Any]:
+    def _read_manifest(self) -> tuple[str, dict[str, Published]]:
+        """(snapshot digest, user → what was published); entries that are not well-formed are dropped
+        (their users are written again), a manifest that cannot be read is a fresh start, noted."""
         try:
-            data = json.loads(self.manifest_path.read_text())
-            return data if isinstance(data, dict) and isinstance(data.get("users"), dict) else {"users": {}}
-        except (OSError, ValueError):
-            return {"users": {}}
+            data = json.loads(self.manifest_path.read_bytes())
+        except FileNotFoundError:
+            return "", {}
+        except (OSError, ValueError) as exc:
+            self.notes.append(f"ignoring unreadable {self.manifest_path} ({exc}); every user's files are written again")
+            return "", {}
+        users = data.get("users") if isinstance(data, dict) else None
+        if not isinstance(users, dict):
+            self.notes.append(f"ignoring {self.manifest_path}: not a manifest; every user's files are written again")
+            return "", {}
+        out: dict[str, Published] = {}
+        for name, entry in users.items():
+            if (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and is_token(entry[0])
+                    and isinstance(entry[1], str) and isinstance(entry[2], int) and not isinstance(entry[2], bool)):
+                out[name] = Published(entry[0], entry[1], entry[2])
+        if len(out) < len(users):
+            self.notes.append(f"{self.manifest_path}: {len(users) - len(out)} malformed entr(ies) dropped; written again")
+        digest = data.get("digest")
+        return (digest if isinstance(digest, str) and len(out) == len(users) else ""), out
+
+    def verify(self) -> int:
+        """Check that every recorded user's folder holds what was published (by size); a user whose files
+        are missing or cut short is dropped from the record, so the next write repairs it. Returns how many."""
+        bad = []
+        for name, entry in self.published.items():
+            folder = self.directory / entry.token
+            try:
+                size = sum(os.stat(folder / f).st_size for f in self._file_names)
+            except OSError:
+                size = -1
+            if size != entry.size:
+                bad.append(name)
+        for name in bad:
+            del self.published[name]
+        if bad:
+            self.digest = ""
+        return len(bad)
+
+    @property
+    def _file_names(self) -> list[str]:
+        return [f"{fmt}.{EXTENSIONS[fmt]}" for fmt in self.formats] + ["headers.json"]
 
     def clean_temporaries(self) -> int:
         """Remove temporary files a killed writer left behind (never complete documents)."""
@@ -153,34 +205,35 @@ class FileOutlet:
         if self._cluster_hash is None or self._cluster_hash[0] != id(cluster):
             self._cluster_hash = (id(cluster), cluster_digest(cluster))
         digest = snapshot_digest(snapshot, self._cluster_hash[1] + "|" + ",".join(self.formats))
-        if digest == self.manifest.get("digest") and self.directory.is_dir():
+        if digest == self.digest and self.directory.is_dir():
             stats.skipped_all, stats.unchanged = True, len(cluster.users)
             stats.seconds = time.perf_counter() - start
             return stats
-        old: dict[str, list[str]] = self.manifest.get("users", {})
-        self.directory.mkdir(parents=True, exist_ok=True)
+        old = self.published
+        self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         n = len(cluster.users)
         if n >= self.PARALLEL_MIN and self.workers > 1:
             parts = self._in_workers(snapshot, old)
         else:
             parts = [_write_range(snapshot, self.secret, str(self.directory), self.formats, old, 0, n,
                                   self._tokens_for(snapshot))]
-        new: dict[str, list[str]] = {}
+        new: dict[str, Published] = {}
         for part, written, unchanged in parts:
             new.update(part)
             stats.written += written
             stats.unchanged += unchanged
-        live = {t for t, _ in new.values()}
-        for token, _ in old.values():
-            if token not in live:
-                shutil.rmtree(self.directory / token, ignore_errors=True)
+        live = {p.token for p in new.values()}
+        for entry in old.values():
+            if entry.token not in live and is_token(entry.token):  # a token from a file names no path unchecked
+                shutil.rmtree(self.directory / entry.token, ignore_errors=True)
                 stats.removed += 1
-        self.manifest = {"digest": digest, "users": new}
-        write_atomic(self.manifest_path, json.dumps(self.manifest).encode(), 0o600)
+        self.digest, self.published = digest, new
+        manifest = {"digest": digest, "users": {name: list(p) for name, p in new.items()}}
+        write_atomic(self.manifest_path, json.dumps(manifest).encode(), 0o600)
         stats.seconds = time.perf_counter() - start
         return stats
 
-    def _in_workers(self, snapshot: Snapshot, old: dict[str, list[str]]) -> list[tuple[dict[str, list[str]], int, int]]:
+    def _in_workers(self, snapshot: Snapshot, old: dict[str, Published]) -> list[tuple[dict[str, Published], int, int]]:
         """Worker processes render and write slices of the users from one pickled snapshot; this process
         takes the first slice meanwhile (a bigger one: the workers start ~2 s later).
 
@@ -212,7 +265,7 @@ class FileOutlet:
         return self._file_tokens
 
 
-def _worker(payload: bytes, lo: int, hi: int, old: dict[str, list[str]]) -> tuple[dict[str, list[str]], int, int]:
+def _worker(payload: bytes, lo: int, hi: int, old: dict[str, Published]) -> tuple[dict[str, Published], int, int]:
     import pickle
 
     snapshot, secret, directory, formats = pickle.loads(payload)
@@ -223,29 +276,34 @@ def _has_shadowsocks(snapshot: Snapshot) -> bool:
     return any(r.inbound.protocol == "shadowsocks-2022" for r in snapshot.cluster.inbounds)
 
 
-def _write_range(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], old: dict[str, list[str]],
-                 lo: int, hi: int, tokens: Tokens) -> tuple[dict[str, list[str]], int, int]:
+def _write_range(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], old: dict[str, Published],
+                 lo: int, hi: int, tokens: Tokens) -> tuple[dict[str, Published], int, int]:
     """Users lo..hi: fingerprint each, (re)write those that changed. Returns their manifest part and counts."""
     cluster = snapshot.cluster
     inbound_json = {r.inbound.id: r.inbound.model_dump_json() for r in cluster.inbounds}
     outputs_json = cluster.settings.outputs.model_dump_json()
-    new: dict[str, list[str]] = {}
+    new: dict[str, Published] = {}
     written = unchanged = 0
     for user in cluster.users[lo:hi]:
         creds = tokens.credentials(user.name, user.rotate)
         entries = decide(snapshot, user.name)
         fp = user_fingerprint(snapshot, user.name, inbound_json, outputs_json, entries)
-        new[user.name] = [creds.token, fp]
-        if old.get(user.name) == [creds.token, fp] and os.path.isdir(os.path.join(directory, creds.token)):
+        before = old.get(user.name)
+        if (before is not None and before.token == creds.token and before.fingerprint == fp
+                and os.path.isdir(os.path.join(directory, creds.token))):
+            new[user.name] = before
             unchanged += 1
             continue
-        _write_user(snapshot, secret, directory, formats, user.name, creds.token, entries, creds, known=user.name in old)
+        size = _write_user(snapshot, secret, directory, formats, user.name, creds.token, entries, creds,
+                           known=user.name in old)
+        new[user.name] = Published(creds.token, fp, size)
         written += 1
     return new, written, unchanged
 
 
 def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], user: str, token: str,
-                entries: list[Entry], creds: UserCredentials, known: bool = True) -> None:
+                entries: list[Entry], creds: UserCredentials, known: bool = True) -> int:
+    """Write one user's files; returns their size together (what the manifest records)."""
     docs = render_formats(snapshot, user, formats, secret, entries=entries, credentials=creds)
     files = {f"{fmt}.{EXTENSIONS[fmt]}": doc.body for fmt, doc in docs.items()}
     files["headers.json"] = headers_json(snapshot, docs)
@@ -256,19 +314,20 @@ def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tup
         # at start-up, see clean_temporaries; one left by this process is removed here.)
         staging = f"{directory}/.{token}.{os.getpid()}.tmp"
         try:
-            os.mkdir(staging)
+            os.mkdir(staging, DIR_MODE)
         except FileExistsError:
             shutil.rmtree(staging)
-            os.mkdir(staging)
+            os.mkdir(staging, DIR_MODE)
         for name, data in files.items():
             write_new(f"{staging}/{name}", data, DOC_MODE, sync=False)
         try:
             os.rename(staging, folder)
-            return
+            return sum(len(d) for d in files.values())
         except OSError:  # it appeared meanwhile (another writer): replace file by file below
             shutil.rmtree(staging, ignore_errors=True)
     for name, data in files.items():
         write_atomic(f"{folder}/{name}", data, DOC_MODE, sync=False)
+    return sum(len(d) for d in files.values())
 
 
 class LiveAnswers:

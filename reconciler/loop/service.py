@@ -162,6 +162,12 @@ class Loop:
         removed = self.files.clean_temporaries()
         if removed:
             log.info("removed %d temporary file(s) an interrupted run left behind", removed)
+        repaired = await asyncio.to_thread(self.files.verify)
+        for note in self.files.notes:
+            log.warning("%s", note)
+        if repaired:
+            log.warning("%d user(s)' subscription files were missing or cut short (a full disk, a crash?): "
+                        "they are written again now", repaired)
         host, _, port = self.listen.rpartition(":")
         try:
             await self.http.start(host.strip("[]") or "127.0.0.1", int(port))
