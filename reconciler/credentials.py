@@ -25,8 +25,10 @@ import uuid
 from dataclasses import dataclass
 
 from reconciler.errors import SecretError
+from reconciler.safe_read import read_regular_file
 
 MIN_SECRET_BYTES = 16
+MAX_SECRET_FILE_BYTES = 64 * 1024  # a secret is tens of bytes; a bigger file is the wrong file
 
 
 
@@ -59,8 +61,7 @@ def load_secret(env: str = "RECONCILER_SECRET", file: str | None = None) -> Secr
     if file:
         path = os.path.expanduser(file)
         try:
-            with open(path, "rb") as fh:
-                raw = fh.read().strip()
+            raw = read_regular_file(path, MAX_SECRET_FILE_BYTES).strip()
         except OSError as exc:
             raise SecretError(f"cannot read the master secret from {path}: {exc.strerror}") from None
         where = f"file {path}"

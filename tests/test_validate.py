@@ -129,7 +129,7 @@ def test_json_output_lists_errors_with_positions(cli, tmp_path):
         ("just text\n", "the top level must be a mapping"),
         ("servers: 3\n", "servers: expected a list"),
         ("servers:\n  - 42\n", "expected a mapping"),
-        ("servers: &a\n  - name: x\n    inbounds: *a\n", "inbounds: expected a list"),
+        ("servers: &a\n  - name: x\n    inbounds: *a\n", "an alias refers to a list or mapping that contains it"),
         ("\x00\x01binary", "YAML"),
         ('users: [{name: "\\ud83c"}]\n', "lone UTF-16 surrogate"),  # found by the property test
         ('includes: ["\\ud800\\udc00"]\n', "file not found"),

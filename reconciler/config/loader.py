@@ -1,47 +1,38 @@
 """Load ``cluster.yaml`` (and its includes) into a ``Cluster`` with positioned diagnostics.
 
 ``load_cluster(path)`` never raises for bad input: every problem — unreadable
-file, YAML syntax, tabs, duplicate keys, wrong types, unknown keys, broken
+file, YAML syntax, tabs, duplicate keys, tags, wrong types, unknown keys, broken
 references — comes back as a ``Diagnostic`` with ``file:line:col`` and a hint.
 The cluster is returned only when there are no errors, so nothing downstream
 ever sees a half-valid file.
 
-Includes: the main file may list ``includes:`` (paths or globs, relative to
-the main file). Each included file holds ``servers``, ``routes`` and/or
-``users`` lists that are appended, in order, to the main file's; errors in an
-included entry point into the included file.
+Reading and parsing one file, bounded, is ``config.yamlread``; includes (confined
+to the cluster's folder) are ``config.includes``; this module maps pydantic's
+errors onto positions and runs the semantic checks.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import difflib
-import glob
-import os
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
-from ruamel.yaml import YAML
-from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
-from reconciler.config.diagnostics import Diagnostic, Path, Pos, SourceMap, at
+from reconciler.config import includes, yamlread
+from reconciler.config.diagnostics import Diagnostic, Path, SourceMap, at
 from reconciler.config.semantic import check
+from reconciler.config.yamlread import Budget, Problem, read_yaml
 from reconciler.model import Cluster
 
 if TYPE_CHECKING:
     from pydantic_core import ErrorDetails  # pydantic's own dependency: the type of ValidationError.errors()
 
-#: Anchors and aliases can make a small file expand enormously ("billion laughs").
-MAX_NODES = 200_000
-MAX_FILE_BYTES = 16 * 1024 * 1024
-INCLUDABLE = ("servers", "routes", "users")
-
-
-class _TooLarge(Exception):
-    pass
+INCLUDABLE = includes.INCLUDABLE
+MAX_NODES = yamlread.MAX_NODES
+MAX_FILE_BYTES = yamlread.MAX_FILE_BYTES
 
 
 @dataclass
@@ -64,244 +55,6 @@ class LoadResult:
     @property
     def ok(self) -> bool:
         return self.cluster is not None and not self.errors
-
-
-# --------------------------------------------------------------------------- YAML → plain data
-
-
-def _read_bytes(path: str, display: str, overrides: dict[str, str] | None) -> bytes:
-    override = (overrides or {}).get(os.path.abspath(path))
-    if override is not None:
-        return override.encode("utf-8")
-    try:
-        size = os.path.getsize(path)
-        if size > MAX_FILE_BYTES:
-            raise _Problem(Diagnostic("error", f"file is {size} bytes, more than the {MAX_FILE_BYTES} allowed",
-                                      "split it with includes", file=display, code="file"))
-        with open(path, "rb") as fh:
-            return fh.read()
-    except FileNotFoundError:
-        raise _Problem(Diagnostic("error", "file not found", "check the path", file=display, code="file")) from None
-    except IsADirectoryError:
-        raise _Problem(Diagnostic("error", "is a directory, not a file", file=display, code="file")) from None
-    except OSError as exc:
-        raise _Problem(Diagnostic("error", f"cannot read: {exc.strerror}", file=display, code="file")) from None
-    except ValueError as exc:  # e.g. an embedded NUL in a path
-        raise _Problem(Diagnostic("error", f"cannot read: {exc}", file=display, code="file")) from None
-
-
-def _read_yaml(path: str, display: str, overrides: dict[str, str] | None = None) -> tuple[Any, SourceMap]:
-    """Parse one file into plain Python data and its source map; raise _Problem on failure.
-
-    ``overrides`` maps absolute paths to text that stands in for the file's content
-    (an edit being validated before it is written).
-    """
-    raw = _read_bytes(path, display, overrides)
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise _Problem(
-            Diagnostic("error", "not UTF-8 text", "save the file as UTF-8", display, line, 1, "encoding")
-        ) from None
-    yaml = YAML(typ="rt")
-    yaml.allow_duplicate_keys = False
-    try:
-        doc = yaml.load(text)
-    except MarkedYAMLError as exc:
-        raise _Problem(_yaml_error(exc, text, display)) from None
-    except YAMLError as exc:
-        raise _Problem(Diagnostic("error", f"YAML error: {exc}", file=display, line=1, col=1, code="yaml")) from None
-    except RecursionError:
-        raise _Problem(Diagnostic("error", "nesting is too deep", file=display, line=1, col=1, code="yaml")) from None
-    source = SourceMap(root=Pos(display, 1, 1))
-    counter = [0]
-    try:
-        data = _plain(doc, (), source, display, counter)
-    except _TooLarge:
-        raise _Problem(
-            Diagnostic(
-                "error",
-                f"the document expands to more than {MAX_NODES} values",
-                "anchors and aliases multiply content; write the data out or split it with includes",
-                display, 1, 1, "yaml",
-            )
-        ) from None
-    except RecursionError:
-        raise _Problem(Diagnostic("error", "nesting is too deep", file=display, line=1, col=1, code="yaml")) from None
-    return data, source
-
-
-class _Problem(Exception):
-    def __init__(self, diagnostic: Diagnostic):
-        super().__init__(diagnostic.message)
-        self.diagnostic = diagnostic
-
-
-def _yaml_error(exc: MarkedYAMLError, text: str, display: str) -> Diagnostic:
-    mark = exc.problem_mark or exc.context_mark
-    line = (mark.line + 1) if mark else 1
-    col = (mark.column + 1) if mark else 1
-    problem = (exc.problem or exc.context or "invalid YAML").strip()
-    lines = text.splitlines()
-    offending = lines[line - 1] if 0 < line <= len(lines) else ""
-    hint = None
-    code = "yaml"
-    if "duplicate key" in problem:
-        code = "duplicate-key"
-        first = exc.context_mark
-        where = f" (first at line {first.line + 1})" if first else ""
-        problem = problem.split(" with value")[0] + where
-        hint = "each key may appear once in a mapping; remove or rename one of them"
-    elif "\t" in offending or "'\\t'" in problem:
-        code = "tab"
-        col = (offending.index("\t") + 1) if "\t" in offending else col
-        problem = "tab character in indentation"
-        hint = "YAML indents with spaces only; replace the tab with spaces"
-    elif "mapping values are not allowed" in problem:
-        hint = "a ':' inside a value needs quotes, or the indentation is off"
-    elif "expected <block end>" in problem or "could not find expected ':'" in problem:
-        hint = "check the indentation of this line against the lines above"
-    else:
-        hint = "fix the YAML syntax at this position"
-    return Diagnostic("error", f"YAML syntax: {problem}", hint, display, line, col, code)
-
-
-def _plain(node: Any, path: Path, source: SourceMap, display: str, counter: list[int]) -> Any:
-    """Convert ruamel's round-trip nodes into plain data, recording positions on the way."""
-    counter[0] += 1
-    if counter[0] > MAX_NODES:
-        raise _TooLarge
-    lc = getattr(node, "lc", None)
-    if isinstance(node, dict):
-        out: dict[Any, Any] = {}
-        for key, value in node.items():
-            k = _clean_text(str(key), source.root) if isinstance(key, str) else _scalar_key(key)
-            child = path + (k,)
-            if lc is not None:
-                try:
-                    kl, kc = lc.key(key)
-                    source.keys[child] = Pos(display, kl + 1, kc + 1)
-                    vl, vc = lc.value(key)
-                    source.values[child] = Pos(display, vl + 1, vc + 1)
-                except (KeyError, TypeError):
-                    pass
-            out[k] = _plain(value, child, source, display, counter)
-        return out
-    if isinstance(node, (list, tuple)):
-        items = []
-        for i, value in enumerate(node):
-            child = path + (i,)
-            if lc is not None:
-                try:
-                    il, ic = lc.item(i)
-                    source.keys[child] = source.values[child] = Pos(display, il + 1, ic + 1)
-                except (KeyError, TypeError):
-                    pass
-            items.append(_plain(value, child, source, display, counter))
-        return items
-    if isinstance(node, bool) or node is None:
-        return node
-    if isinstance(node, int):
-        return int(node)
-    if isinstance(node, float):
-        return float(node)
-    if isinstance(node, str):
-        return _clean_text(str(node), source.value(path) or source.root)
-    if isinstance(node, (dt.date, dt.datetime)):
-        return node
-    return str(node)
-
-
-def _clean_text(text: str, pos: Pos | None) -> str:
-    """Join UTF-16 surrogate pairs written as escapes ("\\ud83c\\udde9"); refuse lone surrogates and NUL."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        try:
-            text = text.encode("utf-16", "surrogatepass").decode("utf-16")
-        except UnicodeDecodeError:
-            raise _Problem(at("error", pos, "text contains an invalid \\u escape (a lone UTF-16 surrogate)",
-                              "write the character itself, or a valid escape", "encoding")) from None
-    if "\x00" in text:
-        raise _Problem(at("error", pos, "text contains a NUL character", "remove the \\0 escape", "encoding"))
-    return text
-
-
-def _scalar_key(key: Any) -> Any:
-    if isinstance(key, bool) or key is None:
-        return str(key).lower() if key is not None else "null"
-    if isinstance(key, (int, float)):
-        return key
-    return str(key)
-
-
-# --------------------------------------------------------------------------- includes
-
-
-def _merge_includes(
-    data: dict[str, Any], main_path: str, display: str, source: SourceMap, overrides: dict[str, str] | None
-) -> list[Diagnostic]:
-    """Append the lists of every included file to ``data`` in place, remapping positions."""
-    problems: list[Diagnostic] = []
-    includes = data.get("includes")
-    if includes is None:
-        return problems
-    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
-        return [at("error", source.value(("includes",)), "includes must be a list of file paths",
-                   "write e.g. `includes: [users.yaml, servers.d/*.yaml]`", "include")]
-    base = os.path.dirname(os.path.abspath(main_path))
-    display_base = os.path.dirname(display)
-    seen: set[str] = {os.path.abspath(main_path)}
-    for index, pattern in enumerate(includes):
-        here = source.value(("includes", index))
-        full = pattern if os.path.isabs(pattern) else os.path.join(base, pattern)
-        matches = sorted(glob.glob(full)) if glob.has_magic(pattern) else [full]
-        if not matches:
-            problems.append(at("error", here, f"include {pattern!r} matches no file", "check the path or pattern", "include"))
-        for match in matches:
-            real = os.path.abspath(match)
-            if real in seen:
-                problems.append(at("error", here, f"{pattern!r} is included twice (or includes the main file)", None, "include"))
-                continue
-            seen.add(real)
-            rel = os.path.relpath(match, base)
-            shown = os.path.join(display_base, rel) if display_base else rel
-            try:
-                sub, sub_source = _read_yaml(match, shown, overrides)
-            except _Problem as problem:
-                d = problem.diagnostic
-                problems.append(d if d.line else at("error", here, f"include {pattern!r}: {d.message}", d.hint, d.code))
-                continue
-            if sub is None:
-                continue
-            if not isinstance(sub, dict):
-                problems.append(at("error", sub_source.root, "an included file must be a mapping",
-                                   f"give it top-level keys among: {', '.join(INCLUDABLE)}", "include"))
-                continue
-            for key, value in sub.items():
-                kpos = sub_source.key((key,))
-                if key not in INCLUDABLE:
-                    problems.append(at("error", kpos, f"{key!r} cannot be set in an included file",
-                                       f"included files may hold only: {', '.join(INCLUDABLE)}", "include"))
-                    continue
-                if value is None:
-                    continue
-                if not isinstance(value, list):
-                    problems.append(at("error", kpos, f"{key} must be a list", None, "type"))
-                    continue
-                target = data.setdefault(key, [])
-                if target is None:
-                    target = data[key] = []
-                if not isinstance(target, list):
-                    continue  # the main file's own type error is reported by validation
-                offset = len(target)
-                target.extend(value)
-                for table, sub_table in ((source.keys, sub_source.keys), (source.values, sub_source.values)):
-                    for p, pos in sub_table.items():
-                        if len(p) >= 2 and p[0] == key and isinstance(p[1], int):
-                            table[(key, p[1] + offset) + p[2:]] = pos
-    return problems
 
 
 # --------------------------------------------------------------------------- pydantic errors → diagnostics
@@ -475,8 +228,8 @@ def load_document(path: str, model: type[BaseModel], display: str | None = None)
     """
     display = display or path
     try:
-        data, source = _read_yaml(path, display)
-    except _Problem as p:
+        data, source = read_yaml(path, display)
+    except Problem as p:
         return None, [p.diagnostic], SourceMap()
     if not isinstance(data, dict):
         return None, [at("error", source.root, f"the top level must be a mapping, not {_describe(data)}", None, "type")], source
@@ -499,9 +252,10 @@ def load_cluster(path: str, display: str | None = None, overrides: dict[str, str
 
 
 def _load_into(result: LoadResult, path: str, display: str, overrides: dict[str, str] | None) -> None:
+    budget = Budget()  # shared by the main file and its includes
     try:
-        data, source = _read_yaml(path, display, overrides)
-    except _Problem as p:
+        data, source = read_yaml(path, display, overrides, budget)
+    except Problem as p:
         result.diagnostics.append(p.diagnostic)
         return
     result.source = source
@@ -516,7 +270,7 @@ def _load_into(result: LoadResult, path: str, display: str, overrides: dict[str,
     for key in [k for k in data if not isinstance(k, str)]:
         result.diagnostics.append(at("error", source.key((key,)), f"key {key!r} must be text", None, "type"))
         return
-    result.diagnostics.extend(_merge_includes(data, path, display, source, overrides))
+    result.diagnostics.extend(includes.merge_includes(data, path, display, source, overrides, budget))
     try:
         cluster = Cluster.model_validate(data)
     except ValidationError as exc:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from reconciler.credentials import Secret, clash_api_secret, reality_short_id, ss_server_key, user_credentials
 from reconciler.model import Cluster, Server, User
+from reconciler.safe_read import read_regular_file
 
 BINARY = "/usr/local/bin/sing-box"
 CONFIG_DIR = "/etc/sing-box"
@@ -246,8 +247,7 @@ def desired(cluster: Cluster, server: Server, secret: Secret, now: float, base_d
                 for src, dst, mode, secret_file in ((tls.certificate, f"{CONFIG_DIR}/tls/{ib.id}.crt", 0o644, False),
                                                      (tls.key, f"{CONFIG_DIR}/tls/{ib.id}.key", 0o600, True)):
                     path = os.path.join(base_dir, os.path.expanduser(src))
-                    with open(path, "rb") as fh:
-                        files.append(ManagedFile(dst, fh.read(), mode, secret=secret_file))
+                    files.append(ManagedFile(dst, read_regular_file(path), mode, secret=secret_file))
             else:
                 keys.append(KeyRequest(ib.id, "self-signed", tls.server_name))
     listeners = sorted({(ib.port, t) for ib in server.inbounds for t in ib.transports})
