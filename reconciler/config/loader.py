@@ -197,6 +197,8 @@ def _pydantic_diagnostic(err: ErrorDetails, data: Any, source: SourceMap, root: 
                   "put the value in quotes", "type")
     if kind in ("int_type", "int_parsing", "int_from_float"):
         return at("error", pos, f"{field_name}: expected a whole number, got {shown}", None, "type")
+    if kind == "finite_number":
+        return at("error", pos, f"{field_name}: {shown} is not a finite number", "write a number such as 1.5", "range")
     if kind in ("float_type", "float_parsing"):
         return at("error", pos, f"{field_name}: expected a number, got {shown}", None, "type")
     if kind in ("bool_type", "bool_parsing"):

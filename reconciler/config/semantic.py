@@ -10,6 +10,8 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterator
 
+import asyncssh
+
 from reconciler.config.diagnostics import Diagnostic, SourceMap, at
 from reconciler.model import Cluster
 
@@ -38,7 +40,21 @@ def _duplicates(items: list[str], what: str, section: str, field: str, source: S
             first[value] = i
 
 
+def _host_keys(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
+    """A pinned host key must be a key asyncssh can use, not only a blob of the right type (the model's check)."""
+    for si, server in enumerate(cluster.servers):
+        if server.ssh.host_key is None:
+            continue
+        try:
+            asyncssh.import_public_key(server.ssh.host_key)
+        except Exception:  # asyncssh parses hostile bytes here: any failure means "not a usable key"
+            yield at("error", source.value(("servers", si, "ssh", "host_key")),
+                     f"host_key of server {server.name!r} is not a usable SSH public key (the key data is damaged)",
+                     "copy the line from `ssh-keyscan -t ed25519 HOST` or the server's /etc/ssh/ssh_host_*_key.pub", "host-key")
+
+
 def _errors(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
+    yield from _host_keys(cluster, source)
     yield from _duplicates([s.name for s in cluster.servers], "server name", "servers", "name", source)
     yield from _duplicates([r.id for r in cluster.routes], "route id", "routes", "id", source)
     yield from _duplicates([u.name for u in cluster.users], "user name", "users", "name", source)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from reconciler.model.regions import COUNTRY_REGION, REGIONS
-from reconciler.model.types import ByteSize, Duration, Name
+from reconciler.model.types import ByteSize, Duration, Host, HostKey, Listen, Name
 
 Region = Literal["WNAM", "ENAM", "WEU", "EEU", "NSAM", "SSAM", "OC", "ME", "NAF", "SAF", "SAS", "SEAS", "NEAS"]
 assert set(get_args(Region)) == set(REGIONS)
@@ -42,7 +42,8 @@ IMPLICIT_ROUTE_ID = "default"
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+    # allow_inf_nan=False: `.nan` and `.inf` are YAML floats, and no number of ours may be one.
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------------- settings
@@ -151,7 +152,7 @@ class OutputSettings(_Model):
 
     subscriptions_dir: str = Field("subscriptions", description="Subscription files, one set per user.")
     state_dir: str = Field(".reconciler", description="Learned state, known host keys and locks of the controller.")
-    listen: str = Field("127.0.0.1:8080", description="HTTP endpoint: /sub/<token>, /metrics, /healthz, status page.")
+    listen: Listen = Field("127.0.0.1:8080", description="HTTP endpoint HOST:PORT: /sub/<token>, /metrics, /healthz, status page.")
     public_url: str | None = Field(None, description="External base URL of the subscription endpoint.")
     profile_title: str = Field("VPN", description="Title clients show for the subscription.")
     profile_update_interval: Duration = Field(43200.0, description="How often clients refresh the subscription.")
@@ -169,6 +170,9 @@ class Settings(_Model):
     harden: bool = Field(True, description="Install a firewall that allows SSH and the inbound ports only.")
     plan_interval: Duration = Field(300.0, description="How often `run` re-plans even without a file change.")
     git_pull_interval: Duration | None = Field(None, description="Pull the file's git checkout this often in `run`.")
+    include_roots: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(
+        [], description="Folders outside the cluster file's folder that `includes` may read (relative to the file, or absolute)."
+    )
 
 
 # --------------------------------------------------------------------------- inbounds
@@ -177,7 +181,7 @@ class Settings(_Model):
 class TLS(_Model):
     """TLS of an inbound. Without certificate and key a self-signed pair is made on the server."""
 
-    server_name: str = Field(..., min_length=1, description="The name clients send (SNI) and verify.")
+    server_name: Host = Field(..., description="The name clients send (SNI) and verify.")
     certificate: str | None = Field(None, description="Path on the controller to a PEM certificate chain.")
     key: str | None = Field(None, description="Path on the controller to the PEM private key.")
     insecure: bool = Field(
@@ -207,7 +211,7 @@ class _Inbound(_Model):
 
 class VlessReality(_Inbound):
     protocol: Literal["vless-reality"]
-    camouflage: str = Field(..., min_length=1, description="The real TLS site REALITY impersonates (server name).")
+    camouflage: Host = Field(..., description="The real TLS site REALITY impersonates (server name).")
     camouflage_port: int = Field(443, ge=1, le=65535)
     short_ids: list[Annotated[str, Field(pattern=r"^([0-9a-f]{2}){0,8}$")]] | None = Field(
         None, description="REALITY short ids (hex, up to 16 characters); default: derived from the master secret."
@@ -237,8 +241,8 @@ class Shadowsocks2022(_Inbound):
 class Hysteria2(_Inbound):
     protocol: Literal["hysteria2"]
     tls: TLS
-    up_mbps: int | None = Field(None, ge=1, description="Bandwidth hint for clients; none = let BBR decide.")
-    down_mbps: int | None = Field(None, ge=1)
+    up_mbps: int | None = Field(None, ge=1, le=1_000_000, description="Bandwidth hint for clients; none = let BBR decide.")
+    down_mbps: int | None = Field(None, ge=1, le=1_000_000)
 
 
 class Tuic(_Inbound):
@@ -260,14 +264,14 @@ class SSH(_Model):
     user: str = Field("root", min_length=1)
     port: int = Field(22, ge=1, le=65535)
     identity: str | None = Field(None, description="Private key file; default: the SSH agent and ~/.ssh keys.")
-    host_key: str | None = Field(
+    host_key: HostKey | None = Field(
         None, description="Pinned host public key ('ssh-ed25519 AAAA...'); default: trust on first use, then pinned."
     )
 
 
 class Server(_Model):
     name: Name
-    host: str = Field(..., min_length=1, pattern=r"^[^\s/@]+$", description="IP address or DNS name.")
+    host: Host = Field(..., description="IP address or DNS name.")
     ssh: SSH = SSH()
     country: str = Field(..., description="ISO 3166-1 alpha-2 country code of the server's location.")
     region: Region | None = Field(None, description="Steering region; default: derived from the country.")
@@ -306,7 +310,7 @@ class Route(_Model):
     pools: list[Name] | None = Field(None, description="Pool ids in priority order (STEER).")
     steering: Literal["failover", "random", "dynamic", "geo"] = Field("failover", description="STEER-1..4.")
     fallback_pool: Name | None = Field(None, description="Receives traffic when all other pools are unhealthy.")
-    minimum_healthy: int = Field(1, ge=1, description="In-rotation inbounds a pool needs to be healthy (STEER-5).")
+    minimum_healthy: int = Field(1, ge=1, le=10_000, description="In-rotation inbounds a pool needs to be healthy (STEER-5).")
     geo: dict[Region, list[Name]] | None = Field(None, description="Region → pools in failover order (STEER-4).")
     implicit: bool = Field(False, exclude=True, description="Internal: the default route of a file without routes.")
 
@@ -317,7 +321,15 @@ class User(_Model):
     enabled: bool = True
     expires: date | datetime | None = Field(None, description="After this the user gets no subscription.")
     data_limit: ByteSize | None = Field(None, description="Traffic allowance shown to clients; none = unlimited.")
-    rotate: int = Field(0, ge=0, description="Bump to rotate this user's credentials and subscription token (GITOPS-6).")
+    rotate: int = Field(0, ge=0, le=2**31, description="Bump to rotate this user's credentials and subscription token (GITOPS-6).")
+
+    @model_validator(mode="after")
+    def _expires_in_range(self) -> User:
+        try:
+            self.expires_at  # noqa: B018 — computed once here so that it cannot fail later
+        except (OverflowError, ValueError):
+            raise ValueError("expires is outside the dates this system can represent") from None
+        return self
 
     @property
     def expires_at(self) -> float | None:
