@@ -282,3 +282,18 @@ def test_the_ssh_pool_sends_the_same_scripts_as_the_fake(tmp_path, monkeypatch):
         asyncio.run(pool.script(t, remote.COMMIT, {"root": root}, timeout=30))
     assert commands[-1].startswith("setsid -w python3 -I -S -c ") and "the commit script" in str(err.value)
     assert "KeyError" in err.value.stderr
+
+
+def test_a_firewall_that_cuts_new_ssh_connections_is_rolled_back_by_the_server(tmp_path, runner):
+    # Issue: securing the server — the rules stay only if a fresh SSH connection still gets in
+    host = runner.host("a")
+    host.new_connections = False  # as if the new rules dropped new SSH sessions
+    [o] = plan(cluster(tmp_path), runner)
+    [r] = apply([o], runner)
+    assert not r.ok and r.phase == "harden" and "no fresh SSH connection got through" in r.message, r.message
+    assert "the service itself was applied" in r.message and host.unit(SERVICE)["active"] == "active"
+    assert host.firewall is None and host.read(FIREWALL) is None  # the previous (no) table is back; nothing kept
+    assert not host.unit("reconciler-firewall.service")["enabled"] and not host.path(LOCK_DIR).exists()
+    host.new_connections = True
+    [o] = plan(cluster(tmp_path), runner)
+    assert kinds(o) == [("~", "harden")]  # the next plan tries again (its boot unit is already there)

@@ -144,7 +144,7 @@ async def _transaction(runner: Runner, o: Observed, phase: Callable[[str], None]
         await runner.script(o.target, remote.FILES, {"op": "remove", "paths": removals})
     if _of(o, "harden"):
         phase("harden")
-        await _harden(runner, o)
+        await _harden(runner, o, verify_timeout)  # as long to prove a new connection gets in
 
 
 async def _commit(runner: Runner, o: Observed, phase: Callable[[str], None], result: ServerResult, verify_timeout: float,
@@ -197,7 +197,7 @@ FIREWALL_PATHS = {"confirm": "/run/reconciler-firewall.ok", "loaded": "/run/reco
                   "out": "/run/reconciler-firewall.out"}
 
 
-async def _harden(runner: Runner, o: Observed, timeout: float = 20.0) -> None:
+async def _harden(runner: Runner, o: Observed, timeout: float) -> None:
     """Load the firewall; keep it only if a brand-new SSH connection still gets in (never lock us out)."""
     d, t = o.desired, o.target
     assert d is not None
