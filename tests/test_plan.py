@@ -255,3 +255,20 @@ def test_server_scripts_are_python_3_7_and_standard_library_only(script):
     modules = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     modules |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert modules <= set(sys.stdlib_module_names) | {"_sha2"}, modules  # _sha2: the built-in sha256 of 3.12+
+
+
+def test_the_lock_lease_outlasts_every_bounded_step_and_stale_locks_are_recognised():
+    # spec: GITOPS-4 — only a dead apply's lock may be taken over: past the lease, or ours with its process gone
+    from reconciler.plan.lock import LEASE_SECONDS, LONGEST_STEP_SECONDS, describe, holder, is_stale
+
+    assert LEASE_SECONDS >= LONGEST_STEP_SECONDS + 5 * 60
+    now = 1.8e9
+    me = holder(now)
+    assert not is_stale(None, now, me)
+    assert not is_stale({"by": "ci@runner-7", "pid": 1, "since": int(now) - LEASE_SECONDS + 60}, now, me)
+    assert is_stale({"by": "ci@runner-7", "pid": 1, "since": int(now) - LEASE_SECONDS - 1}, now, me)
+    assert not is_stale({**me, "pid": me["pid"]}, now, me)  # our own, alive
+    assert is_stale({**me, "pid": 2 ** 22 + 7}, now, me)  # ours, and that process is gone
+    assert not is_stale({"holder": "someone else"}, now, me)  # no age to judge: the operator removes it
+    assert describe({"by": "ci@runner-7", "pid": 4242, "since": 1800000000}) == "ci@runner-7 (pid 4242) since 2027-01-15 08:00:00 UTC"
+    assert describe({"holder": "x"}, "someone else\n") == "someone else"
