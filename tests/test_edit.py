@@ -143,3 +143,44 @@ def test_the_implicit_default_route_cannot_be_unassigned(cli, tmp_path):
                     "      - {id: a, name: A, protocol: shadowsocks-2022, port: 1001}\n")
     run = cli("route", "unassign", "a", "-f", str(path))
     assert run.rc == 1 and "implicit 'default' route" in run.err
+
+
+@pytest.mark.parametrize("pool", ["a, method: 2022-blake3-aes-256-gcm", "west\n        port: 1", "West", "a}b", "x" * 100])
+def test_a_pool_that_is_not_a_name_is_refused_before_the_file_is_touched(cli, cluster_file, pool):
+    # issue 13: `--pool 'a, method: …'` once spliced an extra key into the file
+    before = cluster_file.read_text()
+    run = cli("route", "assign", "ny-1-reality", "europe", "--pool", pool, "-f", str(cluster_file))
+    assert run.rc == 1 and "is not a valid name" in run.err, run.text
+    assert "Traceback" not in run.text and "internal error" not in run.text
+    assert cluster_file.read_text() == before
+
+
+def test_a_route_that_is_not_a_name_is_refused(cli, cluster_file):
+    before = cluster_file.read_text()
+    run = cli("route", "assign", "ber-1-ss", "japan, pool: x", "-f", str(cluster_file))
+    assert run.rc == 1 and "is not a valid name" in run.err
+    assert cluster_file.read_text() == before
+
+
+def test_a_name_yaml_would_read_as_another_type_is_quoted():
+    from reconciler.config.edit import _yaml_scalar
+
+    assert _yaml_scalar("west") == "west"
+    for value in ("null", "true", "123", "1.5", "2026-01-01", "0x1f", "1e5"):
+        assert _yaml_scalar(value) == f'"{value}"'
+
+
+def test_editing_a_symlinked_cluster_file_writes_its_target_and_keeps_the_link(cli, tmp_path):
+    # issue 13: the edit replaced the link with a regular file
+    real_dir = tmp_path / "repo"
+    real_dir.mkdir()
+    target = real_dir / "cluster.yaml"
+    target.write_text(example_text())
+    target.chmod(0o640)
+    link = tmp_path / "cluster.yaml"
+    link.symlink_to(target)
+    run = cli("route", "assign", "ber-1-ss", "japan", "-f", str(link))
+    assert run.rc == 0, run.text
+    assert link.is_symlink() and link.resolve() == target
+    assert "        route: japan" in target.read_text()
+    assert target.stat().st_mode & 0o777 == 0o640

@@ -6,6 +6,11 @@ file — comments, order, quoting, blank lines — stays as it was. The edited t
 is validated together with the rest of the cluster (includes too) before it is
 written, and it is written atomically; an edit that would leave the file
 invalid writes nothing.
+
+Arguments are operator input too: a route or pool that is not a ``Name`` is refused
+before the file is touched (``--pool 'a, method: x'`` once spliced a new key into the
+file), and a value YAML would read as something else (``null``, ``123``) is quoted.
+A symlinked cluster file is edited where it points; the link stays a link.
 """
 
 from __future__ import annotations
@@ -15,17 +20,36 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
 from ruamel.yaml import YAML
 
 from reconciler.config.diagnostics import Diagnostic
 from reconciler.config.loader import LoadResult, load_cluster
+from reconciler.config.yamlread import Budget, Problem, parse_yaml, read_text
 from reconciler.errors import EditError
 from reconciler.model import Cluster, InboundRef
+from reconciler.model.types import Name
 from reconciler.state.files import write_atomic
 
 _SCALAR = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\']|\'\')*\'|[^\s,}\]#]+')
+_NAME: TypeAdapter[str] = TypeAdapter(Name)
 
 
+def _check_name(what: str, value: str) -> None:
+    try:
+        _NAME.validate_python(value)
+    except ValidationError:
+        raise EditError(f"{what} {value[:80]!r} is not a valid name: use lower-case letters, digits, '.', '_' and '-' "
+                        "(e.g. fra-1)") from None
+
+
+def _yaml_scalar(value: str) -> str:
+    """``value`` as YAML text that reads back as exactly this string (quoted when plain would not)."""
+    try:
+        plain, _ = parse_yaml(value, "<value>", Budget())
+    except Problem:
+        plain = None
+    return value if plain == value else f'"{value}"'
 
 
 @dataclass
@@ -50,6 +74,9 @@ def _load_for_edit(path: str, inbound_id: str) -> tuple[LoadResult, Cluster, Inb
 
 def assign(path: str, inbound_id: str, route_id: str, pool: str | None = None) -> EditResult:
     """Put an inbound into a route (moving it out of any other), with a pool when the route has pools."""
+    _check_name("route", route_id)
+    if pool is not None:
+        _check_name("pool", pool)
     result, cluster, ref = _load_for_edit(path, inbound_id)
     routes = {r.id: r for r in cluster.routes}
     if route_id not in routes:
@@ -91,15 +118,17 @@ class _Written:
 
 def _apply(main: str, loaded: LoadResult, cluster: Cluster, inbound_id: str, updates: dict[str, str | None]) -> _Written:
     target = _file_of(loaded, cluster, inbound_id)
-    with open(target, encoding="utf-8-sig") as fh:
-        text = fh.read()
+    try:
+        text = read_text(target, target)
+    except Problem as problem:
+        raise EditError(f"cannot read {target}: {problem.diagnostic.message}") from None
     new_text = text
     for key, value in updates.items():
         # Re-parse after every splice so the next one works from fresh positions.
         node = _find_inbound(new_text, inbound_id)
         if node is None:
             raise EditError(f"could not locate inbound {inbound_id!r} in {target}")
-        new_text = _set_key(new_text, node, key, value)
+        new_text = _set_key(new_text, node, key, None if value is None else _yaml_scalar(value))
     check = load_cluster(main, overrides={os.path.abspath(target): new_text})
     if check.cluster is None:
         raise EditError("the edit would make the file invalid; nothing was written", check.errors)
@@ -198,4 +227,5 @@ def _flow_close(text: str, start: int) -> int:
 
 
 def _atomic_write(path: str, text: str) -> None:
-    write_atomic(path, text.encode("utf-8"), os.stat(path).st_mode & 0o777)  # keep the file's permissions
+    real = os.path.realpath(path)  # a symlinked file is written where it points, and stays a link
+    write_atomic(real, text.encode("utf-8"), os.stat(real).st_mode & 0o777)  # keep the file's permissions
