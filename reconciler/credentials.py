@@ -56,18 +56,32 @@ class Secret:
         return out[:length]
 
 
-def load_secret(env: str = "RECONCILER_SECRET", file: str | None = None) -> Secret:
-    """Read the master secret from a file (when given) or an environment variable."""
+def read_credential(env: str, file: str | None, what: str) -> tuple[bytes, str]:
+    """(value, where it came from) of a secret held in a file (when given) or an environment variable.
+
+    One normalisation for both sources (surrounding white space, a trailing newline, is not part of
+    it), and a file must be readable by its owner only (0600 or 0400), as ssh asks of its keys.
+    """
     if file:
         path = os.path.expanduser(file)
         try:
-            raw = read_regular_file(path, MAX_SECRET_FILE_BYTES).strip()
+            mode = os.stat(path).st_mode & 0o777
+            raw = read_regular_file(path, MAX_SECRET_FILE_BYTES)
         except OSError as exc:
-            raise SecretError(f"cannot read the master secret from {path}: {exc.strerror}") from None
+            raise SecretError(f"cannot read the {what} from {path}: {exc.strerror}") from None
+        if mode & 0o077:
+            raise SecretError(f"{path} holds the {what} but is mode {mode:04o}: others may read it; "
+                              f"run `chmod 600 {path}`")
         where = f"file {path}"
     else:
         raw = os.environ.get(env, "").encode()
         where = f"environment variable {env}"
+    return raw.strip(), where
+
+
+def load_secret(env: str = "RECONCILER_SECRET", file: str | None = None) -> Secret:
+    """Read the master secret from a file (when given) or an environment variable."""
+    raw, where = read_credential(env, file, "master secret")
     if not raw:
         raise SecretError(
             f"no master secret in {where}; create one with `openssl rand -base64 32` and keep it out of git"

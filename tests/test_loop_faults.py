@@ -24,14 +24,17 @@ from reconciler.model import Cluster
 SECRET = Secret(b"loop-faults-test-secret-0123456789")
 
 
-def write_cluster(tmp_path, port: int) -> str:
+def write_cluster(tmp_path) -> tuple[str, int, int]:
+    """(the cluster file, its public port, its operations port: health with reasons, metrics)."""
     path = tmp_path / "cluster.yaml"
-    path.write_text(f'settings:\n  outputs: {{listen: "127.0.0.1:{port}"}}\n  health: {{report_interval: 1s}}\n'
+    port, ops = free_port(), free_port()
+    path.write_text(f'settings:\n  outputs: {{listen: "127.0.0.1:{port}", operations_listen: "127.0.0.1:{ops}"}}\n'
+                    '  health: {report_interval: 1s}\n'
                     "servers:\n"
                     "  - {name: a, host: 198.18.0.10, country: DE, inbounds: [{id: a-in, name: A, protocol: shadowsocks-2022, port: 8388}]}\n"
                     "  - {name: b, host: 198.18.0.11, country: DE, inbounds: [{id: b-in, name: B, protocol: shadowsocks-2022, port: 8388}]}\n"
                     "users:\n  - name: alice\n")
-    return str(path)
+    return str(path), port, ops
 
 
 def get(url: str) -> tuple[int, str]:
@@ -40,6 +43,8 @@ def get(url: str) -> tuple[int, str]:
             return resp.status, resp.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
+    except OSError:  # not listening yet
+        return 0, ""
 
 
 def a_report(name: str, at: float, traffic: object = None) -> object:
@@ -60,11 +65,11 @@ def make_loop(path: str, port: int) -> Loop:
     return loop
 
 
-async def watch(port: int, loop: Loop, until: float, probe) -> list[tuple[int, str]]:  # type: ignore[no-untyped-def]
+async def watch(ops: int, loop: Loop, until: float, probe) -> list[tuple[int, str]]:  # type: ignore[no-untyped-def]
     """/healthz seen every 0.2 s while ``probe`` has not returned True (bounded by ``until``)."""
     seen = []
     while time.monotonic() < until and not loop.stop.is_set():
-        seen.append(await asyncio.to_thread(get, f"http://127.0.0.1:{port}/healthz"))
+        seen.append(await asyncio.to_thread(get, f"http://127.0.0.1:{ops}/healthz"))
         if probe(seen):
             break
         await asyncio.sleep(0.2)
@@ -73,8 +78,7 @@ async def watch(port: int, loop: Loop, until: float, probe) -> list[tuple[int, s
 
 def test_a_failing_interval_and_a_crashing_task_are_survived_told_and_counted(tmp_path):
     # spec: HEALTH-1 — intervals continue; /healthz says what failed until it runs cleanly again
-    port = free_port()
-    path = write_cluster(tmp_path, port)
+    path, port, ops = write_cluster(tmp_path)
     loop = make_loop(path, port)
     calls = {"n": 0}
 
@@ -98,8 +102,8 @@ def test_a_failing_interval_and_a_crashing_task_are_survived_told_and_counted(tm
 
     async def scenario() -> tuple[int, list[tuple[int, str]], str]:
         runner = asyncio.create_task(loop.run())
-        seen = await watch(port, loop, time.monotonic() + 30, lambda s: calls["n"] >= 7 and s[-1][0] == 200)
-        metrics = await asyncio.to_thread(get, f"http://127.0.0.1:{port}/metrics")
+        seen = await watch(ops, loop, time.monotonic() + 30, lambda s: calls["n"] >= 7 and s[-1][0] == 200)
+        metrics = await asyncio.to_thread(get, f"http://127.0.0.1:{ops}/metrics")
         loop.stop.set()
         return await asyncio.wait_for(runner, 30), seen, metrics[1]
 
@@ -117,8 +121,7 @@ def test_a_failing_interval_and_a_crashing_task_are_survived_told_and_counted(tm
 
 
 def test_state_is_saved_even_when_the_loop_is_stopped_mid_interval(tmp_path):
-    port = free_port()
-    path = write_cluster(tmp_path, port)
+    path, port, ops = write_cluster(tmp_path)
     loop = make_loop(path, port)
     started = asyncio.Event()
 
@@ -140,8 +143,7 @@ def test_state_is_saved_even_when_the_loop_is_stopped_mid_interval(tmp_path):
 
 
 def test_healthz_names_what_failed_until_it_recovers(tmp_path):
-    port = free_port()
-    path = write_cluster(tmp_path, port)
+    path, port, ops = write_cluster(tmp_path)
     loop = make_loop(path, port)
     loop._interval_error = "interval 1 failed: x"
     assert loop._healthy() == (False, "interval 1 failed: x")

@@ -52,8 +52,9 @@ def test_run_pulls_git_reloads_serves_and_stops_on_sigterm(tmp_path):
     origin, work, clone = tmp_path / "origin.git", tmp_path / "work", tmp_path / "clone"
     git(tmp_path, "init", "-q", "--bare", str(origin))
     git(tmp_path, "clone", "-q", str(origin), str(work))
-    port = free_port()
-    text = (f'settings:\n  outputs: {{listen: "127.0.0.1:{port}"}}\n  health: {{report_interval: 1s}}\n'
+    port, ops = free_port(), free_port()
+    text = (f'settings:\n  outputs: {{listen: "127.0.0.1:{port}", operations_listen: "127.0.0.1:{ops}"}}\n'
+            '  health: {report_interval: 1s}\n'
             "  git_pull_interval: 1s\nroutes:\n  - {id: r, name: R}\nusers:\n  - name: alice\n")
     (work / "cluster.yaml").write_text(text)
     git(work, "add", "cluster.yaml")
@@ -77,9 +78,10 @@ def test_run_pulls_git_reloads_serves_and_stops_on_sigterm(tmp_path):
         git(work, "push", "-q", "origin", "HEAD")
         assert wait_for(lambda: get(f"{base}/sub/{bob}") == 200, 30), (tmp_path / "run.log").read_text()
         assert (clone / ".reconciler" / "learned.npz").exists()
-        status = json.loads(urllib.request.urlopen(f"{base}/status.json", timeout=3).read())
+        assert get(f"{base}/status.json") == 404  # the public listener serves subscriptions and health only
+        status = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{ops}/status.json", timeout=3).read())
         assert status["ready"] and status["servers"] == {}
-        metrics = urllib.request.urlopen(f"{base}/metrics", timeout=3).read().decode()
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{ops}/metrics", timeout=3).read().decode()
         assert 'reconciler_reconcile_total{kind="git",result="ok"}' in metrics
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -177,7 +177,12 @@ def test_credentials_are_derived_stable_rotatable_and_secret(monkeypatch, tmp_pa
         load_secret()
     f = tmp_path / "secret"
     f.write_text("from-a-file-0123456789abcdef\n")
+    with pytest.raises(SecretError, match="mode 0644.*chmod 600"):  # readable by others: refused, like ssh's keys
+        load_secret(file=str(f))
+    f.chmod(0o600)
     assert load_secret(file=str(f)).value == b"from-a-file-0123456789abcdef"
+    monkeypatch.setenv("RECONCILER_SECRET", "  from-a-file-0123456789abcdef\n")  # one normalisation for both sources
+    assert load_secret().value == load_secret(file=str(f)).value
 
 
 def test_subscription_and_status_commands(cli, monkeypatch, tmp_path):

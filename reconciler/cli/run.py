@@ -14,13 +14,16 @@ from reconciler.config import load_cluster, load_document
 from reconciler.config.diagnostics import at
 from reconciler.errors import ConfigError
 from reconciler.model.cluster import HealthSettings
+from reconciler.model.types import parse_listen
 
 
 def register(sub: Any) -> None:
     rn = add_command(sub, "run", "the reconcile loop: collect, verdicts, outlets, drift correction (GITOPS-5)",
                      "reconciler run -f cluster.yaml --listen 127.0.0.1:8080")
     add_file(rn)
-    rn.add_argument("--listen", help="HTTP address HOST:PORT (default: settings.outputs.listen)")
+    rn.add_argument("--listen", type=_address, help="public HTTP address HOST:PORT (default: settings.outputs.listen)")
+    rn.add_argument("--operations-listen", type=_address,
+                    help="operations HTTP address HOST:PORT: metrics, status (default: settings.outputs.operations_listen)")
     rn.add_argument("--duration", type=float, help="stop after this many seconds (tests, demos)")
     rn.add_argument("--ticks", type=int, help="stop after this many intervals")
     rn.add_argument("--no-watch", action="store_true", help="do not watch the file for changes")
@@ -33,6 +36,14 @@ def register(sub: Any) -> None:
     sim.add_argument("--json", action="store_true", help="one JSON object per line per tick")
     sim.add_argument("--all", action="store_true", help="table: every server every tick, not only changes")
     sim.set_defaults(run=cmd_simulate)
+
+
+def _address(text: str) -> str:
+    try:
+        parse_listen(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def setup_logging(level: str = "info") -> None:
@@ -48,8 +59,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     path = cluster_file(args)
     cluster = load(path)
-    coro = run_loop(path, cluster, secret_of(cluster), listen=args.listen, duration=args.duration, max_ticks=args.ticks,
-                    watch=not args.no_watch)
+    coro = run_loop(path, cluster, secret_of(cluster), listen=args.listen, operations_listen=args.operations_listen,
+                    duration=args.duration, max_ticks=args.ticks, watch=not args.no_watch)
     try:
         import uvloop
     except ImportError:

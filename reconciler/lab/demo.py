@@ -41,18 +41,23 @@ def free_port() -> int:
 class LoopProcess:
     """``reconciler run`` as a child process (so it can be stopped, or killed, like in production)."""
 
-    def __init__(self, cluster_file: Path, listen: str, duration: float, log_path: Path | None = None):
+    def __init__(self, cluster_file: Path, listen: str, duration: float, log_path: Path | None = None,
+                 operations_listen: str | None = None):
         self.listen = listen
+        self.operations_listen = operations_listen or f"127.0.0.1:{free_port()}"
         self.base = f"http://{listen}"
+        self.operations = f"http://{self.operations_listen}"
         out = open(log_path, "ab") if log_path else None  # noqa: SIM115 — closed in stop()
         self._out = out
         self.proc = subprocess.Popen([sys.executable, "-m", "reconciler", "run", "-f", str(cluster_file), "--listen", listen,
-                                      "--duration", str(duration)], stdin=subprocess.DEVNULL,
+                                      "--operations-listen", self.operations_listen, "--duration", str(duration)], stdin=subprocess.DEVNULL,
                                      stdout=out or None, stderr=subprocess.STDOUT if out else None)
 
     def get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes, dict[str, str]]:
+        """GET ``path``: subscriptions from the public listener, everything else from the operations one."""
+        base = self.base if path.startswith("/sub/") else self.operations
         try:
-            with urllib.request.urlopen(self.base + path, timeout=timeout) as resp:
+            with urllib.request.urlopen(base + path, timeout=timeout) as resp:
                 return resp.status, resp.read(), dict(resp.headers)
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read(), dict(exc.headers)
@@ -145,7 +150,7 @@ def run_lab_demo(console: Console, out: Path, hosts_wanted: int, duration: float
             console.print("[red]the loop did not report every server ok in time[/red]")
             return 1
         _print_status(console, ready)
-        console.print(f"metrics: http://{listen}/metrics · status page: http://{listen}/ · "
+        console.print(f"metrics: {loop.operations}/metrics · status page: {loop.operations}/ · "
                       f"subscriptions: http://{listen}/sub/<token> and files under {out / 'subscriptions-lab'}")
         code = 0
         if scenario == "block":

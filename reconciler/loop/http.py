@@ -4,11 +4,20 @@
   from the current snapshot — the same ``render`` as the files, cached per
   snapshot — with the headers clients read and an ETag (``If-None-Match`` → 304).
   Unknown tokens get 404 and nothing else.
-- ``/healthz``: 200 while the loop ticks on time, 503 (with why) otherwise.
-- ``/metrics``: Prometheus exposition of the custom collector.
+- ``/healthz``: 200 while the loop ticks on time, 503 otherwise (the operations
+  listener says why; the public one only whether).
+
+Those two are all the public listener (``settings.outputs.listen``) serves. The
+operations pages live on their own listener (``settings.outputs.operations_listen``,
+loopback by default, optionally behind a bearer token or basic credentials):
+
+- ``/metrics``: Prometheus exposition of the custom collector;
 - ``/``: the status page — the topology coloured by health (ROUTE-8, HEALTH-13),
-  servers with their verdicts and reasons, routes with their active inbounds.
-  It names servers and addresses: keep ``listen`` on loopback or behind auth.
+  servers with their verdicts and reasons, routes with their active inbounds;
+- ``/status.json``: the same as JSON.
+
+Both listeners are guarded (``reconciler.loop.listener``): a connection cap, header and
+idle timeouts, malformed requests logged once per client per minute.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from reconciler.loop.listener import Credential, Limits, Listener
 from reconciler.loop.outlets import LiveAnswers
 from reconciler.metrics import FleetView
 from reconciler.subscriptions import FORMATS, choose_format
@@ -39,13 +49,15 @@ class HttpOutlet:
         self.view = view
         self.health = health
         self.region_of = region_of
-        # aiohttp's low-level server with a dispatch of our own: five fixed paths do not need the router
+        # aiohttp's low-level server with a dispatch of our own: a few fixed paths do not need the router
         # and middleware machinery, and skipping it serves ~25% more subscription requests per core.
         self._pages = {"/healthz": self.healthz, "/metrics": self.metrics, "/": self.status_page,
                        "/status.json": self.status_json}
-        self._runner: web.ServerRunner | None = None
+        self.credential: Credential | None = None
+        self.listeners: list[Listener] = []
 
-    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def public(self, request: web.BaseRequest) -> web.StreamResponse:
+        """The public listener: subscriptions and a bare health answer, nothing else."""
         if request.method not in ("GET", "HEAD"):
             raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
         path = request.path
@@ -54,20 +66,50 @@ class HttpOutlet:
             if not token or "/" in fmt:
                 raise web.HTTPNotFound(text="not found\n")
             return await self.sub(request, token, fmt or None)
-        page = self._pages.get(path)
+        if path == "/healthz":
+            ok, _ = self.health()
+            return web.Response(status=200 if ok else 503, text="ok\n" if ok else "unhealthy\n")
+        raise web.HTTPNotFound(text="not found\n")
+
+    async def operations(self, request: web.BaseRequest) -> web.StreamResponse:
+        """The operations listener: health with reasons, metrics, the status page; behind the credential if one is set."""
+        if request.method not in ("GET", "HEAD"):
+            raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
+        page = self._pages.get(request.path)
         if page is None:
             raise web.HTTPNotFound(text="not found\n")
+        if self.credential is not None and not self.credential.accepts(request.headers.get("Authorization")):
+            raise web.HTTPUnauthorized(text="unauthorized\n", headers={"WWW-Authenticate": self.credential.challenge})
         return await page(request)
 
-    async def start(self, host: str, port: int) -> None:
-        self._runner = web.ServerRunner(web.Server(self.handle, access_log=None), handle_signals=False)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, host, port, reuse_address=True).start()
+    async def both(self, request: web.BaseRequest) -> web.StreamResponse:
+        """One listener for both (``operations_listen`` equal to ``listen``): operations pages keep their credential."""
+        if request.path.startswith("/sub/"):
+            return await self.public(request)
+        return await self.operations(request)
+
+    async def start(self, host: str, port: int, operations: tuple[str, int] | None = None,
+                    credential: Credential | None = None, limits: Limits | None = None) -> None:
+        """Listen on (host, port) for the public side and on ``operations`` for the rest; without
+        ``operations``, or with the same address, one listener serves both."""
+        self.credential = credential
+        if operations is None or operations == (host, port):
+            self.listeners = [Listener("http", self.both, limits)]
+            addresses = [(host, port)]
+        else:
+            self.listeners = [Listener("public", self.public, limits), Listener("operations", self.operations, limits)]
+            addresses = [(host, port), operations]
+        try:
+            for listener, (h, p) in zip(self.listeners, addresses, strict=True):
+                await listener.start(h, p)
+        except BaseException:
+            await self.stop()
+            raise
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        for listener in self.listeners:
+            await listener.stop()
+        self.listeners = []
 
     # ------------------------------------------------------------------ subscriptions
 
@@ -83,7 +125,7 @@ class HttpOutlet:
             raise web.HTTPNotFound(text=f"unknown format; use one of {', '.join(FORMATS)}\n") from None
         region = self.region_of(request.remote or "") if self.region_of else None
         doc = self.answers.answer(user, fmt, region)
-        if request.headers.get("If-None-Match") == doc.etag:
+        if none_match(request.headers.get("If-None-Match"), doc.etag):
             return web.Response(status=304, headers={"etag": doc.etag})
         return web.Response(body=doc.body, headers=doc.headers)
 
@@ -102,6 +144,17 @@ class HttpOutlet:
 
     async def status_page(self, request: web.BaseRequest) -> web.Response:
         return web.Response(text=status_html(self.view()), content_type="text/html", charset="utf-8")
+
+
+def none_match(header: str | None, etag: str) -> bool:
+    """``If-None-Match`` by RFC 9110 §13.1.2: ``*`` matches, else any listed tag by weak comparison
+    (``W/"x"`` and ``"x"`` are the same tag)."""
+    if not header:
+        return False
+    if header.strip() == "*":
+        return True
+    ours = etag.removeprefix("W/")
+    return any(tag.strip().removeprefix("W/") == ours for tag in header.split(","))
 
 
 def status_document(view: FleetView | None) -> dict[str, Any]:

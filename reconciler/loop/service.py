@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import math
 import os
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -41,14 +43,16 @@ from reconciler.balance import Snapshot
 from reconciler.config import load_cluster
 from reconciler.credentials import Secret, clash_api_secret
 from reconciler.engine.singbox import AGENT
-from reconciler.errors import RemoteError, ReportError
+from reconciler.errors import RemoteError, ReportError, SecretError
 from reconciler.fleet import snapshot
 from reconciler.fleet.reports import Report, agent_request, parse_report
 from reconciler.health.verdicts import ServerVerdict, Verdicts
 from reconciler.loop.http import HttpOutlet
+from reconciler.loop.listener import load_credential
 from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens, cluster_digest
 from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
 from reconciler.model import Cluster, Server
+from reconciler.model.types import parse_listen
 from reconciler.plan.observe import observe
 from reconciler.ssh import Target
 from reconciler.state.folder import StateFolder
@@ -82,12 +86,14 @@ class Backoff:
 
 class Loop:
     def __init__(self, path: str, cluster: Cluster, secret: Secret, *, listen: str | None = None,
-                 duration: float | None = None, max_ticks: int | None = None, watch: bool = True):
+                 duration: float | None = None, max_ticks: int | None = None, watch: bool = True,
+                 operations_listen: str | None = None):
         self.path = str(Path(path).resolve())
         self.base_dir = str(Path(self.path).parent)
         self.cluster = cluster
         self.secret = secret
         self.listen = listen or cluster.settings.outputs.listen
+        self.operations_listen = operations_listen or cluster.settings.outputs.operations_listen
         self.duration = duration
         self.max_ticks = max_ticks
         self.watch_enabled = watch
@@ -168,13 +174,25 @@ class Loop:
         if repaired:
             log.warning("%d user(s)' subscription files were missing or cut short (a full disk, a crash?): "
                         "they are written again now", repaired)
-        host, _, port = self.listen.rpartition(":")
         try:
-            await self.http.start(host.strip("[]") or "127.0.0.1", int(port))
-        except OSError as exc:
-            log.error("cannot listen on %s: %s (set settings.outputs.listen or --listen)", self.listen, exc.strerror)
+            host, port = parse_listen(self.listen)
+            operations = parse_listen(self.operations_listen)
+            credential = load_credential(self.cluster.settings.outputs.operations_auth)
+        except (ValueError, SecretError) as exc:
+            log.error("%s", exc)
             return 1
-        log.info("listening on http://%s (subscriptions /sub/<token>, /metrics, /healthz, status page /)", self.listen)
+        host, operations = host or "127.0.0.1", (operations[0] or "127.0.0.1", operations[1])
+        try:
+            await self.http.start(host, port, operations=operations, credential=credential)
+        except OSError as exc:
+            log.error("cannot listen on %s or %s: %s (set settings.outputs.listen and operations_listen, or --listen "
+                      "and --operations-listen)", self.listen, self.operations_listen, exc.strerror)
+            return 1
+        if credential is None and not ipaddress.ip_address(_resolved(operations[0])).is_loopback:
+            log.warning("the operations pages on %s name servers and addresses and have no credential: set "
+                        "settings.outputs.operations_auth", self.operations_listen)
+        log.info("listening on http://%s (subscriptions /sub/<token>, /healthz) and http://%s (operations: /metrics, "
+                 "/status.json, status page /, /healthz)", self.listen, self.operations_listen)
         self.pool = pool_for(self.state)
         try:
             self._tasks = [self._supervise("tick", self._ticker), self._supervise("plan", self._planner)]
@@ -482,6 +500,18 @@ class Loop:
                 self.reload()
 
 
+def _resolved(host: str) -> str:
+    """An address for ``host`` (a name is looked up once; one that does not resolve counts as not loopback)."""
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        try:
+            return str(socket.getaddrinfo(host, None)[0][4][0])
+        except (OSError, IndexError):
+            return "0.0.0.0"
+
+
 async def _post(url: str, payload: dict[str, Any]) -> None:
     import aiohttp
 
@@ -494,6 +524,6 @@ async def _post(url: str, payload: dict[str, Any]) -> None:
         log.warning("webhook %s failed: %s", url, exc)
 
 
-async def run_loop(path: str, cluster: Cluster, secret: Secret, **kw) -> int:  # type: ignore[no-untyped-def]
+async def run_loop(path: str, cluster: Cluster, secret: Secret, **kw: Any) -> int:
     return await Loop(path, cluster, secret, **kw).run()
 

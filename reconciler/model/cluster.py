@@ -147,12 +147,26 @@ class SteeringSettings(_Model):
     geoip_database: str | None = Field(None, description="MaxMind-format database for the region of live requests (STEER-4).")
 
 
+class OperationsAuth(_Model):
+    """The credential the operations listener asks for. It is never in the file: an environment
+    variable or a file (mode 0600 or 0400) holds it."""
+
+    kind: Literal["bearer", "basic"] = Field("bearer", description="`bearer`: a token; `basic`: `user:password`.")
+    env: str = Field("RECONCILER_OPERATIONS_TOKEN", description="Environment variable holding the credential.")
+    file: str | None = Field(None, description="A file holding the credential; wins over `env` when set.")
+
+
 class OutputSettings(_Model):
     """Where the reconciler writes and serves what it computes."""
 
     subscriptions_dir: str = Field("subscriptions", description="Subscription files, one set per user.")
     state_dir: str = Field(".reconciler", description="Learned state, known host keys and locks of the controller.")
-    listen: Listen = Field("127.0.0.1:8080", description="HTTP endpoint HOST:PORT: /sub/<token>, /metrics, /healthz, status page.")
+    listen: Listen = Field("127.0.0.1:8080", description="Public HTTP endpoint HOST:PORT: /sub/<token> and /healthz only.")
+    operations_listen: Listen = Field(
+        "127.0.0.1:9180", description="Operations HTTP endpoint HOST:PORT: /metrics, /status.json, the status page, /healthz "
+        "with reasons. Loopback by default; the same address as `listen` serves both on one port.")
+    operations_auth: OperationsAuth | None = Field(
+        None, description="Ask for a bearer token or basic credentials on the operations endpoint (set it when it is not on loopback).")
     public_url: str | None = Field(None, description="External base URL of the subscription endpoint.")
     profile_title: str = Field("VPN", description="Title clients show for the subscription.")
     profile_update_interval: Duration = Field(43200.0, description="How often clients refresh the subscription.")

@@ -45,8 +45,9 @@ def fleet(lab, tmp_path_factory):
     path.write_text(text.replace("subscriptions_dir: subscriptions-lab", f"subscriptions_dir: subscriptions-lab, webhook_url: {hook.url}"))
     applied = reconciler("apply", "-f", str(path))
     assert applied.returncode == 0, applied.stdout + applied.stderr
-    state = {"path": path, "work": work, "listen": listen, "hook": hook,
-             "loop": LoopProcess(path, listen, duration=600, log_path=work / "loop.log")}
+    operations = f"127.0.0.1:{free_port()}"
+    state = {"path": path, "work": work, "listen": listen, "operations": operations, "hook": hook,
+             "loop": LoopProcess(path, listen, duration=600, log_path=work / "loop.log", operations_listen=operations)}
     try:
         yield state
     finally:
@@ -92,7 +93,7 @@ def prometheus(fleet, tmp_path_factory):
     shutil.copy(ROOT / "deploy/prometheus/alerts.yml", work / "alerts.yml")
     (work / "prometheus.yml").write_text(json.dumps({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": ["alerts.yml"],
-        "scrape_configs": [{"job_name": "reconciler", "static_configs": [{"targets": [fleet["listen"]]}]}]}))
+        "scrape_configs": [{"job_name": "reconciler", "static_configs": [{"targets": [fleet["operations"]]}]}]}))
     port = free_port()
     log = open(work / "prometheus.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen([exe, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
@@ -327,7 +328,8 @@ def test_sigkill_mid_interval_leaves_whole_files_and_state(lab, fleet):
         learned = Learned.from_bytes(state_file.read_bytes())
         assert learned.ticks >= ticks_before
         ticks_before = learned.ticks
-        loop = LoopProcess(fleet["path"], fleet["listen"], duration=600, log_path=fleet["work"] / "loop.log")
+        loop = LoopProcess(fleet["path"], fleet["listen"], duration=600, log_path=fleet["work"] / "loop.log",
+                           operations_listen=fleet["operations"])
         fleet["loop"] = loop
         assert loop.wait(lambda s: True, 20 * INTERVAL) is not None
     assert not [p for p in subs.glob("*/.*.tmp")]

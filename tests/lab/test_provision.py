@@ -318,12 +318,13 @@ def test_harden_allows_ssh_and_inbounds_only_and_never_locks_us_out(lab, env):
         assert reconciler("plan", "-f", "c.yaml").returncode == 0
         # Without a confirmation from a fresh connection, the server restores the previous rules itself.
         ssh(lab, h, "nft delete table inet reconciler; cp /etc/reconciler/firewall.nft /tmp/fw.nft")
-        req = json.dumps({"new": "/tmp/fw.nft", "path": "/tmp/fw-kept.nft", "confirm": "/run/never", "loaded": "/tmp/loaded",
-                          "timeout": 2})
+        req = {"op": "apply", "new": "/tmp/fw.nft", "path": "/tmp/fw-kept.nft", "confirm": "/run/never",
+               "loaded": "/tmp/loaded", "out": "/tmp/fw.out", "timeout": 2}
+        text = remote.FIREWALL.prepare(req)[0]
         out = sp.run(["ssh", "-i", str(lab.key), "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
-                      "-o", "LogLevel=ERROR", f"root@{h.ip}", f"python3 -c {shlex_quote(remote.FIREWALL)}"],
-                     input=req, capture_output=True, text=True, timeout=60)
-        assert json.loads(out.stdout)["ok"] is False and "rolled back" in out.stdout
+                      "-o", "LogLevel=ERROR", f"root@{h.ip}", f"python3 -I -S -c {shlex_quote(text)}; cat /tmp/fw.out"],
+                     capture_output=True, text=True, timeout=60)
+        assert json.loads(out.stdout.strip().splitlines()[-1])["ok"] is False and "rolled back" in out.stdout
         assert "table inet reconciler" not in ssh(lab, h, "nft list ruleset").stdout
     finally:
         ssh(lab, h, "systemctl stop other-service; nft delete table inet reconciler; "

@@ -1,0 +1,207 @@
+"""An HTTP listener that survives the internet (aiohttp's low-level server with guards).
+
+- **A connection cap**: past ``max_connections`` open connections a new one is closed at once
+  (counted), so a flood cannot exhaust file descriptors that real clients need.
+- **Header and idle timeouts**: a connection must finish each request's headers within
+  ``header_timeout`` of opening or of its previous response, and an idle keep-alive connection is
+  closed after the same time (slowloris: 300 slow connections were held forever).
+- **Quiet errors**: malformed requests are logged once per client address per minute, one line,
+  no traceback (200 malformed requests logged 2,200 traceback lines).
+- **Optional authentication** (``Credential``): a bearer token or basic credentials, compared in
+  constant time; a wrong or missing one gets 401 with ``WWW-Authenticate``.
+
+Who calls it: ``reconciler.loop.http.HttpOutlet``, once per listener (public and operations).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
+
+from reconciler.credentials import read_credential
+from reconciler.errors import SecretError
+from reconciler.model.cluster import OperationsAuth
+
+log = logging.getLogger("reconciler.http")
+Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class Credential:
+    """What the operations listener asks for: ``bearer`` (the token) or ``basic`` (``user:password``).
+    ``repr`` never shows it."""
+
+    kind: str
+    value: str
+
+    def __repr__(self) -> str:
+        return f"Credential({self.kind}, <hidden>)"
+
+    def accepts(self, header: str | None) -> bool:
+        if not header:
+            return False
+        scheme, _, given = header.partition(" ")
+        if self.kind == "bearer":
+            return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.value.encode())
+        if scheme.lower() != "basic":
+            return False
+        try:
+            decoded = base64.b64decode(given.strip(), validate=True)
+        except ValueError:
+            return False
+        return hmac.compare_digest(decoded, self.value.encode())
+
+    @property
+    def challenge(self) -> str:
+        return 'Bearer realm="reconciler"' if self.kind == "bearer" else 'Basic realm="reconciler", charset="UTF-8"'
+
+
+@dataclass
+class Limits:
+    max_connections: int = 1024
+    header_timeout: float = 10.0
+    log_every: float = 60.0  # seconds between two log lines about one client's malformed requests
+
+
+class _Connection:
+    __slots__ = ("since", "busy")
+
+    def __init__(self) -> None:
+        self.since = time.monotonic()  # opened, or its last response was sent
+        self.busy = 0  # requests being answered
+
+
+class Listener:
+    """One listening socket: ``handle`` answers every request that arrives within the limits."""
+
+    def __init__(self, name: str, handle: Handler, limits: Limits | None = None):
+        self.name = name
+        self.handle = handle
+        self.limits = limits or Limits()
+        self.open: dict[RequestHandler, _Connection] = {}
+        self.refused = 0  # connections closed at once: over the cap
+        self.timed_out = 0  # connections closed for slow headers or idleness
+        self._logged: dict[str, float] = {}
+        self._runner: web.ServerRunner | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        server = _Server(self, self._dispatch, access_log=None, keepalive_timeout=self.limits.header_timeout)
+        self._runner = web.ServerRunner(server, handle_signals=False)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port, reuse_address=True).start()
+        self._sweeper = asyncio.create_task(self._sweep(), name=f"{self.name}-sweeper")
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
+        conn = self.open.get(request.protocol)
+        if conn is not None:
+            conn.busy += 1
+        try:
+            return await self.handle(request)
+        finally:
+            if conn is not None:
+                conn.busy -= 1
+                conn.since = time.monotonic()
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.limits.header_timeout / 2))
+            deadline = time.monotonic() - self.limits.header_timeout
+            for proto, conn in list(self.open.items()):
+                if not conn.busy and conn.since < deadline and proto.transport is not None:
+                    self.timed_out += 1
+                    proto.transport.close()
+
+    def malformed(self, peer: str, what: str, bug: BaseException | None = None) -> None:
+        """One line per client per minute; ``bug``: not the client's fault, logged with its traceback."""
+        now = time.monotonic()
+        if now - self._logged.get(peer, -1e9) >= self.limits.log_every:
+            self._logged[peer] = now
+            if len(self._logged) > 10_000:  # forget the oldest clients rather than grow without bound
+                for key in sorted(self._logged, key=self._logged.__getitem__)[:5_000]:
+                    del self._logged[key]
+            if bug is not None:
+                log.error("%s listener: a request from %s failed: %s", self.name, peer, what[:200], exc_info=bug)
+            else:
+                log.warning("%s listener: malformed request from %s: %s (more from this client are not logged for %ds)",
+                            self.name, peer, what[:200], int(self.limits.log_every))
+
+
+class _Handler(RequestHandler):
+    """aiohttp's per-connection protocol, counted and watched by its ``Listener``."""
+
+    listener: Listener
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if len(self.listener.open) >= self.listener.limits.max_connections:
+            self.listener.refused += 1
+            transport.close()
+            return
+        self.listener.open[self] = _Connection()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.listener.open.pop(self, None)
+        super().connection_lost(exc)
+
+class _QuietLogger:
+    """What aiohttp's request handler logs through: its errors about one request (a malformed request,
+    TLS on a plain port, a handler's exception) become one line per client per minute, no traceback."""
+
+    def __init__(self, listener: Listener):
+        self.listener = listener
+
+    def _one(self, msg: object, *args: Any, exc_info: object = None, **_: Any) -> None:
+        peer = str(args[0]) if args and isinstance(args[0], str) else "unknown"
+        what = str(msg) % args if args else str(msg)
+        if isinstance(exc_info, BaseException):
+            what = f"{what}: {type(exc_info).__name__}: {str(exc_info).strip()}"
+        bug = isinstance(exc_info, Exception) and not isinstance(exc_info, HttpProcessingError | ConnectionError)
+        self.listener.malformed(peer, what, exc_info if bug and isinstance(exc_info, Exception) else None)
+
+    debug = info = warning = error = exception = _one
+
+
+class _Server(web.Server):
+    def __init__(self, listener: Listener, handler: Handler, **kwargs: Any):
+        super().__init__(handler, **kwargs)
+        self._listener = listener
+        self._handler_kwargs = kwargs
+
+    def __call__(self) -> RequestHandler:
+        proto = _Handler(self, loop=self._loop, logger=_QuietLogger(self._listener),  # type: ignore[arg-type]
+                         **self._handler_kwargs)
+        proto.listener = self._listener
+        return proto
+
+
+def load_credential(auth: OperationsAuth | None) -> Credential | None:
+    """The operations listener's credential from its environment variable or file (``SecretError`` saying
+    where it was looked for); None when ``settings.outputs.operations_auth`` is not set."""
+    if auth is None:
+        return None
+    raw, where = read_credential(auth.env, auth.file, "operations credential")
+    value = raw.decode(errors="replace")
+    if len(value) < 16 or (auth.kind == "basic" and ":" not in value):
+        form = "user:password, the password at least 16 characters" if auth.kind == "basic" else "at least 16 characters"
+        raise SecretError(f"the operations credential in {where} is missing or too short ({form}); "
+                          "make one with `openssl rand -base64 24`")
+    return Credential(auth.kind, value)
