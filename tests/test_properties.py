@@ -1,15 +1,29 @@
-"""Property tests: whatever YAML arrives, validate exits 0 or 1 and never shows a traceback (GITOPS-2)."""
+"""Property tests: whatever YAML arrives, validate exits 0 or 1 and never shows a traceback (GITOPS-2).
+
+The fuzzers at the end (issue 13) feed the loader itself with byte-level mutations of
+the example and with token soup full of tags, anchors, aliases and huge numbers: it
+must never raise and never take longer than ``PER_INPUT_LIMIT`` (each input runs in a
+thread, so a hang fails instead of stalling). ``RECONCILER_FUZZ_EXAMPLES`` sets the
+number of inputs per fuzzer (default 300, about 10 s each); for a long run:
+
+    RECONCILER_FUZZ_EXAMPLES=30000 .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=0 \
+        --hypothesis-show-statistics tests/test_properties.py -k fuzz
+"""
 
 from __future__ import annotations
 
 import io
+import os
+import time
 from contextlib import redirect_stderr, redirect_stdout
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reconciler.cli import main
+from reconciler.config import LoadResult, load_cluster
 from tests.conftest import example_text
+from tests.test_hostile_config import bounded
 
 EXAMPLE_LINES = example_text().splitlines(keepends=True)
 YAML_CHARS = " \t\n-:{}[],'\"#&*!|>?%@`abcxyz019."
@@ -90,3 +104,75 @@ def test_random_structures_never_crash(tmp_path, doc):
     path = tmp_path / "c.yaml"
     path.write_text(json.dumps(doc))  # JSON is YAML
     _assert_clean(*_run(path))
+
+
+# --------------------------------------------------------------------------- fuzzing the loader (issue 13)
+
+FUZZ_EXAMPLES = int(os.environ.get("RECONCILER_FUZZ_EXAMPLES", "300"))
+PER_INPUT_LIMIT = 20.0  # seconds; the slowest input the loader accepts or refuses takes about 2 s
+FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
+EXAMPLE_BYTES = example_text().encode()
+HOSTILE = [
+    b"!!int ", b"!!float ", b"!!bool ", b"!!null ", b"!!binary ", b"!!timestamp ", b"!!set ", b"!!omap ", b"!!str ",
+    b"!!python/object/apply:os.system ", b"!!python/name:os.system ", b"!vault ", b"!<tag:x,2000:y> ", b"!!map ", b"!!seq ",
+    b"&a ", b"&b ", b"*a", b"*b", b"<<: *a\n", b"<<: ", b".nan", b".inf", b"-.inf", b"9" * 400, b"9" * 5000, b"1e999",
+    b"0x", b"0o8", b"2026-13-01", b"2026-02-30T25:61:61+99:99", b"\t", b"\x00", b"\xff\xfe", b'"\\ud800"',
+    b'"\\ud83c\\udde9"', b"%TAG !e! tag:e,2000:\n---\n", b"%YAML 1.1\n---\n", b"---\n", b"...\n", b"? ", b"- ", b": ",
+    b"{", b"}", b"[", b"]", b",", b"|", b">-", b"'", b'"', b"#", b"\n  ", b"\r\n", b"\xef\xbb\xbf", b"[" * 300, b"- " * 200,
+    b"includes: ['**/**/**/**/**']\n", b"includes: [/etc/passwd]\n", b"includes: [../x.yaml]\n", b"host_key: 'ssh-ed25519 AAAA'",
+    b"listen: 1.2.3.4:99999", b"host: ::1::", b"expires: 9999-12-31T23:59:59-23:59",
+]
+TOKENS = [t.decode("utf-8", "replace") for t in HOSTILE] + [
+    "servers:", "routes:", "users:", "settings:", "inbounds:", "- name: a", "port: 1", "id: x", "host: h", "country: DE",
+    "protocol: trojan", "tls: {server_name: x}", "report_interval: ", "\n", "\n    ", " ", "x", "1",
+]
+
+
+@st.composite
+def mutated_bytes(draw):
+    """The example with byte flips, truncations, deletions, copies of its own lines and hostile insertions."""
+    data = bytearray(EXAMPLE_BYTES)
+    for _ in range(draw(st.integers(1, 8))):
+        op = draw(st.sampled_from(["flip", "truncate", "delete", "copy", "insert", "insert", "random"]))
+        pos = draw(st.integers(0, len(data)))
+        if op == "flip" and data:
+            data[min(pos, len(data) - 1)] ^= 1 << draw(st.integers(0, 7))
+        elif op == "truncate":
+            del data[pos:]
+        elif op == "delete":
+            del data[pos:pos + draw(st.integers(1, 64))]
+        elif op == "copy" and data:
+            start = draw(st.integers(0, len(data) - 1))
+            data[pos:pos] = data[start:start + draw(st.integers(1, 400))]
+        elif op == "insert":
+            data[pos:pos] = draw(st.sampled_from(HOSTILE))
+        elif op == "random":
+            data[pos:pos] = draw(st.binary(max_size=16))
+    return bytes(data)
+
+
+def _load_bounded(path) -> LoadResult:
+    start = time.monotonic()
+    result = bounded(lambda: load_cluster(str(path)), PER_INPUT_LIMIT)
+    assert time.monotonic() - start < PER_INPUT_LIMIT
+    assert isinstance(result, LoadResult)
+    assert result.ok or result.errors  # an invalid file always says why
+    assert all(len(d.message) < 2000 for d in result.diagnostics)  # nothing is echoed whole
+    return result
+
+
+@FUZZ
+@given(data=mutated_bytes())
+def test_fuzz_mutated_example_never_raises_or_hangs(tmp_path, data):
+    path = tmp_path / "cluster.yaml"
+    path.write_bytes(data)
+    _load_bounded(path)
+
+
+@FUZZ
+@given(text=st.lists(st.sampled_from(TOKENS), max_size=60).map("".join))
+def test_fuzz_token_soup_never_raises_or_hangs(tmp_path, text):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text, encoding="utf-8", errors="surrogatepass")
+    _load_bounded(path)

@@ -67,7 +67,19 @@ class SourceMap:
         return self.root
 
 
+#: A message names values, and a value may be a megabyte long: messages are cut to this.
+MAX_MESSAGE = 1000
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """``repr(value)`` for a message, cut short: a hostile value is never echoed whole."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def at(severity: Literal["error", "warning"], pos: Pos | None, message: str, hint: str | None = None, code: str = "") -> Diagnostic:
+    if len(message) > MAX_MESSAGE:
+        message = message[: MAX_MESSAGE - 1] + "…"
     if pos is None:
         return Diagnostic(severity, message, hint, code=code)
     return Diagnostic(severity, message, hint, pos.file, pos.line, pos.col, code)

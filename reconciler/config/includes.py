@@ -24,7 +24,7 @@ import glob
 import os
 from typing import Any
 
-from reconciler.config.diagnostics import Diagnostic, Pos, SourceMap, at
+from reconciler.config.diagnostics import Diagnostic, Pos, SourceMap, at, shown
 from reconciler.config.yamlread import Budget, Problem, read_yaml
 
 INCLUDABLE = ("servers", "routes", "users")
@@ -119,21 +119,21 @@ def merge_includes(data: dict[str, Any], main_path: str, display: str, source: S
         try:
             matches = expand(pattern, base)
         except _GlobTooBig:
-            problems.append(at("error", here, f"include {pattern!r} reaches too far (more than {MAX_GLOB_PARTS} wildcard "
+            problems.append(at("error", here, f"include {shown(pattern)} reaches too far (more than {MAX_GLOB_PARTS} wildcard "
                                               f"parts, {MAX_GLOB_VISITS} entries looked at or {MAX_INCLUDED_FILES} files)",
                                "name the folder, e.g. `users.d/*.yaml`", "include"))
             continue
         if not matches:
-            problems.append(at("error", here, f"include {pattern!r} matches no file", "check the path or pattern", "include"))
+            problems.append(at("error", here, f"include {shown(pattern)} matches no file", "check the path or pattern", "include"))
         for match in matches:
             real = os.path.realpath(match)
             if not _inside(real, roots):
-                problems.append(at("error", here, f"include {pattern!r} reaches outside the cluster's folder",
+                problems.append(at("error", here, f"include {shown(pattern)} reaches outside the cluster's folder",
                                    "includes may name files under the cluster file's folder; add a folder to "
                                    "`settings.include_roots` to allow it", "include"))
                 break
             if real in seen:
-                problems.append(at("error", here, f"{pattern!r} is included twice (or includes the main file)", None, "include"))
+                problems.append(at("error", here, f"{shown(pattern)} is included twice (or includes the main file)", None, "include"))
                 continue
             seen.add(real)
             if len(seen) > MAX_INCLUDED_FILES + 1:
@@ -141,18 +141,18 @@ def merge_includes(data: dict[str, Any], main_path: str, display: str, source: S
                                    "merge small files", "include"))
                 return problems
             rel = os.path.relpath(match, base)
-            shown = os.path.join(display_base, rel) if display_base else rel
-            problems.extend(_merge_one(data, source, match, shown, here, pattern, overrides, budget))
+            where = os.path.join(display_base, rel) if display_base else rel
+            problems.extend(_merge_one(data, source, match, where, here, pattern, overrides, budget))
     return problems
 
 
-def _merge_one(data: dict[str, Any], source: SourceMap, match: str, shown: str, here: Pos | None, pattern: str,
+def _merge_one(data: dict[str, Any], source: SourceMap, match: str, where: str, here: Pos | None, pattern: str,
                overrides: dict[str, str] | None, budget: Budget) -> list[Diagnostic]:
     try:
-        sub, sub_source = read_yaml(os.path.abspath(match), shown, overrides, budget)
+        sub, sub_source = read_yaml(os.path.abspath(match), where, overrides, budget)
     except Problem as problem:
         d = problem.diagnostic
-        return [d if d.line else at("error", here, f"include {pattern!r}: {d.message}", d.hint, d.code)]
+        return [d if d.line else at("error", here, f"include {shown(pattern)}: {d.message}", d.hint, d.code)]
     if sub is None:
         return []
     if not isinstance(sub, dict):
@@ -162,7 +162,7 @@ def _merge_one(data: dict[str, Any], source: SourceMap, match: str, shown: str, 
     for key, value in sub.items():
         kpos = sub_source.key((key,))
         if key not in INCLUDABLE:
-            problems.append(at("error", kpos, f"{str(key)[:64]!r} cannot be set in an included file",
+            problems.append(at("error", kpos, f"{shown(key)} cannot be set in an included file",
                                f"included files may hold only: {', '.join(INCLUDABLE)}", "include"))
             continue
         if value is None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 
 from reconciler.config import includes, yamlread
-from reconciler.config.diagnostics import Diagnostic, Path, SourceMap, at
+from reconciler.config.diagnostics import Diagnostic, Path, SourceMap, at, shown
 from reconciler.config.semantic import check
 from reconciler.config.yamlread import Budget, Problem, read_yaml
 from reconciler.model import Cluster
@@ -151,23 +151,23 @@ def _pydantic_diagnostic(err: ErrorDetails, data: Any, source: SourceMap, root: 
     value = err.get("input")
     ctx = err.get("ctx") or {}
     field_name = next((p for p in reversed(path) if isinstance(p, str)), "value")
-    shown = repr(value) if isinstance(value, (str, int, float)) and not isinstance(value, bool) else _describe(value)
+    value_text = shown(value) if isinstance(value, (str, int, float)) and not isinstance(value, bool) else _describe(value)
 
     if kind == "extra_forbidden":
         key = loc[-1]
         allowed = _allowed_keys(loc, root)
         close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}?" if close else (f"allowed keys here: {', '.join(allowed)}" if allowed else None)
-        return at("error", source.key(path), f"unknown key {key!r}", hint, "unknown-key")
+        return at("error", source.key(path), f"unknown key {shown(key)}", hint, "unknown-key")
     if kind == "missing":
         key = loc[-1]
-        return at("error", source.key(path), f"missing required key {key!r}", f"add `{key}:` here", "missing")
+        return at("error", source.key(path), f"missing required key {shown(key)}", f"add `{key}:` here", "missing")
     if kind == "union_tag_invalid":
         expected = ctx.get("expected_tags", "")
         tags = [t.strip().strip("'") for t in str(expected).split(",")]
         close = difflib.get_close_matches(str(ctx.get("tag")), tags, n=1, cutoff=0.5)
         hint = f"did you mean {close[0]!r}?" if close else f"use one of: {expected}"
-        return at("error", source.value(path + ("protocol",)), f"unknown protocol {ctx.get('tag')!r}", hint, "protocol")
+        return at("error", source.value(path + ("protocol",)), f"unknown protocol {shown(ctx.get('tag'))}", hint, "protocol")
     if kind == "union_tag_not_found":
         return at("error", source.key(path), "inbound has no `protocol`",
                   "add `protocol:` with one of vless-reality, vless-tls, trojan, shadowsocks-2022, hysteria2, tuic", "protocol")
@@ -179,30 +179,30 @@ def _pydantic_diagnostic(err: ErrorDetails, data: Any, source: SourceMap, root: 
         hint = f"did you mean {close[0]!r}?" if close else f"use one of: {expected}"
         if "[key]" in loc:
             return at("error", source.key(path + (value,)) if (path + (value,)) in source.keys else pos,
-                      f"{field_name}: {shown} is not a known key here", hint, "value")
-        return at("error", pos, f"{field_name}: {shown} is not allowed", hint, "value")
+                      f"{field_name}: {value_text} is not a known key here", hint, "value")
+        return at("error", pos, f"{field_name}: {value_text} is not allowed", hint, "value")
     if kind in ("less_than_equal", "greater_than_equal", "less_than", "greater_than"):
         bound = {"less_than_equal": "at most", "greater_than_equal": "at least",
                  "less_than": "less than", "greater_than": "greater than"}[kind]
         limit = next(iter(ctx.values()), "?")
         hint = "ports are 1 to 65535" if field_name.endswith("port") else None
-        return at("error", pos, f"{field_name}: {shown} is out of range (must be {bound} {limit})", hint, "range")
+        return at("error", pos, f"{field_name}: {value_text} is out of range (must be {bound} {limit})", hint, "range")
     if kind == "string_pattern_mismatch":
         if field_name in ("name", "id", "route", "pool", "fallback_pool", "pools") or path[-2:-1] == ("pools",):
-            return at("error", pos, f"{field_name}: {shown} is not a valid identifier",
+            return at("error", pos, f"{field_name}: {value_text} is not a valid identifier",
                       "use lower-case letters, digits, '.', '_' and '-' (e.g. fra-1)", "pattern")
-        return at("error", pos, f"{field_name}: {shown} has the wrong form", f"it must match {ctx.get('pattern')}", "pattern")
+        return at("error", pos, f"{field_name}: {value_text} has the wrong form", f"it must match {ctx.get('pattern')}", "pattern")
     if kind in ("string_type",):
         return at("error", pos, f"{field_name}: expected text, got {_describe(value)}",
                   "put the value in quotes", "type")
     if kind in ("int_type", "int_parsing", "int_from_float"):
-        return at("error", pos, f"{field_name}: expected a whole number, got {shown}", None, "type")
+        return at("error", pos, f"{field_name}: expected a whole number, got {value_text}", None, "type")
     if kind == "finite_number":
-        return at("error", pos, f"{field_name}: {shown} is not a finite number", "write a number such as 1.5", "range")
+        return at("error", pos, f"{field_name}: {value_text} is not a finite number", "write a number such as 1.5", "range")
     if kind in ("float_type", "float_parsing"):
-        return at("error", pos, f"{field_name}: expected a number, got {shown}", None, "type")
+        return at("error", pos, f"{field_name}: expected a number, got {value_text}", None, "type")
     if kind in ("bool_type", "bool_parsing"):
-        return at("error", pos, f"{field_name}: expected true or false, got {shown}", None, "type")
+        return at("error", pos, f"{field_name}: expected true or false, got {value_text}", None, "type")
     if kind in ("list_type",):
         return at("error", pos, f"{field_name}: expected a list, got {_describe(value)}",
                   "write a list with `- item` lines or [a, b]", "type")
@@ -213,7 +213,7 @@ def _pydantic_diagnostic(err: ErrorDetails, data: Any, source: SourceMap, root: 
     if kind in ("string_too_long",):
         return at("error", pos, f"{field_name}: is too long (at most {ctx.get('max_length')} characters)", None, "value")
     if kind in ("date_from_datetime_parsing", "date_parsing", "datetime_parsing", "date_type", "datetime_type"):
-        return at("error", pos, f"{field_name}: {shown} is not a date", "write dates as YYYY-MM-DD", "type")
+        return at("error", pos, f"{field_name}: {value_text} is not a date", "write dates as YYYY-MM-DD", "type")
     if kind == "value_error":
         message = str(err.get("msg", "")).removeprefix("Value error, ")
         return at("error", pos, f"{field_name}: {message}" if field_name != "value" else message, None, "value")
@@ -270,7 +270,7 @@ def _load_into(result: LoadResult, path: str, display: str, overrides: dict[str,
                                      "the file holds the keys settings, servers, routes and users", "type"))
         return
     for key in [k for k in data if not isinstance(k, str)]:
-        result.diagnostics.append(at("error", source.key((key,)), f"key {key!r} must be text", None, "type"))
+        result.diagnostics.append(at("error", source.key((key,)), f"key {shown(key)} must be text", None, "type"))
         return
     result.diagnostics.extend(includes.merge_includes(data, path, display, source, overrides, budget))
     try:
