@@ -132,6 +132,7 @@ WHOLE: list[tuple[str, str, str, int]] = [
     ("node-flood", "users: [" + "a, " * (MAX_NODES + 10) + "]\n", "expands to more than", 1),
     ("tag-directive", "%TAG !e! tag:evil.example,2000:\n---\nservers: !e!thing []\n", "tag:evil.example,2000:thing is not", 3),
     ("undefined-alias", "servers: *nope\n", "found undefined alias", 1),
+    ("include-flood", "includes: [" + "a.yaml, " * 1000 + "]\n", "more than 256", 1),
     ("nul-escape", 'users: [{name: "a\\0b"}]\n', "NUL character", 1),
 ]
 

@@ -106,6 +106,9 @@ def merge_includes(data: dict[str, Any], main_path: str, display: str, source: S
     if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
         return [at("error", source.value(("includes",)), "includes must be a list of file paths",
                    "write e.g. `includes: [users.yaml, servers.d/*.yaml]`", "include")]
+    if len(includes) > MAX_INCLUDED_FILES:
+        return [at("error", source.value(("includes",)), f"includes lists {len(includes)} entries, more than {MAX_INCLUDED_FILES}",
+                   "use a glob such as `users.d/*.yaml`", "include")]
     problems: list[Diagnostic] = []
     base = os.path.dirname(os.path.abspath(main_path))
     roots = allowed_roots(data, base)
