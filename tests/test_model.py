@@ -128,3 +128,77 @@ def test_a_user_is_active_while_enabled_and_until_the_end_of_its_expiry_day():
     assert User(name="b", expires="2027-06-30T12:00:00").expires_at == datetime(2027, 6, 30, 12, tzinfo=UTC).timestamp()
     assert User(name="c").expires_at is None and User(name="c").active(1e12)
     assert not User(name="d", enabled=False).active(0)
+
+
+# --------------------------------------------------------------------------- value rules of issue 13 (pure, no I/O)
+
+
+@pytest.mark.parametrize("value", [".nan", float("nan"), float("inf"), -float("inf"), 1e300, "9" * 70 + "s", True, "soon"])
+def test_a_duration_is_finite_positive_and_sane(value):
+    with pytest.raises(ValueError):
+        parse_duration(value)
+    assert parse_duration("3650d") == 3650 * 86400
+
+
+@pytest.mark.parametrize("value", ["9" * 30 + "PB", 2**63, 0, -5, "1e5GB"])
+def test_a_size_fits_in_63_bits(value):
+    with pytest.raises(ValueError):
+        parse_size(value)
+    assert parse_size("8PiB") == 8 * 2**50
+
+
+@pytest.mark.parametrize("host,ok", [
+    ("203.0.113.1", True), ("2001:db8::1", True), ("fra-1.example.net", True), ("fra-1.example.net.", True),
+    ("localhost", True), ("a" * 63 + ".com", True), ("a" * 64 + ".com", False), (".".join(["a" * 60] * 5) + ".com", False),
+    (".".join(["a" * 60] * 4) + ".com", True),
+    ("203.0.113.256", False), ("1.2.3", False), ("-a.com", False), ("a-.com", False), ("a..b", False), ("a_b.com", False),
+    ("", False), ("exa mple.com", False), ("2001:db8::1::2", False), ("user@host", False), ("ünï.com", False),
+])
+def test_hosts_follow_rfc_1123_and_ip_literals(host, ok):
+    from reconciler.model.types import check_host
+
+    if ok:
+        assert check_host(host) == host
+    else:
+        with pytest.raises(ValueError):
+            check_host(host)
+
+
+@pytest.mark.parametrize("listen,expected", [
+    ("127.0.0.1:8080", ("127.0.0.1", 8080)), ("[::1]:443", ("::1", 443)), (":8080", ("", 8080)),
+    ("localhost:1", ("localhost", 1)), ("0.0.0.0:65535", ("0.0.0.0", 65535)),
+    ("127.0.0.1:99999", None), ("127.0.0.1:0", None), ("127.0.0.1", None), ("::1:80", None), ("[x]:80", None),
+    ("127.0.0.1:+80", None), ("127.0.0.1:٨٠", None), ("host name:80", None),
+])
+def test_listen_is_host_colon_port(listen, expected):
+    from reconciler.model.types import parse_listen
+
+    if expected is None:
+        with pytest.raises(ValueError):
+            parse_listen(listen)
+    else:
+        assert parse_listen(listen) == expected
+
+
+def test_a_host_key_is_an_openssh_key_line_whose_blob_has_its_type():
+    import base64
+
+    from reconciler.model.types import host_key_blob
+
+    good = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIDYtcy6cneyL++IAPx7JODT/QzUS/j4X+u6/dvN5KXUP root@x"
+    assert host_key_blob(good)[0] == "ssh-ed25519"
+    blob = base64.b64encode(base64.b64decode(good.split()[1])).decode()
+    for bad in ("not a key", "ssh-ed25519", "ssh-ed25519 ####", f"ssh-rsa {blob}", "ssh-ed25519 " + base64.b64encode(b"x").decode(),
+                "foo-key " + blob):
+        with pytest.raises(ValueError):
+            host_key_blob(bad)
+
+
+def test_no_float_of_the_model_takes_nan_or_inf():
+    from pydantic import ValidationError
+
+    for field in ("coefficient",):
+        with pytest.raises(ValidationError, match="finite"):
+            Cluster.model_validate({"servers": [{"name": "s", "host": "192.0.2.1", "country": "DE", field: float("nan")}]})
+    with pytest.raises(ValidationError, match="finite"):
+        Cluster.model_validate({"settings": {"balance": {"stickiness": float("inf")}}})
