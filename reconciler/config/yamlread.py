@@ -12,11 +12,13 @@ Called by the loader for the cluster file and each include (and for any document
   ``!custom``) and any scalar its tag cannot hold (``!!int abc``, ``2026-13-01``)
   is a ``Problem`` at the node's ``file:line:col``, never an exception.
 
-Limits, and why: a large real cluster file (10 000 users and a hundred servers) is
-about 600 KB and 70 000 nodes, and pure-Python ruamel composes about 250 KB/s. So
-``MAX_FILE_BYTES`` = 1 MiB per file and ``MAX_NODES`` = 150 000 for the cluster and
-all its includes together keep the worst accepted load to a few seconds and refuse
-anything bigger within the first ``MAX_NODES`` events.
+Limits, and why: pure-Python ruamel composes about 35 000 nodes or 1 MB of
+comments per second on one core, and a cluster file is small — the example is
+6 KB and 700 nodes; 5 000 users with a region each are 25 000 nodes. So one
+cluster (the file and all its includes together) may hold ``MAX_NODES`` = 60 000
+nodes and ``MAX_TOTAL_BYTES`` = 1 MiB, one file at most ``MAX_FILE_BYTES`` =
+512 KiB: the worst accepted or refused load takes about 2 s, and a 16 MB file is
+refused before a byte of it is parsed (it took 40 s and over 1 GB).
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ from reconciler.config.diagnostics import Diagnostic, Path, Pos, SourceMap, at
 from reconciler.safe_read import read_regular_file
 
 #: Nodes (after alias expansion) the cluster file and all its includes may hold together.
-MAX_NODES = 150_000
-#: Bytes of one file before parsing starts (the example is 6 KB; 10 000 users are ~600 KB).
-MAX_FILE_BYTES = 1024 * 1024
+MAX_NODES = 60_000
+#: Bytes of one file, checked before parsing starts.
+MAX_FILE_BYTES = 512 * 1024
+#: Bytes of the cluster file and all its includes together.
+MAX_TOTAL_BYTES = 1024 * 1024
 #: Nesting depth of collections; a cluster file needs about 8.
 MAX_DEPTH = 64
 
@@ -69,14 +73,21 @@ class _TooLarge(Exception):
 
 @dataclass
 class Budget:
-    """Nodes left for the cluster file and its includes together."""
+    """Nodes and bytes left for the cluster file and its includes together."""
 
     nodes: int = MAX_NODES
+    bytes: int = MAX_TOTAL_BYTES
 
     def spend(self) -> None:
         self.nodes -= 1
         if self.nodes < 0:
             raise _TooLarge
+
+    def read(self, n: int, display: str) -> None:
+        self.bytes -= n
+        if self.bytes < 0:
+            raise Problem(Diagnostic("error", f"the cluster file and its includes are more than {MAX_TOTAL_BYTES} bytes together",
+                                     "keep the cluster smaller; move what is not cluster state out of it", file=display, code="size"))
 
 
 def _too_large(display: str) -> Problem:
@@ -85,13 +96,15 @@ def _too_large(display: str) -> Problem:
         "anchors and aliases multiply content; write the data out, or split the cluster", display, 1, 1, "size"))
 
 
-def read_text(path: str, display: str, overrides: dict[str, str] | None = None) -> str:
+def read_text(path: str, display: str, overrides: dict[str, str] | None = None, budget: Budget | None = None) -> str:
     """The file's text (or its override), bounded and decoded; ``Problem`` when it cannot be had."""
+    budget = budget or Budget()
     override = overrides.get(os.path.abspath(path)) if overrides else None
     if override is not None:
         if len(override) > MAX_FILE_BYTES:
             raise Problem(Diagnostic("error", f"more than the {MAX_FILE_BYTES} bytes allowed in one file",
                                      "split it with includes", file=display, code="file"))
+        budget.read(len(override.encode("utf-8", "surrogatepass")), display)
         return override
     try:
         raw = read_regular_file(path, MAX_FILE_BYTES)
@@ -104,6 +117,7 @@ def read_text(path: str, display: str, overrides: dict[str, str] | None = None) 
         raise Problem(Diagnostic("error", f"cannot read: {exc.strerror}", hint, file=display, code="file")) from None
     except ValueError as exc:  # e.g. an embedded NUL in a path
         raise Problem(Diagnostic("error", f"cannot read: {exc}", file=display, code="file")) from None
+    budget.read(len(raw), display)
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -118,8 +132,9 @@ def read_yaml(path: str, display: str, overrides: dict[str, str] | None = None,
     ``overrides`` maps absolute paths to text standing in for the file (an edit being
     validated before it is written). ``budget`` is shared by a cluster's files.
     """
-    text = read_text(path, display, overrides)
-    return parse_yaml(text, display, budget or Budget())
+    budget = budget or Budget()
+    text = read_text(path, display, overrides, budget)
+    return parse_yaml(text, display, budget)
 
 
 def parse_yaml(text: str, display: str, budget: Budget) -> tuple[Any, SourceMap]:
