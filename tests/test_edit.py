@@ -184,3 +184,11 @@ def test_editing_a_symlinked_cluster_file_writes_its_target_and_keeps_the_link(c
     assert link.is_symlink() and link.resolve() == target
     assert "        route: japan" in target.read_text()
     assert target.stat().st_mode & 0o777 == 0o640
+
+
+def test_an_edit_of_a_file_with_a_reused_anchor_works(cli, cluster_file):
+    # ruamel warns about a reused anchor; under `-W error` that was an exception
+    text = example_text().replace("    host: 203.0.113.12\n", "    host: &h 203.0.113.12\n    region: &h WEU\n", 1)
+    cluster_file.write_text(text)
+    run = cli("route", "assign", "ber-1-ss", "japan", "-f", str(cluster_file))
+    assert run.rc == 0, run.text

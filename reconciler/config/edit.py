@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,7 +148,9 @@ def _file_of(loaded: LoadResult, cluster: Cluster, inbound_id: str) -> str:
 
 def _find_inbound(text: str, inbound_id: str) -> Any:
     yaml = YAML(typ="rt")
-    doc = yaml.load(text)
+    with warnings.catch_warnings():  # a reused anchor warns; the loader already accepted the file
+        warnings.simplefilter("ignore")
+        doc = yaml.load(text)
     for server in (doc or {}).get("servers") or []:
         for inbound in (server or {}).get("inbounds") or []:
             if isinstance(inbound, dict) and str(inbound.get("id")) == inbound_id:
