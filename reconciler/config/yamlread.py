@@ -157,7 +157,7 @@ def parse_yaml(text: str, display: str, budget: Budget) -> tuple[Any, SourceMap]
     except MarkedYAMLError as exc:
         raise Problem(yaml_error(exc, text, display)) from None
     except YAMLError as exc:
-        raise Problem(Diagnostic("error", f"YAML error: {exc}", file=display, line=1, col=1, code="yaml")) from None
+        raise Problem(Diagnostic("error", f"YAML error: {str(exc)[:200]}", file=display, line=1, col=1, code="yaml")) from None
     except RecursionError:
         raise Problem(Diagnostic("error", "nesting is too deep", file=display, line=1, col=1, code="yaml")) from None
     source = SourceMap(root=Pos(display, 1, 1))
