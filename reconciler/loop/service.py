@@ -59,6 +59,7 @@ from reconciler.state.folder import StateFolder
 
 log = logging.getLogger("reconciler.loop")
 MAX_BACKOFF_TICKS = 16
+LOAD_BUDGET = 30  # seconds a reload of the cluster file may take (loading is bounded; this bounds the wait)
 
 
 @dataclass
@@ -442,10 +443,16 @@ class Loop:
 
     # ------------------------------------------------------------------ the file: watch and git pull
 
-    def reload(self) -> bool:
-        """Load the file again; keep the last good cluster when the new one is invalid."""
+    async def reload(self) -> bool:
+        """Load the file again, in a thread within ``LOAD_BUDGET`` seconds (the event loop keeps serving);
+        keep the last good cluster when the new one is invalid or takes too long."""
         started = time.perf_counter()
-        result = load_cluster(self.path)
+        try:
+            result = await asyncio.wait_for(asyncio.to_thread(load_cluster, self.path), LOAD_BUDGET)
+        except TimeoutError:
+            log.error("loading the changed file took more than %ds: keeping the last good version", LOAD_BUDGET)
+            self.stats.record("load", False, time.perf_counter() - started, time.time())
+            return False
         if result.cluster is None:
             for d in result.errors:
                 log.error("%s", d.render())
@@ -474,7 +481,7 @@ class Loop:
             return path.endswith((".yaml", ".yml")) and not path.startswith(skip)
 
         async for _ in awatch(self.base_dir, watch_filter=wanted, stop_event=self.stop, recursive=True):
-            self.reload()
+            await self.reload()
 
     async def _git_puller(self) -> None:
         every = self.cluster.settings.git_pull_interval or 0
@@ -497,7 +504,7 @@ class Loop:
             if not ok:
                 log.error("git pull failed (%s): %s", proc.returncode, err.decode(errors="replace").strip()[-500:])
             else:
-                self.reload()
+                await self.reload()
 
 
 def _resolved(host: str) -> str:
