@@ -238,5 +238,5 @@ class Learned:
             return cls.fresh(cluster), None
         try:
             return cls.from_bytes(data).adopt(cluster), None
-        except (ValueError, KeyError, TypeError, IndexError, OSError, EOFError) as exc:
+        except (ValueError, KeyError, TypeError, IndexError, OSError, EOFError, RecursionError, AttributeError) as exc:
             return cls.fresh(cluster), f"ignoring unreadable {where} ({type(exc).__name__}: {exc}); starting afresh"

@@ -146,8 +146,9 @@ class FileOutlet:
             data = json.loads(self.manifest_path.read_bytes())
         except FileNotFoundError:
             return "", {}
-        except (OSError, ValueError) as exc:
-            self.notes.append(f"ignoring unreadable {self.manifest_path} ({exc}); every user's files are written again")
+        except (OSError, ValueError, RecursionError) as exc:
+            self.notes.append(f"ignoring unreadable {self.manifest_path} ({type(exc).__name__}); every user's files are "
+                              "written again")
             return "", {}
         users = data.get("users") if isinstance(data, dict) else None
         if not isinstance(users, dict):

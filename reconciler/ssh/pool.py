@@ -62,8 +62,8 @@ class KnownHosts:
             raw = json.loads(path.read_bytes())
         except FileNotFoundError:
             raw = {}
-        except (OSError, ValueError) as exc:
-            raw, self.note = {}, f"ignoring unreadable {path} ({exc}); host keys are learnt again on first contact"
+        except (OSError, ValueError, RecursionError) as exc:
+            raw, self.note = {}, f"ignoring unreadable {path} ({type(exc).__name__}); host keys are learnt again on first contact"
         if isinstance(raw, dict):
             self.keys = {str(k): v for k, v in raw.items() if isinstance(v, str)}
 

@@ -55,8 +55,8 @@ class StateFolder:
             data = json.loads(f.read_bytes())
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError) as exc:
-            self.notes.append(f"ignoring unreadable {f} ({exc}); starting afresh")
+        except (OSError, ValueError, RecursionError) as exc:
+            self.notes.append(f"ignoring unreadable {f} ({type(exc).__name__}: {str(exc)[:200]}); starting afresh")
             return {}
         if not isinstance(data, dict):
             self.notes.append(f"ignoring {f}: not a JSON object; starting afresh")
@@ -82,9 +82,14 @@ class StateFolder:
         """Public material on record: {"public_keys": {inbound: key}, "tls_pins": {inbound: pin}}."""
         raw = self.read_json(FACTS)
         out: dict[str, dict[str, str]] = {}
+        dropped = 0
         for kind in ("public_keys", "tls_pins"):
-            value = raw.get(kind)
-            out[kind] = {str(k): v for k, v in value.items() if isinstance(v, str)} if isinstance(value, dict) else {}
+            value = raw.get(kind, {})
+            good = {str(k): v for k, v in value.items() if isinstance(v, str)} if isinstance(value, dict) else {}
+            dropped += (len(value) if isinstance(value, dict | list) else 1) - len(good)
+            out[kind] = good
+        if dropped:
+            self.notes.append(f"{self.path / FACTS}: {dropped} malformed entr(ies) ignored; an apply records them again")
         return out
 
     def remember_facts(self, learned: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
@@ -99,7 +104,10 @@ class StateFolder:
     def managed(self) -> dict[str, dict[str, Any]]:
         """Servers an apply has managed: name → how to reach it (for pruning what left the file)."""
         raw = self.read_json(MANAGED)
-        return {str(k): v for k, v in raw.items() if isinstance(v, dict)}
+        good = {str(k): v for k, v in raw.items() if isinstance(v, dict)}
+        if len(good) < len(raw):
+            self.notes.append(f"{self.path / MANAGED}: {len(raw) - len(good)} malformed entr(ies) ignored")
+        return good
 
     def write_managed(self, managed: dict[str, dict[str, Any]]) -> None:
         self.write_json(MANAGED, managed)
