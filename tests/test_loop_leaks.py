@@ -61,7 +61,7 @@ def test_logs_metrics_and_pages_carry_no_secret(tmp_path, caplog):
     async def go() -> list[str]:
         service.time.time = lambda: clock["now"]  # type: ignore[attr-defined]
         try:
-            for i in range(10):
+            for _ in range(10):
                 clock["now"] += 10
                 await loop.tick()
         finally:
