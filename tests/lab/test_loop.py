@@ -1,6 +1,7 @@
 """The reconcile loop end to end on real hosts: agent probes of every protocol, a country block seen
 by its witnesses, subscriptions moving, a real Prometheus with the alert rules and the dashboard's
-queries, recovery without a manual step, and a SIGKILL mid-interval (HEALTH-1..13, GITOPS-5, ROUTE-8)."""
+queries, recovery without a manual step, faults (an engine API down, a garbage report, a full disk under the
+subscription files) and a SIGKILL mid-interval (HEALTH-1..13, GITOPS-5, ROUTE-8)."""
 
 from __future__ import annotations
 
@@ -304,6 +305,68 @@ def test_drift_is_corrected_and_file_changes_are_applied(lab, fleet):
     finally:
         path.write_text(good)
     assert wait_until(lambda: loop.get(f"/sub/{ivan}")[0] == 404, 40)
+
+
+def _interval_time(loop: LoopProcess) -> float:
+    st = loop.status()
+    return float(st.get("time", 0.0)) if st.get("ready") else 0.0
+
+
+def _healthz(loop: LoopProcess) -> tuple[int, str]:
+    code, body, _ = loop.get("/healthz")
+    return code, body.decode(errors="replace")
+
+
+def test_engine_api_down_and_a_garbage_report_are_survived(lab, fleet):
+    # spec: HEALTH-3 — an engine whose API is down still reports (no traffic); a garbage report is that server's
+    # no_data; the intervals go on and /healthz stays true; self-heal puts the agent back
+    loop: LoopProcess = fleet["loop"]
+    api_down, garbage = lab.state.hosts[3], lab.state.hosts[4]
+    log_path = fleet["work"] / "loop.log"
+    ssh(lab, api_down, "nft add table inet rlab_api && nft add chain inet rlab_api out '{ type filter hook output priority 0; }' "
+                       "&& nft add rule inet rlab_api out tcp dport 9090 reject")
+    ssh(lab, garbage, "cp /usr/local/lib/reconciler/agent.py /tmp/agent.py.bak && "
+                      "printf 'print(\"garbage{\")\\n' > /usr/local/lib/reconciler/agent.py")
+    try:
+        t0 = _interval_time(loop)
+        assert wait_until(lambda: "the agent's output is not JSON" in log_path.read_text(), 30 * INTERVAL), log_path.read_text()[-3000:]
+        assert wait_until(lambda: _interval_time(loop) > t0 + 5 * INTERVAL, 30 * INTERVAL)
+        assert _healthz(loop)[0] == 200, _healthz(loop)
+        st = loop.status()
+        assert st["servers"][api_down.name]["status"] == "ok", st["servers"][api_down.name]  # reporting, without traffic
+        assert "Traceback" not in log_path.read_text()
+        # Self-heal (plan_interval 4s) finds the agent changed and puts it back: the server reports again.
+        assert wait_until(lambda: "garbage" not in ssh(lab, garbage, "cat /usr/local/lib/reconciler/agent.py").stdout, 60, poll=2)
+    finally:
+        ssh(lab, api_down, "nft delete table inet rlab_api; true")
+        ssh(lab, garbage, "test -s /tmp/agent.py.bak && grep -q garbage /usr/local/lib/reconciler/agent.py "
+                          "&& cp /tmp/agent.py.bak /usr/local/lib/reconciler/agent.py; true")
+    assert wait_until(lambda: loop.status()["servers"][garbage.name]["status"] == "ok", 30 * INTERVAL)
+
+
+def test_a_full_disk_under_the_subscription_files_is_told_and_repaired(lab, fleet):
+    # Subscription files on a 16 KiB tmpfs: writes fail (ENOSPC), nothing cut is published, /healthz says why,
+    # intervals and the live endpoint go on; with space back the files are written and /healthz is 200 again.
+    loop: LoopProcess = fleet["loop"]
+    subs = fleet["path"].parent / "subscriptions-lab"
+    alice = tokens()["alice"]
+    path: Path = fleet["path"]
+    good = path.read_text()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(subs)], check=True)
+    try:
+        path.write_text(good.replace("users:\n", "users:\n  - name: judy\n"))  # every user's files change
+        assert wait_until(lambda: "cannot write subscription files" in _healthz(loop)[1], 30 * INTERVAL), _healthz(loop)
+        assert _healthz(loop)[0] == 503
+        assert loop.get(f"/sub/{alice}")[0] == 200  # the live endpoint is not the disk
+        for f in subs.rglob("*"):
+            if f.is_file() and not f.name.startswith(".") and not f.parent.name.startswith("."):
+                if f.suffix == ".json":
+                    json.loads(f.read_bytes())
+    finally:
+        path.write_text(good)
+        subprocess.run(["umount", "-l", str(subs)], check=False)
+    assert wait_until(lambda: _healthz(loop)[0] == 200, 30 * INTERVAL), _healthz(loop)
+    assert (subs / alice / "sing-box.json").exists()
 
 
 def test_sigkill_mid_interval_leaves_whole_files_and_state(lab, fleet):
