@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
+import urllib.parse
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
@@ -227,3 +228,22 @@ def test_clash_emitter_round_trips_any_name(name, alpn):
                                                                    "reality-opts": {"public-key": name}}],
            "proxy-groups": [{"name": "PROXY", "type": "select", "proxies": [name]}], "rules": ["MATCH,PROXY"]}
     assert YAML(typ="safe", pure=True).load(_block_yaml(doc)) == doc
+
+
+def test_no_text_in_the_file_can_pose_as_a_credential_stand_in():
+    # Documents are rendered once per (entries, format) with stand-ins, then a user's credentials are put in;
+    # a name that spelled a stand-in used to be replaced by the user's password.
+    from reconciler.balance import Snapshot
+    from reconciler.model import Cluster
+    from reconciler.subscriptions import render
+
+    names = "CREDPASS0STANDIN CREDUUID0STANDIN CREDSS256STANDIN"
+    c = Cluster.model_validate({"servers": [{"name": "a", "host": "198.18.0.10", "country": "DE", "inbounds": [
+        {"id": "a-tr", "name": names, "protocol": "trojan", "port": 443, "tls": {"server_name": "www.lab.test"}}]}],
+        "users": [{"name": "alice"}]})
+    creds = user_credentials(SECRET, "alice")
+    for fmt in ("links", "sing-box", "clash"):
+        body = render(Snapshot(cluster=c, now=0.0), "alice", fmt, SECRET).body
+        text = base64.b64decode(body).decode() if fmt == "links" else body.decode()
+        assert "CREDPASS0STANDIN" in text and "CREDUUID0STANDIN" in text, fmt  # the name, left as it is
+        assert creds.password in urllib.parse.unquote(text), fmt  # and the real credential where it belongs

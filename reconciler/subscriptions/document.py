@@ -7,6 +7,7 @@ call ``render``; for the same snapshot they return the same bytes.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import re
@@ -101,10 +102,15 @@ def render(snapshot: Snapshot, user_name: str, fmt: str, secret: Secret, region:
 
 
 # Stand-ins for a user's credentials: documents of users with the same entries differ only in these, so a
-# snapshot renders each (entries, format) once and substitutes (as in an HTTP template cache). They are
-# plain ASCII, unlike any real value, and need no escaping in JSON, YAML or URLs.
-_STAND_IN = UserCredentials(uuid="CREDUUID0STANDIN", password="CREDPASS0STANDIN", ss_key_128="CREDSS128STANDIN",
-                            ss_key_256="CREDSS256STANDIN", token="")
+# snapshot renders each (entries, format) once and substitutes (as in an HTTP template cache). They are plain
+# ASCII hex, need no escaping in JSON, YAML or URLs, and carry a tag derived from the master secret, so no
+# text in the cluster file (a route or inbound name) can contain one and be replaced by a credential; being
+# derived, not random, they are the same in the file outlet's worker processes.
+@functools.lru_cache(maxsize=4)
+def _stand_in(secret: Secret) -> UserCredentials:
+    tag = secret.derive("document-stand-in", length=8).hex().upper()
+    return UserCredentials(uuid=f"CREDUUID{tag}", password=f"CREDPASS{tag}", ss_key_128=f"CREDSS128{tag}",
+                           ss_key_256=f"CREDSS256{tag}", token="")
 
 
 def render_formats(snapshot: Snapshot, user_name: str, fmts: tuple[str, ...], secret: Secret, region: str | None = None,
@@ -122,7 +128,7 @@ def render_formats(snapshot: Snapshot, user_name: str, fmts: tuple[str, ...], se
             # SIP002 links base64 the Shadowsocks user info: no stand-in survives that, so render per user.
             body = links([client_outbound(e, snapshot, secret, creds) for e in entries])
         else:
-            body = _substitute(_template(snapshot, entries, fmt, secret), creds)
+            body = _substitute(_template(snapshot, entries, fmt, secret), _stand_in(secret), creds)
             if fmt == "links":
                 body = base64.b64encode(body)
         doc = Document(body, headers(snapshot, user_name, fmt, user), entries)
@@ -136,7 +142,7 @@ def _template(snapshot: Snapshot, entries: list[Entry], fmt: str, secret: Secret
     key = (fmt, tuple((e.name, e.ref.inbound.id) for e in entries))
     body = memo.get(key)
     if body is None:
-        outbounds = [client_outbound(e, snapshot, secret, _STAND_IN) for e in entries]
+        outbounds = [client_outbound(e, snapshot, secret, _stand_in(secret)) for e in entries]
         if fmt == "links":  # the text before base64
             body = base64.b64decode(links(outbounds))
         else:
@@ -145,8 +151,8 @@ def _template(snapshot: Snapshot, entries: list[Entry], fmt: str, secret: Secret
     return body
 
 
-def _substitute(body: bytes, creds: UserCredentials) -> bytes:
-    for stand_in, real in ((_STAND_IN.uuid, creds.uuid), (_STAND_IN.password, creds.password),
-                           (_STAND_IN.ss_key_128, creds.ss_key_128), (_STAND_IN.ss_key_256, creds.ss_key_256)):
-        body = body.replace(stand_in.encode(), real.encode())
+def _substitute(body: bytes, stand_in: UserCredentials, creds: UserCredentials) -> bytes:
+    for placeholder, real in ((stand_in.uuid, creds.uuid), (stand_in.password, creds.password),
+                              (stand_in.ss_key_128, creds.ss_key_128), (stand_in.ss_key_256, creds.ss_key_256)):
+        body = body.replace(placeholder.encode(), real.encode())
     return body
