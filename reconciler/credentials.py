@@ -13,35 +13,95 @@ Rotation:
 - everything: change the master secret — every credential and token changes;
 - engine keys (REALITY private keys) are generated on the servers and never
   leave them; rotate them by deleting the key file on the server.
+
+The master secret must be long (``MIN_SECRET_BYTES``) and not guessable: ``strength_bits``
+estimates its entropy (character classes, repeats, runs and common words count for little) and
+``Secret`` refuses one under ``MIN_SECRET_BITS``; ``reconciler secret new`` prints a good one.
+
+What a person sees in place of a secret (GITOPS-6, issue 13): ``fingerprint(value)``, a short prefix
+of its sha256; ``Redactor`` replaces every known secret value and every PEM block in a text by its
+fingerprint (the engine adapter records the values it put into each file: ``ManagedFile.secrets``).
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import hmac
+import math
 import os
 import re
 import uuid
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from reconciler.errors import SecretError
 from reconciler.safe_read import read_regular_file
 
 MIN_SECRET_BYTES = 16
 MAX_SECRET_FILE_BYTES = 64 * 1024  # a secret is tens of bytes; a bigger file is the wrong file
+#: The entropy floor: 16 random base64 characters estimate ~90 bits, `aaaaaaaaaaaaaaaa` 5, `passwordpassword` 12.
+MIN_SECRET_BITS = 64
+#: Common password words and keyboard rows: each counts as one guess, whatever its length.
+COMMON_WORDS = ("password", "passwort", "secret", "qwertyuiop", "asdfghjkl", "zxcvbnm", "letmein", "changeme",
+                "admin", "welcome", "master", "default", "reconciler", "iloveyou", "dragon", "monkey", "shadow",
+                "football", "baseball", "sunshine", "trustno1", "azerty", "qwertz")
 
 
+def _pool(value: bytes) -> int:
+    """How many symbols each character was drawn from, judging by the classes present."""
+    pool = 0
+    for present, size in ((any(97 <= b <= 122 for b in value), 26), (any(65 <= b <= 90 for b in value), 26),
+                          (any(48 <= b <= 57 for b in value), 10),
+                          (any(32 < b < 127 and not chr(b).isalnum() for b in value), 33),
+                          (any(b >= 127 or b <= 32 for b in value), 161)):
+        pool += size if present else 0
+    return max(pool, 2)
+
+
+def strength_bits(value: bytes, enough: float = float("inf")) -> float:
+    """An entropy estimate of a secret: log2(pool) bits per *token*, where a token is one character, a run
+    (``aaaa``, ``1234``, ``fedc``), a repeat of something earlier, or a common word. Stops counting at ``enough``.
+
+    Cheap by construction: every token adds at least log2(10) bits, so a string reaches any floor in a
+    few dozen tokens; only the first 1024 bytes are looked at."""
+    text = value[:1024]
+    lower = text.lower()
+    per_token = math.log2(_pool(value))
+    bits, i = 0.0, 0
+    while i < len(text) and bits < enough:
+        step = 1
+        word = next((w for w in COMMON_WORDS if lower.startswith(w.encode(), i)), None)
+        if word is not None:
+            step = len(word)
+        elif i + 2 < len(text) and text[i + 1] - text[i] == text[i + 2] - text[i + 1] and abs(text[i + 1] - text[i]) <= 1:
+            delta, step = text[i + 1] - text[i], 2
+            while i + step < len(text) and text[i + step] - text[i + step - 1] == delta:
+                step += 1
+        else:
+            for j in range(i):  # the longest earlier match (it may overlap, as in LZ77)
+                n = 0
+                while i + n < len(text) and text[j + n] == text[i + n]:
+                    n += 1
+                step = max(step, n if n >= 3 else 1)
+        bits += per_token
+        i += step
+    return bits
 
 
 @dataclass(frozen=True)
 class Secret:
-    """The master secret. ``repr`` never shows it."""
+    """The master secret: at least ``MIN_SECRET_BYTES`` long and ``MIN_SECRET_BITS`` strong. ``repr`` never shows it."""
 
     value: bytes
 
     def __post_init__(self) -> None:
         if len(self.value) < MIN_SECRET_BYTES:
             raise SecretError(f"the master secret must be at least {MIN_SECRET_BYTES} bytes")
+        if strength_bits(self.value, MIN_SECRET_BITS) < MIN_SECRET_BITS:
+            raise SecretError(f"the master secret is too easy to guess (repeats, runs, common words or a single kind "
+                              f"of character: under {MIN_SECRET_BITS} bits by our estimate); "
+                              "make a random one with `reconciler secret new`")
 
     def __repr__(self) -> str:
         return "Secret(<redacted>)"
@@ -84,7 +144,8 @@ def load_secret(env: str = "RECONCILER_SECRET", file: str | None = None) -> Secr
     raw, where = read_credential(env, file, "master secret")
     if not raw:
         raise SecretError(
-            f"no master secret in {where}; create one with `openssl rand -base64 32` and keep it out of git"
+            f"no master secret in {where}; create one with `reconciler secret new` (or `openssl rand -base64 32`) "
+            "and keep it out of git"
         )
     try:
         return Secret(raw)
@@ -151,3 +212,51 @@ def reality_short_id(secret: Secret, inbound_id: str) -> str:
 def clash_api_secret(secret: Secret, server: str) -> str:
     """The bearer secret of a server's loopback clash_api (stats)."""
     return _b64(secret.derive("clash-api", server, length=18))
+
+
+# --------------------------------------------------------------------------- what a person sees instead
+
+FINGERPRINT_HEX = 12
+PEM_BLOCK = re.compile(r"-----BEGIN ([A-Z0-9 ]{0,60})-----.*?(?:-----END \1-----|\Z)", re.S)
+PEM_MARKER = re.compile(r"-----(BEGIN|END)[A-Z0-9 ]{0,60}-----")
+# Credential values under these JSON keys, known or not (old contents read back from a server).
+_CREDENTIAL_KEYS = re.compile(r'("(?:uuid|password|secret|private_key|short_id|key|psk|token)"\s*:\s*)("[^"]*"|\[[^\]]*\])')
+_JSON_STRING = re.compile(r'"([^"\\]*)"')
+
+
+def fingerprint(value: str | bytes) -> str:
+    """``sha256:<12 hex>…``: what a person sees in place of a secret value or an opaque file."""
+    return fingerprint_digest(hashlib.sha256(value.encode() if isinstance(value, str) else value).hexdigest())
+
+
+def fingerprint_digest(sha256_hex: str) -> str:
+    """The fingerprint of content whose sha256 is known (a file on a server, by its facts)."""
+    return f"sha256:{sha256_hex[:FINGERPRINT_HEX]}…"
+
+
+@dataclass(frozen=True)
+class Redactor:
+    """Replaces secrets in a text meant for a person by their fingerprints: every PEM block, every value in
+    ``values`` (the exact secrets put into a file) and, with ``structural``, every string under a credential
+    key of JSON text (``"password": "…"``), known or not. Cost: one pass per known value, for the short texts
+    shown to people (diffs are bounded, messages short)."""
+
+    values: frozenset[str] = field(default=frozenset(), repr=False)
+
+    @classmethod
+    def of(cls, values: Iterable[str]) -> Redactor:
+        return cls(frozenset(v for v in values if len(v) >= 4))
+
+    def __add__(self, other: Redactor) -> Redactor:
+        return Redactor(self.values | other.values)
+
+    def __call__(self, text: str, structural: bool = False) -> str:
+        text = PEM_BLOCK.sub(lambda m: f"<PEM {m.group(1).lower() or 'block'} {fingerprint(m.group(0))}>", text)
+        text = PEM_MARKER.sub("<PEM marker>", text)  # an END whose BEGIN was cut off
+        if structural:
+            text = _CREDENTIAL_KEYS.sub(lambda m: m.group(1) + _JSON_STRING.sub(
+                lambda s: f'"{fingerprint(s.group(1))}"' if s.group(1) else '""', m.group(2)), text)
+        for v in sorted(self.values, key=len, reverse=True):
+            if v in text:
+                text = text.replace(v, fingerprint(v))
+        return text

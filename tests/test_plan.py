@@ -10,12 +10,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reconciler.credentials import Secret
+from reconciler.credentials import Redactor, Secret, fingerprint, user_credentials
 from reconciler.engine import remote
 from reconciler.engine.scripts import facts as facts_script
-from reconciler.engine.singbox import AGENT, BINARY, TEMPLATE, UNIT, desired
+from reconciler.engine.singbox import AGENT, BINARY, TEMPLATE, UNIT, ManagedFile, desired
 from reconciler.model import Cluster
-from reconciler.plan.actions import ServerPlan, plan_removal, plan_server, preflight, redact, render_human, summary_line
+from reconciler.plan.actions import (
+    ServerPlan,
+    file_diff,
+    plan_removal,
+    plan_server,
+    preflight,
+    redact,
+    render_human,
+    summary_line,
+)
 from reconciler.plan.facts import Facts, Listener, parse_facts, parse_lock, parse_ss, parse_version
 
 SECRET = Secret(b"plan-test-secret-0123456789abcdef")
@@ -131,18 +140,47 @@ def test_one_difference_one_plan(change, expected):
     assert kinds(plan_server(d, f)) == expected
 
 
-def test_diffs_of_credential_files_are_redacted():
+def test_diffs_show_fingerprints_where_credentials_were():
+    # Issue 13: the structure stays readable; a changed credential is a changed fingerprint, never a value
     c1, c2 = cluster(), cluster(users=("alice", "bob"))
     d1, d2 = desired(c1, c1.servers[0], SECRET, 1.8e9), desired(c2, c2.servers[0], SECRET, 1.8e9)
-    old = {TEMPLATE: next(f.content for f in d1.files if f.path == TEMPLATE)}
-    acts = plan_server(d2, converged(d1), old)
+    stale = {"name": "carol", "password": "carols-password-from-long-ago"}  # a user removed since: unknown now
+    old_doc = json.loads(next(f.content for f in d1.files if f.path == TEMPLATE))
+    old_doc["inbounds"][0]["users"].append(stale)
+    acts = plan_server(d2, converged(d1), {TEMPLATE: json.dumps(old_doc, indent=2, sort_keys=True).encode()})
     diff = next(a.diff for a in acts if a.kind == "write-file")
-    assert '+          "name": "bob",' in diff and '"password": "<redacted>"' in diff
-    from reconciler.credentials import user_credentials
+    bob, alice = user_credentials(SECRET, "bob"), user_credentials(SECRET, "alice")
+    assert '+          "name": "bob",' in diff and f'"password": "{fingerprint(bob.password)}"' in diff
+    assert f'-          "password": "{fingerprint(stale["password"])}"' in diff
+    for value in (bob.password, alice.password, stale["password"]):
+        assert value not in diff
+    assert redact('"uuid": "abc", "short_id": ["", "0a"]') == \
+        f'"uuid": "{fingerprint("abc")}", "short_id": ["", "{fingerprint("0a")}"]'
+    assert fingerprint("abc") == "sha256:" + hashlib.sha256(b"abc").hexdigest()[:12] + "…"
 
-    for secret_value in (user_credentials(SECRET, "bob").password, user_credentials(SECRET, "alice").password):
-        assert secret_value not in diff
-    assert redact('"uuid": "abc", "short_id": ["", "0a"]') == '"uuid": "<redacted>", "short_id": "<redacted>"'
+
+PEM = "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC\n-----END PRIVATE KEY-----\n"
+
+
+@pytest.mark.parametrize("text,shown", [
+    (PEM, f"<PEM private key {fingerprint(PEM[:-1])}>\n"),
+    ("cut: -----BEGIN CERTIFICATE-----\nMIIB", f"cut: <PEM certificate {fingerprint('-----BEGIN CERTIFICATE-----' + chr(10) + 'MIIB')}>"),
+    ("MIIB\n-----END RSA PRIVATE KEY-----", "MIIB\n<PEM marker>"),
+    ("the engine said: bad key alice-pw-0123", f"the engine said: bad key {fingerprint('alice-pw-0123')}"),
+    ("nothing secret", "nothing secret"),
+])
+def test_the_redactor_replaces_pem_blocks_and_known_values(text, shown):
+    assert Redactor.of(["alice-pw-0123"])(text) == shown
+
+
+def test_opaque_files_are_shown_as_fingerprints_only():
+    # Issue 13: key material and certificates are never diffed; their fingerprints say that they change
+    key = ManagedFile("/etc/sing-box/tls/a.key", PEM.encode(), 0o600, secret=True, opaque=True)
+    assert file_diff(key, None) == f"create: {fingerprint(PEM)}"
+    assert file_diff(key, b"old bytes are never even read", "ab" * 32) == f"content differs: sha256:{'ab' * 6}… → {fingerprint(PEM)}"
+    plain = ManagedFile("/etc/x.conf", b"a = 1\n" + PEM.encode())  # a PEM inside a file that is not opaque
+    assert "BEGIN" not in file_diff(plain, b"a = 0\n") and "<PEM private key sha256:" in file_diff(plain, b"a = 0\n")
+    assert "content" not in repr(key) and "MIIE" not in repr(key)
 
 
 def test_harden_plans_a_firewall_with_ssh_and_the_inbound_ports():

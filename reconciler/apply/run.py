@@ -12,6 +12,8 @@ Phases per server: connect → preflight → lock → install engine → configu
   checks the rendered configuration with ``sing-box check``, swaps everything in with atomic renames,
   reloads or restarts, verifies the listeners, and rolls back to the previous files on any failure.
 - One server's failure never stops the others; every server gets a result.
+- A result's message and details pass through the server's ``Redactor`` (issue 13): an engine that
+  echoes a credential or a key in its error shows its fingerprint, never the value.
 
 Every remote step is a named script run through a ``Runner`` (``reconciler.ssh.runner``).
 """
@@ -28,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from reconciler.credentials import Redactor
 from reconciler.engine import remote
 from reconciler.engine.singbox import BINARY, CONFIG, CONFIG_DIR, SERVICE, TEMPLATE
 from reconciler.errors import CommitFailed, LockHeld, RemoteCommandError, RemoteError
@@ -62,6 +65,24 @@ async def apply_all(observed: list[Observed], runner: Runner, progress: Callable
 
 
 async def apply_one(o: Observed, runner: Runner, progress: Callable[[str, str], None], verify_timeout: float) -> ServerResult:
+    result = await _apply_one(o, runner, progress, verify_timeout)
+    redactor = o.desired.redactor() if o.desired is not None else Redactor()
+    result.message = redactor(result.message, structural=True)
+    result.details = _scrubbed(result.details, redactor)
+    return result
+
+
+def _scrubbed(value: Any, redactor: Redactor) -> Any:
+    if isinstance(value, str):
+        return redactor(value, structural=True)
+    if isinstance(value, dict):
+        return {k: _scrubbed(v, redactor) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_scrubbed(v, redactor) for v in value]
+    return value
+
+
+async def _apply_one(o: Observed, runner: Runner, progress: Callable[[str, str], None], verify_timeout: float) -> ServerResult:
     start = time.monotonic()
     result = ServerResult(o.plan.server, ok=False)
 

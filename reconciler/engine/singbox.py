@@ -12,6 +12,11 @@ Managed on every server:
 
 Generated on the server once, and kept: REALITY key pairs (``/etc/sing-box/reality/<inbound>.key|.pub``)
 and self-signed certificates (``/etc/sing-box/tls/<inbound>.crt|.key``) for TLS inbounds without one.
+
+Secrets are typed here, where they are put into files (issue 13): a ``ManagedFile`` records the exact
+secret values it holds (``secrets``: every credential rendered into the configuration) and whether its
+content is ``opaque`` (key material and certificates: shown only as a fingerprint, never diffed);
+``DesiredServer.redactor()`` is what every output about the server passes its text through.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reconciler.credentials import Secret, clash_api_secret, reality_short_id, ss_server_key, user_credentials
+from reconciler.credentials import Redactor, Secret, clash_api_secret, reality_short_id, ss_server_key, user_credentials
 from reconciler.model import Cluster, Server, User
 from reconciler.safe_read import read_regular_file
 
@@ -59,11 +64,15 @@ WantedBy=multi-user.target
 
 @dataclass(frozen=True)
 class ManagedFile:
+    """A file the server must hold. ``repr`` shows neither its content nor its secrets."""
+
     path: str
-    content: bytes
+    content: bytes = field(repr=False)
     mode: int = 0o644
-    secret: bool = False  # holds credentials: diffs are redacted
+    secret: bool = False  # holds credentials: diffs show every credential as its fingerprint
     engine: bool = True  # a change reloads the engine (the collection agent's does not)
+    opaque: bool = False  # key material or a certificate: never diffed, only fingerprinted
+    secrets: tuple[str, ...] = field(default=(), repr=False)  # the exact secret values put into ``content``
 
     @property
     def sha256(self) -> str:
@@ -113,6 +122,11 @@ class DesiredServer:
         h.update(f"bin\0{self.binary.version}\0{self.binary.sha256}\n".encode())
         return h.hexdigest()
 
+    def redactor(self) -> Redactor:
+        """What text about this server passes through before a person sees it: its files' secrets become
+        fingerprints (and any PEM block does)."""
+        return Redactor.of(v for f in (*self.files, *self.firewall) for v in f.secrets)
+
 
 def active_users(cluster: Cluster, now: float) -> list[User]:
     """The users whose credentials the servers accept at ``now`` (``User.active`` decides)."""
@@ -125,13 +139,21 @@ def tls_paths(server_name: str, inbound_id: str) -> dict[str, object]:
 
 
 def server_config(cluster: Cluster, server: Server, secret: Secret, now: float) -> dict[str, object]:
+    return rendered_config(cluster, server, secret, now)[0]
+
+
+def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float) -> tuple[dict[str, object], tuple[str, ...]]:
+    """The server configuration and the secret values it holds (the credentials of its users, its inbounds and its
+    clash_api): what its diffs and messages must never show."""
     users = active_users(cluster, now)
     creds = {u.name: user_credentials(secret, u.name, u.rotate) for u in users}
+    put: list[str] = [v for c in creds.values() for v in (c.uuid, c.password, c.ss_key_128, c.ss_key_256, c.token) if v]
     inbounds = []
     for ib in server.inbounds:
         base = {"tag": ib.id, "listen": "::", "listen_port": ib.port}
         if ib.protocol == "vless-reality":
             sids = ib.short_ids if ib.short_ids is not None else ["", reality_short_id(secret, ib.id)]
+            put += [sid for sid in sids if sid]
             inbounds.append({"type": "vless", **base,
                              "users": [{"name": n, "uuid": c.uuid, "flow": ib.flow} for n, c in creds.items()],
                              "tls": {"enabled": True, "server_name": ib.camouflage, "reality": {
@@ -146,8 +168,9 @@ def server_config(cluster: Cluster, server: Server, secret: Secret, now: float) 
                              "users": [{"name": n, "password": c.password} for n, c in creds.items()],
                              "tls": tls_paths(ib.tls.server_name, ib.id)})
         elif ib.protocol == "shadowsocks-2022":
+            put.append(ss_server_key(secret, ib.id, ib.method))
             inbounds.append({"type": "shadowsocks", **base, "method": ib.method,
-                             "password": ss_server_key(secret, ib.id, ib.method),
+                             "password": put[-1],
                              "users": [{"name": n, "password": c.ss_key(ib.method)} for n, c in creds.items()]})
         elif ib.protocol == "hysteria2":
             entry = {"type": "hysteria2", **base,
@@ -163,13 +186,14 @@ def server_config(cluster: Cluster, server: Server, secret: Secret, now: float) 
                              "users": [{"name": n, "uuid": c.uuid, "password": c.password} for n, c in creds.items()],
                              "tls": {**tls_paths(ib.tls.server_name, ib.id), "alpn": ["h3"]}})
     names = sorted(creds)
+    put.append(clash_api_secret(secret, server.name))
     return {
         "log": {"level": "warn", "timestamp": True},
         "inbounds": inbounds,
         "outbounds": [{"type": "direct", "tag": "direct"}] + [{"type": "direct", "tag": f"u-{n}"} for n in names],
         "route": {"rules": [{"auth_user": [n], "outbound": f"u-{n}"} for n in names], "final": "direct"},
-        "experimental": {"clash_api": {"external_controller": CLASH_API, "secret": clash_api_secret(secret, server.name)}},
-    }
+        "experimental": {"clash_api": {"external_controller": CLASH_API, "secret": put[-1]}},
+    }, tuple(dict.fromkeys(put))
 
 
 FIREWALL = "/etc/reconciler/firewall.nft"
@@ -234,8 +258,9 @@ def engine_binary(cluster: Cluster) -> EngineBinary:
 
 
 def desired(cluster: Cluster, server: Server, secret: Secret, now: float, base_dir: str = ".") -> DesiredServer:
-    config = json.dumps(server_config(cluster, server, secret, now), indent=2, sort_keys=True).encode() + b"\n"
-    files = [ManagedFile(TEMPLATE, config, 0o600, secret=True), ManagedFile(UNIT, UNIT_TEXT.encode(), 0o644),
+    rendered, put = rendered_config(cluster, server, secret, now)
+    config = json.dumps(rendered, indent=2, sort_keys=True).encode() + b"\n"
+    files = [ManagedFile(TEMPLATE, config, 0o600, secret=True, secrets=put), ManagedFile(UNIT, UNIT_TEXT.encode(), 0o644),
              ManagedFile(AGENT, AGENT_SOURCE, 0o755, engine=False)]
     keys = []
     for ib in server.inbounds:
@@ -247,7 +272,8 @@ def desired(cluster: Cluster, server: Server, secret: Secret, now: float, base_d
                 for src, dst, mode, secret_file in ((tls.certificate, f"{CONFIG_DIR}/tls/{ib.id}.crt", 0o644, False),
                                                      (tls.key, f"{CONFIG_DIR}/tls/{ib.id}.key", 0o600, True)):
                     path = os.path.join(base_dir, os.path.expanduser(src))
-                    files.append(ManagedFile(dst, read_regular_file(path), mode, secret=secret_file))
+                    # Both opaque: a certificate is public, but its diff is noise and its PEM must never be printed.
+                    files.append(ManagedFile(dst, read_regular_file(path), mode, secret=secret_file, opaque=True))
             else:
                 keys.append(KeyRequest(ib.id, "self-signed", tls.server_name))
     listeners = sorted({(ib.port, t) for ib in server.inbounds for t in ib.transports})

@@ -1,22 +1,26 @@
 """The plan: per server, the actions that make its facts match the desired state (GITOPS-3). Pure.
 
 An action is data — what changes and why — so it can be printed, saved, tested
-and applied. Secrets never appear in a plan: diffs of files holding
-credentials show the structure with every credential value redacted.
+and applied. Secrets never appear in a plan (issue 13), by the types the engine
+adapter gives: an ``opaque`` file (key material, certificates) is shown as
+``content differs: sha256:… → sha256:…``; a file holding credentials keeps a
+structural diff in which every value it is known to hold, every value under a
+credential key (in the old content read back from the server too) and every PEM
+block is replaced by its fingerprint (``reconciler.credentials.Redactor``).
 """
 
 from __future__ import annotations
 
 import difflib
 import json
-import re
 from dataclasses import asdict, dataclass, field
 
-from reconciler.engine.singbox import BINARY, CONFIG_DIR, TEMPLATE, UNIT, DesiredServer
+from reconciler.credentials import Redactor, fingerprint_digest
+from reconciler.engine.singbox import BINARY, CONFIG_DIR, TEMPLATE, UNIT, DesiredServer, ManagedFile
 from reconciler.plan.facts import Facts
 
 SUPPORTED_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
-_SECRET_KEYS = re.compile(r'("(?:uuid|password|secret|private_key|short_id|key)"\s*:\s*)("[^"]*"|\[[^\]]*\])')
+DIFF_LINES = 200
 
 
 @dataclass(frozen=True)
@@ -56,20 +60,27 @@ class ServerPlan:
                 "facts_digest": self.facts_digest, "removed": self.removed}
 
 
-def redact(text: str) -> str:
-    return _SECRET_KEYS.sub(lambda m: m.group(1) + '"<redacted>"', text)
+def redact(text: str, redactor: Redactor | None = None) -> str:
+    """``text`` with every credential value under a JSON credential key, every value ``redactor`` knows and
+    every PEM block replaced by its fingerprint."""
+    return (redactor or Redactor())(text, structural=True)
 
 
-def file_diff(path: str, old: bytes | None, new: bytes, secret: bool) -> str:
-    new_text = new.decode(errors="replace")
+def file_diff(f: ManagedFile, old: bytes | None, have: str | None = None, redactor: Redactor | None = None) -> str:
+    """What a person sees of a file's change. ``have``: the sha256 of the server's copy (its facts); ``old``:
+    its content when read back (only for files that are not opaque)."""
+    new_fp = fingerprint_digest(f.sha256)
+    if f.opaque:
+        return f"create: {new_fp}" if have is None else f"content differs: {fingerprint_digest(have)} → {new_fp}"
+    new_text = f.content.decode(errors="replace")
     old_text = old.decode(errors="replace") if old is not None else ""
-    if secret:
-        new_text, old_text = redact(new_text), redact(old_text)
-    lines = list(difflib.unified_diff(old_text.splitlines(), new_text.splitlines(), f"{path} (now)", f"{path} (desired)",
-                                      lineterm="", n=1))
-    if secret and not any(line[:1] in "+-" and not line.startswith(("+++", "---")) for line in lines):
-        return "(only credential values differ; redacted)"
-    return "\n".join(lines[:200]) + ("\n… (diff truncated)" if len(lines) > 200 else "")
+    lines = list(difflib.unified_diff(old_text.splitlines(), new_text.splitlines(), f"{f.path} (now)",
+                                      f"{f.path} (desired)", lineterm="", n=1))
+    if old is None and have is not None:  # not read back (too large, or gone since the facts)
+        lines = [f"content differs: {fingerprint_digest(have)} → {new_fp}"]
+    text = "\n".join(lines[:DIFF_LINES]) + ("\n… (diff truncated)" if len(lines) > DIFF_LINES else "")
+    red = (redactor or Redactor()) + Redactor.of(f.secrets)
+    return red(text, structural=f.secret)
 
 
 def preflight(facts: Facts, desired: DesiredServer) -> list[str]:
@@ -89,7 +100,8 @@ def preflight(facts: Facts, desired: DesiredServer) -> list[str]:
 
 def plan_server(desired: DesiredServer, facts: Facts, current_files: dict[str, bytes | None] | None = None,
                 prune: bool = False) -> list[Action]:
-    """The actions that turn ``facts`` into ``desired``. ``current_files``: old contents for diffs."""
+    """The actions that turn ``facts`` into ``desired``. ``current_files``: old contents for diffs (never
+    of opaque files; whatever they hold, the diffs pass through ``desired.redactor()``)."""
     actions: list[Action] = []
     current_files = current_files or {}
     binary_change = False
@@ -113,15 +125,16 @@ def plan_server(desired: DesiredServer, facts: Facts, current_files: dict[str, b
             key_change = True
 
     unit_change = config_change = False
+    redactor = desired.redactor()
     for f in desired.files:
         have = facts.files.get(f.path)
         if have == f.sha256:
             continue
         if have is None:
-            actions.append(Action("+", "write-file", f.path, "create", file_diff(f.path, None, f.content, f.secret)))
+            actions.append(Action("+", "write-file", f.path, "create", file_diff(f, None, None, redactor)))
         else:
             actions.append(Action("~", "write-file", f.path, "content differs",
-                                  file_diff(f.path, current_files.get(f.path), f.content, f.secret)))
+                                  file_diff(f, current_files.get(f.path), have, redactor)))
         if f.path == UNIT:
             unit_change = True
         elif f.engine:

@@ -85,7 +85,8 @@ async def observe(cluster: Cluster, secret: Secret, runner: Runner, base_dir: st
             return Observed(plan, None, d, target)
         plan.problems = preflight(facts, d)
         if not plan.problems:
-            changed = [f.path for f in d.files if facts.files.get(f.path) not in (None, f.sha256)]
+            # Opaque files (keys, certificates) are never read back: their diff is their fingerprints.
+            changed = [f.path for f in d.files if not f.opaque and facts.files.get(f.path) not in (None, f.sha256)]
             old = await current_contents(runner, target, changed) if changed else {}
             plan.actions = plan_server(d, facts, old, prune)
         return Observed(plan, facts, d, target)
