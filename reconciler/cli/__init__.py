@@ -21,11 +21,12 @@ from reconciler.cli import lab as lab
 from reconciler.cli import plan as plan
 from reconciler.cli import routes as routes
 from reconciler.cli import run as run
+from reconciler.cli import secret as secret
 from reconciler.cli import validate as validate
 from reconciler.cli.common import print_diagnostics
 from reconciler.errors import ConfigError, ReconcilerError
 
-MODULES = (validate, routes, plan, fleet, run, lab)
+MODULES = (validate, routes, plan, fleet, run, lab, secret)
 
 
 def parser() -> argparse.ArgumentParser:
