@@ -22,6 +22,7 @@ from reconciler.model import Cluster
 from reconciler.plan.lock import LEASE_SECONDS, LOCK_DIR, LOCK_FILE
 from reconciler.plan.observe import Observed, fingerprint, observe
 from reconciler.plan.saved import check_fresh, load_plan, save_plan
+from reconciler.ssh import Target
 from reconciler.ssh.fake import FakeRunner, fake_engine
 
 SECRET = Secret(b"fakehost-test-secret-0123456789abc")
@@ -297,3 +298,55 @@ def test_a_firewall_that_cuts_new_ssh_connections_is_rolled_back_by_the_server(t
     host.new_connections = True
     [o] = plan(cluster(tmp_path), runner)
     assert kinds(o) == [("~", "harden")]  # the next plan tries again (its boot unit is already there)
+
+
+def test_a_slow_apply_renews_its_lock_so_it_is_never_taken_over(tmp_path, runner, monkeypatch):
+    # spec: GITOPS-4 — a live apply keeps its lock however long it runs: `since` moves every third of the lease,
+    # so another apply meanwhile finds it held, not stale; renewal ends with the apply (no lock left behind)
+    from reconciler.engine import remote
+    from reconciler.plan import lock
+    from reconciler.plan.facts import parse_lock
+
+    monkeypatch.setattr(lock, "LEASE_SECONDS", 3)  # renewed every second; the engine step below takes 4.5 s
+    other = {"by": "ci@elsewhere", "pid": 1}
+    verdicts: list[tuple[bool, bool, bool]] = []
+    real_script = FakeRunner.script
+
+    async def slow_script(self, target, script, request, **kw):
+        if script.name == "engine":  # a slow upload, under the lock
+            first = json.loads(self.host(target.name).read(LOCK_FILE))
+            await asyncio.sleep(3.6)
+            ask = {"op": "acquire", "lock": LOCK_DIR, "holder_file": LOCK_FILE, "holder": json.dumps(other)}
+            answer = json.loads((await real_script(self, target, remote.LOCK, ask)).stdout)
+            now = time.time()
+            # (taken?, stale as renewed?, stale as first written?) — what another apply's acquire decides on
+            verdicts.append((answer["ok"], lock.is_stale(parse_lock(answer["holder"]), now, other),
+                             lock.is_stale(first, now, other)))
+            await asyncio.sleep(0.9)
+        return await real_script(self, target, script, request, **kw)
+
+    monkeypatch.setattr(FakeRunner, "script", slow_script)
+    [o] = plan(cluster(tmp_path, harden=False), runner)
+    [r] = apply([o], runner)
+    assert r.ok, r.message
+    assert verdicts == [(False, False, True)]  # held and fresh, though the first holder is past the lease
+    renewals = [c for c in runner.calls if c[1] == "lock" and c[2]["op"] == "renew"]
+    assert len(renewals) >= 3
+    host = runner.host("a")
+    assert not host.path(LOCK_DIR).exists()
+    time.sleep(1.5)
+    assert not host.path(LOCK_DIR).exists() and len(renewals) == len(
+        [c for c in runner.calls if c[1] == "lock" and c[2]["op"] == "renew"])  # nothing renews after the end
+
+
+def test_renewing_never_recreates_a_released_lock_nor_touches_anothers(tmp_path, runner):
+    # The renew op writes only over our own holder, inside a lock folder that still exists
+    from reconciler.plan import lock
+
+    t = Target("a", "192.0.2.1")
+    host = runner.host("a")
+    assert asyncio.run(lock.renew(runner, t)) is False and not host.path(LOCK_DIR).exists()
+    asyncio.run(lock.acquire(runner, t, "a", now=100.0))
+    assert asyncio.run(lock.renew(runner, t, now=200.0)) is True and json.loads(host.read(LOCK_FILE))["since"] == 200
+    host.write(LOCK_FILE, json.dumps({"by": "ci@elsewhere", "pid": 1, "since": 5}).encode())
+    assert asyncio.run(lock.renew(runner, t, now=300.0)) is False and json.loads(host.read(LOCK_FILE))["since"] == 5

@@ -12,6 +12,8 @@ Phases per server: connect → preflight → lock → install engine → configu
   checks the rendered configuration with ``sing-box check``, swaps everything in with atomic renames,
   reloads or restarts, verifies the listeners, and rolls back to the previous files on any failure.
 - One server's failure never stops the others; every server gets a result.
+- While a server's apply runs, its lock's lease is renewed (``lock.Renewal``), so a slow apply is never
+  taken over as stale; renewal stops before a commit that releases the lock, and when the apply ends.
 - A result's message and details pass through the server's ``Redactor`` (issue 13): an engine that
   echoes a credential or a key in its error shows its fingerprint, never the value.
 
@@ -111,10 +113,11 @@ async def _apply_one(o: Observed, runner: Runner, progress: Callable[[str, str],
             await lock.acquire(runner, o.target, o.plan.server, _folders(o), [f"{CONFIG_DIR}/reality"])
         held = _Held()
         try:
-            if o.plan.removed:
-                await _remove_server(runner, o)
-            else:
-                await _transaction(runner, o, phase, result, verify_timeout, held)
+            async with lock.Renewal(runner, o.target) as held.renewal:
+                if o.plan.removed:
+                    await _remove_server(runner, o)
+                else:
+                    await _transaction(runner, o, phase, result, verify_timeout, held)
         finally:
             if held.ours:
                 try:
@@ -151,6 +154,13 @@ class _Held:
     (even if our session drops, the detached commit finishes and releases; another apply may hold it next)."""
 
     ours: bool = True
+    renewal: lock.Renewal | None = None
+
+    async def hand_over(self) -> None:
+        """The commit about to start releases the lock: stop renewing it first."""
+        self.ours = False
+        if self.renewal is not None:
+            await self.renewal.stop()
 
 
 async def _transaction(runner: Runner, o: Observed, phase: Callable[[str], None], result: ServerResult,
@@ -201,7 +211,8 @@ async def _commit(runner: Runner, o: Observed, phase: Callable[[str], None], res
         "lock": lock.LOCK_DIR if release else None,
         "running": o.facts.active == "active",
     }
-    held.ours = not release
+    if release:
+        await held.hand_over()
     res = await runner.script(o.target, remote.COMMIT, req, timeout=verify_timeout * 3 + 60)
     phase("verify")
     commit = json.loads(res.stdout.strip().splitlines()[-1])

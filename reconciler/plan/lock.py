@@ -10,11 +10,14 @@ leaves no lock behind.
 A second apply is refused with the holder (``LockHeld``, temporary) unless the lock is stale: its holder
 is a process of this controller that is gone, or it is older than the lease. The lease must outlast the
 longest bounded step an apply takes under the lock — the engine upload allows 600 s, a commit
-``3 × verify_timeout + 60`` s — or a slow but live apply could be taken over: 15 minutes.
+``3 × verify_timeout + 60`` s — or a slow but live apply could be taken over: 15 minutes. And while
+an apply runs, ``Renewal`` rewrites its holder's ``since`` every third of the lease (``renew``), so even
+an apply slower than the lease in all keeps its lock; it stops before a commit that releases the lock.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -23,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from reconciler.engine import remote
-from reconciler.errors import LockHeld, RemoteCommandError
+from reconciler.errors import LockHeld, RemoteCommandError, RemoteError
 from reconciler.plan.facts import parse_lock
 from reconciler.ssh import Runner, Target
 
@@ -94,3 +97,55 @@ async def acquire(runner: Runner, target: Target, server: str, dirs: Sequence[st
 async def release(runner: Runner, target: Target) -> None:
     """Give the lock back (ours: taken by ``acquire``)."""
     await runner.script(target, remote.LOCK, {"op": "release", "lock": LOCK_DIR})
+
+
+async def renew(runner: Runner, target: Target, now: float | None = None) -> bool:
+    """Move our holder's ``since`` to ``now``; False when the lock is gone or no longer ours."""
+    request = {"op": "renew", "holder_file": LOCK_FILE, "holder": json.dumps(holder(now))}
+    res = await runner.script(target, remote.LOCK, request)
+    try:
+        return bool(json.loads(res.stdout).get("ok"))
+    except ValueError:
+        return False
+
+
+class Renewal:
+    """Renews our lock on one server every ``LEASE_SECONDS / 3`` while an apply runs there.
+
+    ``async with Renewal(runner, target):`` around the work under the lock; ``stop()`` ends it early (before
+    a commit that releases the lock: a renewal never races a release). A renewal in flight is let finish,
+    never cancelled; a failed one is tried again at the next interval; a lock found not ours ends it.
+    ``renewed`` counts the renewals made (tests read it)."""
+
+    def __init__(self, runner: Runner, target: Target, every: float | None = None):
+        self.runner, self.target = runner, target
+        self.every = LEASE_SECONDS / 3 if every is None else every
+        self.renewed = 0
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.every)
+                return
+            except TimeoutError:
+                pass
+            try:
+                if not await renew(self.runner, self.target):
+                    return  # released or taken over: nothing of ours left to renew
+                self.renewed += 1
+            except RemoteError:
+                continue  # the connection may come back before the lease runs out
+
+    async def __aenter__(self) -> Renewal:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

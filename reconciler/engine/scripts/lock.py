@@ -2,8 +2,10 @@
 
 ``acquire`` first creates the folders the managed files live in (harmless under another's lock), then
 takes the lock: ``{"ok": true}``, or ``{"ok": false, "holder": <the holder file's text>}`` when it is
-held; with ``take_over`` it removes a stale lock first. ``release`` removes it. The policy (who holds,
-the lease, when a lock is stale) is the controller's: ``reconciler.plan.lock``.
+held; with ``take_over`` it removes a stale lock first. ``renew`` rewrites the holder (a later ``since``)
+only while the lock is there and still names the same holder (``by`` and ``pid``): it never makes a lock
+that a commit released, nor touches another's. ``release`` removes it. The policy (who holds, the lease,
+when a lock is stale, how often to renew) is the controller's: ``reconciler.plan.lock``.
 """
 
 from __future__ import annotations
@@ -46,13 +48,33 @@ def acquire(req: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True}
 
 
+def renew(req: dict[str, Any]) -> dict[str, Any]:
+    root = req.get("root", "/")
+    holder = at(root, req["holder_file"])
+    try:
+        with open(holder) as f:
+            text = f.read(4096)
+        current = json.loads(text)
+        new = json.loads(req["holder"])
+        if not isinstance(current, dict) or [current.get("by"), current.get("pid")] != [new.get("by"), new.get("pid")]:
+            return {"ok": False, "holder": text}
+        tmp = holder + ".renew"
+        with open(tmp, "w") as f:  # in the lock folder: gone with it, if a release removes it meanwhile
+            f.write(req["holder"])
+        os.replace(tmp, holder)
+    except (OSError, ValueError):
+        return {"ok": False, "holder": ""}
+    return {"ok": True}
+
+
 def release(req: dict[str, Any]) -> dict[str, Any]:
     shutil.rmtree(at(req.get("root", "/"), req["lock"]), ignore_errors=True)
     return {"ok": True}
 
 
 def main(req: dict[str, Any]) -> None:
-    print(json.dumps(acquire(req) if req["op"] == "acquire" else release(req)))
+    ops = {"acquire": acquire, "renew": renew, "release": release}
+    print(json.dumps(ops[req["op"]](req)))
 
 
 if __name__ == "__main__":
