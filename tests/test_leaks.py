@@ -106,7 +106,7 @@ def test_plan_and_apply_never_show_a_secret_or_a_pem_block(cli, tmp_path, monkey
     monkeypatch.setenv("RECONCILER_SECRET", value)
     secret = Secret(value.encode())
     runner = FakeRunner(tmp_path / "hosts")
-    monkeypatch.setattr("reconciler.apply.session.pool_for", lambda state, concurrency=32: _Pool(runner))
+    monkeypatch.setattr("reconciler.apply.session.pool_for", lambda state, **kw: _Pool(runner))
     pems = new_certificates(tmp_path)
     path = str(write_cluster(tmp_path))
     saved = tmp_path / "plan.json"

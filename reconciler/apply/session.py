@@ -8,7 +8,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
 from reconciler.model import Cluster
-from reconciler.ssh import KnownHosts, SSHPool
+from reconciler.ssh import KnownHosts, SSHPool, Target
+from reconciler.ssh.pool import first_contact_warning
 from reconciler.state.folder import StateFolder
 
 if TYPE_CHECKING:
@@ -16,9 +17,23 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 
-def pool_for(state: StateFolder, concurrency: int = 32) -> SSHPool:
-    """The SSH pool whose first-contact host keys are recorded in ``state``."""
-    return SSHPool(KnownHosts(state.known_hosts), concurrency=concurrency)
+def pool_for(state: StateFolder, concurrency: int = 32, strict_host_keys: bool = False) -> SSHPool:
+    """The SSH pool whose first-contact host keys are recorded in ``state`` (refused with ``strict_host_keys``)."""
+    return SSHPool(KnownHosts(state.known_hosts), concurrency=concurrency, strict_host_keys=strict_host_keys)
+
+
+def targets(cluster: Cluster, state: StateFolder, prune: bool = False) -> list[Target]:
+    """How to reach every server of the file (and, with ``prune``, those that left it but are still managed)."""
+    names = {s.name for s in cluster.servers}
+    found = [Target.from_server(s) for s in cluster.servers]
+    if prune:
+        found += [Target(**info) for name, info in state.managed().items() if name not in names]
+    return found
+
+
+def first_contact_warnings(cluster: Cluster, state: StateFolder, prune: bool = False) -> list[str]:
+    """One warning per server whose host key is neither pinned in the file nor remembered in ``state``."""
+    return [first_contact_warning(t) for t in KnownHosts(state.known_hosts).first_contact(targets(cluster, state, prune))]
 
 
 def remember(state: StateFolder, cluster: Cluster, observed: list[Any], results: list[Any]) -> dict[str, dict[str, str]]:

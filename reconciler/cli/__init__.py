@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 from reconciler import __version__
 from reconciler.cli import fleet as fleet
+from reconciler.cli import hostkeys as hostkeys
 from reconciler.cli import lab as lab
 from reconciler.cli import plan as plan
 from reconciler.cli import routes as routes
@@ -26,7 +27,7 @@ from reconciler.cli import validate as validate
 from reconciler.cli.common import print_diagnostics
 from reconciler.errors import ConfigError, ReconcilerError
 
-MODULES = (validate, routes, plan, fleet, run, lab, secret)
+MODULES = (validate, routes, plan, fleet, run, lab, secret, hostkeys)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from reconciler.cli.common import add_command, add_file, base_dir, cluster_file, load, secret_of, state_of
+from reconciler.cli.common import add_command, add_file, base_dir, cluster_file, load, secret_of, state_of, warn
 from reconciler.model import Cluster
 
 if TYPE_CHECKING:  # imported when a command runs: asyncssh and friends cost ~0.3 s of every other command's start
@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # imported when a command runs: asyncssh and friends cost ~0.
     from reconciler.state.folder import StateFolder
 
 T = TypeVar("T")
+STRICT = "never connect to a server whose host key is neither pinned (ssh.host_key) nor remembered: its plan says why"
 
 
 def register(sub: Any) -> None:
@@ -29,6 +30,7 @@ def register(sub: Any) -> None:
     pl.add_argument("--json", action="store_true", help="the plan as JSON")
     pl.add_argument("--out", help="save the plan, to apply exactly it with `apply PLAN`")
     pl.add_argument("--prune", action="store_true", help="also remove what left the cluster file (GITOPS-7)")
+    pl.add_argument("--strict-host-keys", action="store_true", help=STRICT)
     pl.set_defaults(run=cmd_plan)
 
     ap = add_command(sub, "apply", "make the servers match the file (GITOPS-4)", "reconciler apply plan.json")
@@ -36,23 +38,30 @@ def register(sub: Any) -> None:
     add_file(ap)
     ap.add_argument("--prune", action="store_true", help="remove what left the cluster file (GITOPS-7)")
     ap.add_argument("--json", action="store_true", help="the results as JSON")
+    ap.add_argument("--strict-host-keys", action="store_true", help=STRICT)
     ap.set_defaults(run=cmd_apply)
 
 
-def _observe(path: str, prune: bool,
+def _observe(path: str, prune: bool, strict: bool,
              then: Callable[[list[Observed], SSHPool, StateFolder], Awaitable[T]] | None = None
              ) -> tuple[Cluster, StateFolder, list[Observed], T | None]:
-    """Observe every server; ``then`` runs on the same SSH connections right after (apply: one handshake per server)."""
-    from reconciler.apply.session import pool_for
+    """Observe every server; ``then`` runs on the same SSH connections right after (apply: one handshake per server).
+    Warns (stderr) of every first contact ahead, or, ``strict``, refuses it."""
+    from reconciler.apply.session import first_contact_warnings, pool_for
     from reconciler.plan.observe import observe
+    from reconciler.ssh import KnownHosts
 
     cluster = load(path)
     secret = secret_of(cluster)
     state = state_of(path, cluster)
+    for note in [] if strict else first_contact_warnings(cluster, state, prune):
+        warn(note)
+    known = KnownHosts(state.known_hosts) if strict else None
 
     async def go() -> tuple[list[Observed], T | None]:
-        async with pool_for(state) as pool:
-            observed = await observe(cluster, secret, pool, str(base_dir(path)), prune, state.managed())
+        async with pool_for(state, strict_host_keys=strict) as pool:
+            observed = await observe(cluster, secret, pool, str(base_dir(path)), prune, state.managed(),
+                                     strict_host_keys=known)
             return observed, (await then(observed, pool, state) if then is not None else None)
 
     observed, result = asyncio.run(go())
@@ -72,7 +81,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from reconciler.plan.saved import save_plan
 
     path = cluster_file(args)
-    cluster, _, observed, _ = _observe(path, args.prune)
+    cluster, _, observed, _ = _observe(path, args.prune, args.strict_host_keys)
     plans = [o.plan for o in observed]
     fp = fingerprint(observed)
     sys.stdout.write(render_json(plans, fp) if args.json else render_human(plans, _warnings(cluster)))
@@ -104,7 +113,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         finally:
             progress.close()
 
-    cluster, state, observed, results = _observe(path, prune, then)
+    cluster, state, observed, results = _observe(path, prune, args.strict_host_keys, then)
     assert results is not None
     remember(state, cluster, observed, results)
     if args.json:

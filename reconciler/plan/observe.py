@@ -23,7 +23,8 @@ from reconciler.model import Cluster
 from reconciler.plan.actions import ServerPlan, plan_removal, plan_server, preflight
 from reconciler.plan.facts import Facts, parse_facts, spki_pin
 from reconciler.plan.lock import LOCK_FILE
-from reconciler.ssh import Runner, Target
+from reconciler.ssh import KnownHosts, Runner, Target
+from reconciler.ssh.pool import first_contact_refusal
 
 DIFF_LIMIT = 1 << 20  # old contents read for a diff, per file
 
@@ -67,9 +68,19 @@ class Observed:
 
 
 async def observe(cluster: Cluster, secret: Secret, runner: Runner, base_dir: str, prune: bool,
-                  previous: dict[str, dict[str, Any]] | None = None, now: float | None = None) -> list[Observed]:
-    """Facts and plans for every server in parallel; one server's failure never stops the others."""
+                  previous: dict[str, dict[str, Any]] | None = None, now: float | None = None,
+                  strict_host_keys: KnownHosts | None = None) -> list[Observed]:
+    """Facts and plans for every server in parallel; one server's failure never stops the others.
+
+    ``strict_host_keys``: the known keys; a server with none (neither pinned nor remembered) is not contacted
+    and its plan's error says why (``--strict-host-keys``)."""
     now = time.time() if now is None else now
+
+    def refused(target: Target, plan: ServerPlan) -> bool:
+        if strict_host_keys is not None and strict_host_keys.get(target) is None:
+            plan.error = first_contact_refusal(target)
+            return True
+        return False
 
     async def one(server) -> Observed:  # type: ignore[no-untyped-def]
         target = Target.from_server(server)
@@ -80,6 +91,8 @@ async def observe(cluster: Cluster, secret: Secret, runner: Runner, base_dir: st
             plan.error = f"cannot read a file the cluster names: {exc}"
             return Observed(plan, None, None, target)
         plan.desired_digest = d.digest()
+        if refused(target, plan):
+            return Observed(plan, None, d, target)
         facts = await _facts_or_error(runner, target, d, plan)
         if facts is None:
             return Observed(plan, None, d, target)
@@ -94,6 +107,8 @@ async def observe(cluster: Cluster, secret: Secret, runner: Runner, base_dir: st
     async def gone(name: str, info: dict[str, Any]) -> Observed:
         target = Target(**info)
         plan = ServerPlan(name, target.host, removed=True)
+        if refused(target, plan):
+            return Observed(plan, None, None, target)
         facts = await _facts_or_error(runner, target, None, plan)
         if facts is None:
             return Observed(plan, None, None, target)
@@ -112,7 +127,7 @@ async def _facts_or_error(runner: Runner, target: Target, d: DesiredServer | Non
     try:
         facts = await gather(runner, target, d)
     except RemoteError as exc:
-        plan.error = str(exc)
+        plan.error = d.redactor()(str(exc)) if d is not None else str(exc)
         return None
     plan.facts_digest = facts.digest()
     return facts

@@ -1,6 +1,13 @@
 """One asyncssh connection per server, host keys pinned (trust on first use, recorded), bounded concurrency.
 
 ``SSHPool`` is the real ``reconciler.ssh.runner.Runner``: plan, apply and the loop reach servers through it.
+
+Host keys: a server's key is the one pinned in the cluster file (``ssh.host_key``), else the one remembered
+in the state folder (``KnownHosts``), else whatever it presents at first contact — which is then remembered.
+That first contact is the one moment a man in the middle would be trusted: ``KnownHosts.first_contact``
+names the servers it applies to (plan warns about them), ``SSHPool(strict_host_keys=True)`` refuses them
+(``first_contact_refusal``), and ``presented_host_key`` fetches a key without logging in, for
+``reconciler hostkeys pin`` to write into the cluster file.
 """
 
 from __future__ import annotations
@@ -16,11 +23,11 @@ from typing import TYPE_CHECKING
 
 import asyncssh
 
-from reconciler.errors import ConnectError, HostKeyChanged, RemoteCommandError
+from reconciler.errors import ConnectError, HostKeyChanged, RemoteCommandError, RemoteError
 from reconciler.state.files import write_atomic
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Iterable, Mapping
     from typing import Any
 
     from reconciler.ssh.runner import Script
@@ -68,11 +75,52 @@ class KnownHosts:
             self.keys = {str(k): v for k, v in raw.items() if isinstance(v, str)}
 
     def get(self, target: Target) -> str | None:
-        return target.host_key or self.keys.get(f"{target.host}:{target.port}")
+        """The key ``target`` must present: pinned in the file, else remembered; None at first contact."""
+        return target.host_key or self.remembered(target)
+
+    def remembered(self, target: Target) -> str | None:
+        return self.keys.get(f"{target.host}:{target.port}")
+
+    def first_contact(self, targets: Iterable[Target]) -> list[Target]:
+        """The targets with neither a pinned nor a remembered key: connecting trusts whatever they present."""
+        return [t for t in targets if self.get(t) is None]
 
     def record(self, target: Target, key: str) -> None:
         self.keys[f"{target.host}:{target.port}"] = key
         write_atomic(self.path, json.dumps(self.keys, indent=2, sort_keys=True).encode(), 0o600)
+
+
+def first_contact_warning(target: Target) -> str:
+    return (f"first contact with {target.name} ({target.host}:{target.port}) will trust whatever key it presents; "
+            f"pin it first with `reconciler hostkeys pin --server {target.name}` (or refuse with --strict-host-keys)")
+
+
+def first_contact_refusal(target: Target) -> str:
+    return (f"{target.name} ({target.host}:{target.port}): not connecting — no host key is pinned (ssh.host_key) or "
+            f"remembered for it and --strict-host-keys is set; pin it with `reconciler hostkeys pin --server {target.name}`")
+
+
+# The key types asked for at first contact, the one operators pin first (like OpenSSH prefers it).
+FIRST_CONTACT_ALGS = ["ssh-ed25519", "ecdsa-sha2-nistp256", "rsa-sha2-512", "rsa-sha2-256"]
+
+
+def openssh_line(key: asyncssh.SSHKey) -> str:
+    """``type base64``: a public key as ``ssh.host_key`` and the known-hosts record hold it."""
+    return " ".join(key.export_public_key("openssh").decode().split()[:2])
+
+
+async def presented_host_key(target: Target, timeout: float = 10.0) -> str:
+    """The host key ``target`` presents (``type base64``), from a key exchange alone: no login, nothing run.
+    ``ConnectError`` when it cannot be reached."""
+    try:
+        key = await asyncio.wait_for(asyncssh.get_server_host_key(
+            target.host, target.port, server_host_key_algs=FIRST_CONTACT_ALGS), timeout)
+    except (*_RETRYABLE, asyncssh.Error) as exc:
+        raise ConnectError(f"{target.name} ({target.host}:{target.port}): cannot get its host key: {exc or 'timed out'}",
+                           target.name) from exc
+    if key is None:
+        raise ConnectError(f"{target.name} ({target.host}:{target.port}): presented no host key", target.name)
+    return openssh_line(key)
 
 
 # AES-GCM first: with the AES instructions every current x86-64 and arm64 controller has, it costs about
@@ -87,8 +135,9 @@ class SSHPool:
     """Connections by server name. Concurrency is bounded; connection errors retry with backoff."""
 
     def __init__(self, known_hosts: KnownHosts, concurrency: int = 32, connect_timeout: float = 10.0,
-                 retries: int = 2, backoff: float = 0.5):
+                 retries: int = 2, backoff: float = 0.5, strict_host_keys: bool = False):
         self.known = known_hosts
+        self.strict_host_keys = strict_host_keys  # refuse first contact: only pinned or remembered keys
         self.sem = asyncio.Semaphore(concurrency)
         self.connect_timeout = connect_timeout
         self.retries = retries
@@ -108,6 +157,8 @@ class SSHPool:
 
     async def _connect(self, target: Target) -> asyncssh.SSHClientConnection:
         pinned = self.known.get(target)
+        if pinned is None and self.strict_host_keys:
+            raise RemoteError(first_contact_refusal(target), target.name)
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             try:
@@ -115,7 +166,7 @@ class SSHPool:
                     ([asyncssh.import_public_key(pinned)], [], []) if pinned else None)
                 kwargs: dict[str, object] = {"client_keys": [target.identity]} if target.identity else {}
                 if not pinned:  # first contact: record the key operators pin, like OpenSSH prefers it
-                    kwargs["server_host_key_algs"] = ["ssh-ed25519", "ecdsa-sha2-nistp256", "rsa-sha2-512", "rsa-sha2-256"]
+                    kwargs["server_host_key_algs"] = FIRST_CONTACT_ALGS
                 conn = await asyncio.wait_for(asyncssh.connect(
                     target.host, port=target.port, username=target.user, known_hosts=known,
                     connect_timeout=self.connect_timeout, keepalive_interval=5, keepalive_count_max=3,
@@ -123,7 +174,7 @@ class SSHPool:
                 if not pinned:  # trust on first use: record what we saw, refuse any change later
                     key = conn.get_server_host_key()
                     if key is not None:
-                        self.known.record(target, " ".join(key.export_public_key("openssh").decode().split()[:2]))
+                        self.known.record(target, openssh_line(key))
                 return conn
             except asyncssh.HostKeyNotVerifiable as exc:
                 raise HostKeyChanged(
