@@ -80,3 +80,28 @@ def test_private_keys_never_leave_the_server():
                      ("x", "reality")}
     assert set(d.listeners) == {(443, "tcp"), (8443, "tcp"), (8388, "tcp"), (8388, "udp"), (443, "udp"), (8444, "udp"),
                                 (9443, "tcp")}
+
+
+def test_the_adapter_records_every_credential_it_renders_and_marks_key_material_opaque(tmp_path):
+    # Issue 13: what a file holds that is secret is typed where it is rendered, for every output to redact
+    c = every_protocol()
+    d = desired(c, c.servers[0], SECRET, 1.8e9)
+    template = next(f for f in d.files if f.path.endswith("config.template.json"))
+    doc = json.loads(template.content)
+    rendered = [doc["experimental"]["clash_api"]["secret"]]
+    for ib in doc["inbounds"]:
+        rendered += [ib["password"]] if "password" in ib else []
+        rendered += [v for u in ib["users"] for k, v in u.items() if k in ("uuid", "password")]
+        rendered += [s for s in ib.get("tls", {}).get("reality", {}).get("short_id", []) if s]
+    assert rendered and set(rendered) <= set(template.secrets)
+    assert "secrets" not in repr(template) and rendered[0] not in repr(d)
+    (tmp_path / "c.pem").write_text("-----BEGIN CERTIFICATE-----\nMIIBcertificatebodyline0123456789\n-----END CERTIFICATE-----\n")
+    (tmp_path / "k.pem").write_text("-----BEGIN PRIVATE KEY-----\nMIIEkeybodyline0123456789abcdef\n-----END PRIVATE KEY-----\n")
+    own = Cluster.model_validate({**c.model_dump(mode="json", exclude={"routes": {0: {"implicit"}}}), "servers": [
+        {**c.servers[0].model_dump(mode="json"), "inbounds": [
+            {**c.servers[0].inbounds[0].model_dump(mode="json"), "tls": {"server_name": "www.lab.test",
+                                                                          "certificate": "c.pem", "key": "k.pem"}}]}]})
+    files = {f.path: f for f in desired(own, own.servers[0], SECRET, 1.8e9, str(tmp_path)).files}
+    cert, key = files["/etc/sing-box/tls/v.crt"], files["/etc/sing-box/tls/v.key"]
+    assert cert.opaque and key.opaque and key.secret and not cert.secret and key.mode == 0o600
+    assert key.secrets == ("MIIEkeybodyline0123456789abcdef",) and cert.secrets == ()

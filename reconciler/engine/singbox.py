@@ -272,8 +272,12 @@ def desired(cluster: Cluster, server: Server, secret: Secret, now: float, base_d
                 for src, dst, mode, secret_file in ((tls.certificate, f"{CONFIG_DIR}/tls/{ib.id}.crt", 0o644, False),
                                                      (tls.key, f"{CONFIG_DIR}/tls/{ib.id}.key", 0o600, True)):
                     path = os.path.join(base_dir, os.path.expanduser(src))
+                    content = read_regular_file(path)
                     # Both opaque: a certificate is public, but its diff is noise and its PEM must never be printed.
-                    files.append(ManagedFile(dst, read_regular_file(path), mode, secret=secret_file, opaque=True))
+                    # A key's lines are secrets too: a tool that echoes one line of it shows its fingerprint.
+                    lines = tuple(x for x in content.decode(errors="replace").splitlines()
+                                  if len(x) >= 16 and not x.startswith("-----")) if secret_file else ()
+                    files.append(ManagedFile(dst, content, mode, secret=secret_file, opaque=True, secrets=lines))
             else:
                 keys.append(KeyRequest(ib.id, "self-signed", tls.server_name))
     listeners = sorted({(ib.port, t) for ib in server.inbounds for t in ib.transports})

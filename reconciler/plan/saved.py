@@ -46,7 +46,8 @@ def plan_document(plans: list[ServerPlan], fp: str, cluster_file: str | Path, pr
 
 
 def save_plan(path: str | Path, plans: list[ServerPlan], fingerprint: str, cluster_file: str | Path, prune: bool) -> None:
-    """Write the plan to ``path`` atomically (0644: it holds no secrets — credential diffs are redacted)."""
+    """Write the plan to ``path`` atomically (0644: it holds no secrets — its diffs show fingerprints in their
+    place, ``reconciler.plan.actions``; tests/test_leaks.py checks)."""
     doc = plan_document(plans, fingerprint, cluster_file, prune)
     write_atomic(path, (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode(), 0o644)
 
