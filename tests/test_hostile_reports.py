@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,6 +16,7 @@ from reconciler.errors import ReportError
 from reconciler.fleet import Learned, parse_report
 from tests.test_loop import agent_json, cluster
 
+CLUSTER = cluster(3, users=2)
 GOOD = json.loads(agent_json(probes={"s1-in": {"ok": True, "rtt_ms": 3.0}}))
 
 
@@ -80,16 +82,25 @@ report_like = st.fixed_dictionaries({"service": json_values}, optional={
     "listeners": json_values, "users": json_values, "connections": json_values, "took_ms": json_values})
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# RECONCILER_FUZZ_EXAMPLES=100000 for a long run (make test runs the default in a few seconds).
+@settings(max_examples=int(os.environ.get("RECONCILER_FUZZ_EXAMPLES", "400")), deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(report_like)
 def test_any_report_parses_or_is_refused_and_what_parses_folds_and_saves(raw):
-    c = cluster(3, users=2)
     try:
         rep = parse_report("s0", json.dumps(raw), 1e9)
     except ReportError:
         return
-    learned = Learned.fresh(c)
-    learned.fold(c, {"s0": rep, "s1": None, "s2": None}, 1e9)
+    learned = Learned.fresh(CLUSTER)
+    learned.fold(CLUSTER, {"s0": rep, "s1": None, "s2": None}, 1e9)
     Learned.from_bytes(learned.to_bytes())
     assert rep.traffic_bytes is None or rep.traffic_bytes >= 0
     assert all(p.rtt_ms is None or math.isfinite(p.rtt_ms) for p in rep.probes.values())
+
+
+def test_mutated_real_reports_parse_or_are_refused_never_anything_else():
+    from tests.fuzz_reports import run
+
+    result = run(3000, seed=7)
+    assert result["tracebacks"] == 0 and result["refused"] > 500 and result["parsed"] > 100, result
+    assert result["slowest_s"] < 5, result  # a bound that only a hang would break
