@@ -83,3 +83,21 @@ def test_every_command_takes_the_cluster_file_the_same_way():
 def test_cli_modules_stay_small():
     for module in (ROOT / "reconciler" / "cli").glob("*.py"):
         assert len(module.read_text().splitlines()) <= 150, module.name
+
+
+def test_validate_warns_where_a_first_contact_would_trust_any_host_key(cli, tmp_path):
+    import json as _json
+
+    key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIPeQzPkYcMRVOS+n3EuWQ3bBT5elEQ4vzjxK1JDKXKhR"
+    path = tmp_path / "cluster.yaml"
+    path.write_text("servers:\n"
+                    f"  - {{name: pinned, host: 198.18.0.10, country: DE, ssh: {{host_key: \"{key}\"}}, inbounds: []}}\n"
+                    "  - {name: open, host: 198.18.0.11, country: DE, inbounds: []}\n")
+    run = cli("validate", "-f", str(path))
+    assert run.rc == 0, run.text
+    assert "cluster.yaml:3:5: warning: first contact with open (198.18.0.11:22)" in run.err and "pinned (" not in run.err
+    state = tmp_path / ".reconciler"
+    state.mkdir()
+    (state / "known_hosts.json").write_text(_json.dumps({"198.18.0.11:22": key}))
+    run = cli("validate", "-f", str(path), "--json")
+    assert not [w for w in _json.loads(run.out)["warnings"] if "first contact" in w["message"]]

@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from reconciler.cli.common import add_command, add_file, cluster_file, plural, print_diagnostics
+from reconciler.cli.common import add_command, add_file, cluster_file, plural, print_diagnostics, state_of
 from reconciler.config import load_cluster
+from reconciler.config.diagnostics import Diagnostic, at
+from reconciler.config.loader import LoadResult
 from reconciler.config.schema import SCHEMA_PATH, schema_text
 from reconciler.errors import InvalidInput
 from reconciler.model import Cluster
@@ -74,10 +76,23 @@ def summary(cluster: Cluster) -> dict[str, int]:
     }
 
 
+def host_key_warnings(result: LoadResult, file: str) -> list[Diagnostic]:
+    """A warning at each server whose host key is neither pinned in the file nor remembered in the state folder."""
+    from reconciler.ssh import KnownHosts, Target
+    from reconciler.ssh.pool import first_contact_warning
+
+    assert result.cluster is not None
+    known = KnownHosts(state_of(file, result.cluster).known_hosts)
+    return [at("warning", result.source.key(("servers", i, "ssh")), first_contact_warning(t), code="host-key")
+            for i, t in enumerate(Target.from_server(s) for s in result.cluster.servers) if known.get(t) is None]
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     file = cluster_file(args)
     result = load_cluster(file)
     cluster = result.cluster
+    if cluster is not None:
+        result.diagnostics.extend(host_key_warnings(result, file))
     if args.json:
         print(json.dumps({"file": file, "valid": result.ok, "errors": [d.as_json() for d in result.errors],
                           "warnings": [d.as_json() for d in result.warnings],
