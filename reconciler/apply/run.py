@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
+import logging
 import os
 import posixpath
 import time
@@ -39,7 +39,10 @@ from reconciler.errors import CommitFailed, LockHeld, RemoteCommandError, Remote
 from reconciler.plan import lock
 from reconciler.plan.actions import Action
 from reconciler.plan.observe import Observed
-from reconciler.ssh import Runner
+from reconciler.ssh import Result, Runner
+from reconciler.ssh.runner import answer
+
+log = logging.getLogger("reconciler.apply")
 
 # The actions the commit carries out; a plan with none of them (only harden or remove-file) needs no commit.
 COMMIT_KINDS = frozenset({"install-engine", "write-file", "generate-key", "restart", "reload", "start"})
@@ -133,6 +136,11 @@ async def _apply_one(o: Observed, runner: Runner, progress: Callable[[str, str],
     except RemoteError as exc:
         result.ok = False
         result.message = f"{exc} (the server finishes or rolls back a started commit on its own; run apply again)"
+    except Exception as exc:  # noqa: BLE001 — whatever it is, it is this server's failed result, not the others'
+        log.exception("apply %s: unexpected error", o.plan.server)
+        result.ok = False
+        result.message = (f"unexpected error: {type(exc).__name__}: {exc} — a bug in reconciler (rerun with "
+                          "RECONCILER_DEBUG=1 and report it); the other servers were not affected")
     finally:
         result.seconds = time.monotonic() - start
     return result
@@ -215,14 +223,15 @@ async def _commit(runner: Runner, o: Observed, phase: Callable[[str], None], res
         await held.hand_over()
     res = await runner.script(o.target, remote.COMMIT, req, timeout=verify_timeout * 3 + 60)
     phase("verify")
-    commit = json.loads(res.stdout.strip().splitlines()[-1])
-    if commit.get("public"):  # what the keys step generated: no second observation needed to learn it
-        o.facts = replace(o.facts, public={**o.facts.public, **commit["public"]})
+    commit = answer(res, o.target, remote.COMMIT, {"ok": bool})
+    public = commit.get("public")
+    if isinstance(public, dict) and public:  # what the keys step generated: no second observation needed to learn it
+        o.facts = replace(o.facts, public={**o.facts.public, **{str(k): v for k, v in public.items() if isinstance(v, str)}})
     result.details["commit"] = {k: v for k, v in commit.items() if k != "public"}
     if not commit["ok"]:
         result.rolled_back = bool(commit.get("rolled_back"))
         where = "rolled back to the previous configuration" if result.rolled_back else "nothing was changed"
-        raise CommitFailed(f"{commit['stage']} failed: {commit['error']} — {where}", o.plan.server)
+        raise CommitFailed(f"{str(commit.get('stage'))[:60]} failed: {str(commit.get('error'))[:600]} — {where}", o.plan.server)
 
 
 FIREWALL_PATHS = {"confirm": "/run/reconciler-firewall.ok", "loaded": "/run/reconciler-firewall.loaded",
@@ -241,7 +250,8 @@ async def _harden(runner: Runner, o: Observed, timeout: float) -> None:
     await runner.script(t, remote.FIREWALL, {**base, "op": "apply"}, detach=True)
     loaded_by = time.monotonic() + 15
     while time.monotonic() < loaded_by:  # the established session keeps working under any rules
-        status = json.loads((await runner.script(t, remote.FIREWALL, {**base, "op": "status"})).stdout)
+        status = answer(await runner.script(t, remote.FIREWALL, {**base, "op": "status"}), t, remote.FIREWALL,
+                        {"loaded": bool, "out": str})
         if status["loaded"] or status["out"]:
             break
         await asyncio.sleep(0.2)
@@ -251,9 +261,10 @@ async def _harden(runner: Runner, o: Observed, timeout: float) -> None:
         pass  # no confirmation: the server restores the previous rules by itself, and says so below
     deadline = time.monotonic() + timeout + 15
     while time.monotonic() < deadline:
-        status = json.loads((await runner.script(t, remote.FIREWALL, {**base, "op": "status"})).stdout)
+        status = answer(await runner.script(t, remote.FIREWALL, {**base, "op": "status"}), t, remote.FIREWALL,
+                        {"loaded": bool, "out": str})
         if status["out"].strip():
-            out = json.loads(status["out"])
+            out = answer(Result(0, status["out"], ""), t, remote.FIREWALL, {})
             if not out.get("ok"):
                 raise CommitFailed(f"firewall: {out.get('error')} — the service itself was applied", o.plan.server)
             return
@@ -282,8 +293,8 @@ async def _stage_engine(runner: Runner, o: Observed) -> list[list[str]]:
         raise RemoteCommandError(o.plan.server, "install engine", None,
                                  "no engine binary: set settings.engine.binary, or install: download with a url")
     res = await runner.script(o.target, remote.ENGINE, req, input=data, timeout=ENGINE_UPLOAD_SECONDS)
-    staged = json.loads(res.stdout.strip().splitlines()[-1])
-    digest, version = str(staged["sha256"]).strip(), str(staged["version"])
+    staged = answer(res, o.target, remote.ENGINE, {"sha256": str, "version": str})
+    digest, version = staged["sha256"].strip(), staged["version"]
     problem = None
     if d.binary.sha256 and digest != d.binary.sha256:
         problem = f"the binary's sha256 {digest} differs from the pinned {d.binary.sha256}"

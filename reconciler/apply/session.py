@@ -27,7 +27,8 @@ def targets(cluster: Cluster, state: StateFolder, prune: bool = False) -> list[T
     names = {s.name for s in cluster.servers}
     found = [Target.from_server(s) for s in cluster.servers]
     if prune:
-        found += [Target(**info) for name, info in state.managed().items() if name not in names]
+        found += [t for name, info in state.managed().items() if name not in names
+                  if (t := Target.from_record(info)) is not None]
     return found
 
 

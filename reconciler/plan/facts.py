@@ -97,24 +97,56 @@ def spki_pin(cert_pem: str) -> str:
     return base64.b64encode(hashlib.sha256(spki).digest()).decode()
 
 
+def _field(data: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any) -> Any:
+    value = data.get(key, default)
+    if value is None and default is None:
+        return None
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"`{key}` is not a {getattr(kind, '__name__', 'valid value')}")
+    return value
+
+
+def _paths(data: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> dict[str, Any]:
+    """A map of path → value; each value of ``kind`` (or None: missing)."""
+    value = _field(data, key, dict, {})
+    for path, v in value.items():
+        if v is not None and not isinstance(v, kind):
+            raise ValueError(f"`{key}.{path[:80]}` is not a {getattr(kind, '__name__', 'valid value')}")
+    return dict(value)
+
+
 def parse_facts(raw: str) -> Facts:
-    data = json.loads(raw)
-    binary = data.get("binary") or {}
-    version_out = (binary.get("version") or {}).get("out", "")
+    """The facts script's answer, checked field by field; ``ValueError`` says which field is wrong
+    (a server is untrusted input: a garbled or hostile answer never reaches the plan as a value)."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    missing = [k for k in ("arch", "systemd", "files", "binary") if k not in data]
+    if missing:
+        raise ValueError(f"`{missing[0]}` is missing")
+    binary = _field(data, "binary", dict, {})
+    version = _field(binary, "version", dict, {})
+    version_out = _field(version, "out", str, "")
+    extra = _field(data, "extra", list, [])
+    if not all(isinstance(x, str) for x in extra):
+        raise ValueError("`extra` is not a list of paths")
     return Facts(
-        arch=data.get("arch", ""),
-        systemd=bool(data.get("systemd")),
-        python=data.get("python", ""),
-        files=dict(data.get("files") or {}),
-        engine_version=parse_version(version_out) if binary.get("exists") else None,
-        engine_sha256=binary.get("sha256"),
-        engine_size=binary.get("size"),
-        active=data.get("active", ""),
-        enabled=data.get("enabled", ""),
-        listeners=parse_ss(data.get("ss", "")),
-        public=dict(data.get("public") or {}),
-        present=dict(data.get("present") or {}),
-        lock=parse_lock(data.get("lock")),
-        extra=tuple(data.get("extra") or ()),
-        firewall=bool(data.get("firewall")),
+        arch=_field(data, "arch", str, ""),
+        systemd=bool(_field(data, "systemd", bool, False)),
+        python=_field(data, "python", str, ""),
+        files=_paths(data, "files", str),
+        engine_version=parse_version(version_out) if _field(binary, "exists", bool, False) else None,
+        engine_sha256=_field(binary, "sha256", str, None),
+        engine_size=_field(binary, "size", int, None),
+        active=_field(data, "active", str, ""),
+        enabled=_field(data, "enabled", str, ""),
+        listeners=parse_ss(_field(data, "ss", str, "")),
+        public=_paths(data, "public", str),
+        present=_paths(data, "present", bool),
+        lock=parse_lock(_field(data, "lock", str, None)),
+        extra=tuple(extra),
+        firewall=bool(_field(data, "firewall", bool, False)),
     )

@@ -26,9 +26,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from reconciler.engine import remote
-from reconciler.errors import LockHeld, RemoteCommandError, RemoteError
+from reconciler.errors import LockHeld, RemoteError
 from reconciler.plan.facts import parse_lock
 from reconciler.ssh import Runner, Target
+from reconciler.ssh.runner import answer
 
 LOCK_DIR = "/run/reconciler.lock"
 LOCK_FILE = f"{LOCK_DIR}/holder"
@@ -79,14 +80,11 @@ async def acquire(runner: Runner, target: Target, server: str, dirs: Sequence[st
     request = {"op": "acquire", "lock": LOCK_DIR, "holder_file": LOCK_FILE, "holder": json.dumps(holder(now)),
                "dirs": list(dirs), "private": list(private), "take_over": False}
     for take_over in (False, True):
-        res = await runner.script(target, remote.LOCK, {**request, "take_over": take_over})
-        try:
-            answer = json.loads(res.stdout)
-        except ValueError as exc:
-            raise RemoteCommandError(server, "the lock script", res.code, res.stdout + res.stderr) from exc
-        if answer.get("ok"):
+        got = answer(await runner.script(target, remote.LOCK, {**request, "take_over": take_over}), target, remote.LOCK,
+                     {"ok": bool})
+        if got["ok"]:
             return
-        raw = str(answer.get("holder") or "")
+        raw = str(got.get("holder") or "")[:400]
         info = parse_lock(raw)
         if take_over or not is_stale(info, now):
             break
@@ -102,10 +100,9 @@ async def release(runner: Runner, target: Target) -> None:
 async def renew(runner: Runner, target: Target, now: float | None = None) -> bool:
     """Move our holder's ``since`` to ``now``; False when the lock is gone or no longer ours."""
     request = {"op": "renew", "holder_file": LOCK_FILE, "holder": json.dumps(holder(now))}
-    res = await runner.script(target, remote.LOCK, request)
     try:
-        return bool(json.loads(res.stdout).get("ok"))
-    except ValueError:
+        return bool(answer(await runner.script(target, remote.LOCK, request), target, remote.LOCK, {"ok": bool})["ok"])
+    except RemoteError:
         return False
 
 

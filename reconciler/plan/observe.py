@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import json
+import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,12 +20,15 @@ from reconciler.credentials import Secret
 from reconciler.engine import remote
 from reconciler.engine.singbox import BINARY, CONFIG_DIR, SERVICE, TEMPLATE, UNIT, WANTS, DesiredServer, desired
 from reconciler.errors import RemoteError
-from reconciler.model import Cluster
+from reconciler.model import Cluster, Server
 from reconciler.plan.actions import ServerPlan, plan_removal, plan_server, preflight
 from reconciler.plan.facts import Facts, parse_facts, spki_pin
 from reconciler.plan.lock import LOCK_FILE
 from reconciler.ssh import KnownHosts, Runner, Target
 from reconciler.ssh.pool import first_contact_refusal
+from reconciler.ssh.runner import answer
+
+log = logging.getLogger("reconciler.plan")
 
 DIFF_LIMIT = 1 << 20  # old contents read for a diff, per file
 
@@ -49,14 +53,25 @@ def facts_request(d: DesiredServer | None) -> dict[str, object]:
 
 async def gather(runner: Runner, target: Target, d: DesiredServer | None) -> Facts:
     res = await runner.script(target, remote.FACTS, facts_request(d))
-    return parse_facts(res.stdout)
+    try:
+        return parse_facts(res.stdout)
+    except ValueError as exc:  # the server is hostile input too: its answer is checked field by field
+        raise RemoteError(f"{target.name}: the facts script answered something that is not facts: {str(exc)[:200]}",
+                          target.name) from None
 
 
 async def current_contents(runner: Runner, target: Target, paths: list[str]) -> dict[str, bytes | None]:
     """Old contents of changed files, for diffs (small files only: at most ``DIFF_LIMIT`` bytes each)."""
     res = await runner.script(target, remote.FILES, {"op": "read", "paths": paths, "limit": DIFF_LIMIT})
-    files = json.loads(res.stdout)["files"]
-    return {p: base64.b64decode(files[p]) if files.get(p) is not None else None for p in paths}
+    files = answer(res, target, remote.FILES, {"files": dict})["files"]
+    out: dict[str, bytes | None] = {}
+    for p in paths:
+        value = files.get(p)
+        try:
+            out[p] = base64.b64decode(value, validate=True) if isinstance(value, str) else None
+        except ValueError:
+            out[p] = None  # shown as a new file rather than trusted
+    return out
 
 
 @dataclass
@@ -82,7 +97,7 @@ async def observe(cluster: Cluster, secret: Secret, runner: Runner, base_dir: st
             return True
         return False
 
-    async def one(server) -> Observed:  # type: ignore[no-untyped-def]
+    async def one(server: Server) -> Observed:
         target = Target.from_server(server)
         plan = ServerPlan(server.name, server.host)
         try:
@@ -104,8 +119,7 @@ async def observe(cluster: Cluster, secret: Secret, runner: Runner, base_dir: st
             plan.actions = plan_server(d, facts, old, prune)
         return Observed(plan, facts, d, target)
 
-    async def gone(name: str, info: dict[str, Any]) -> Observed:
-        target = Target(**info)
+    async def gone(name: str, target: Target) -> Observed:
         plan = ServerPlan(name, target.host, removed=True)
         if refused(target, plan):
             return Observed(plan, None, None, target)
@@ -115,10 +129,27 @@ async def observe(cluster: Cluster, secret: Secret, runner: Runner, base_dir: st
         plan.actions = plan_removal(facts)
         return Observed(plan, facts, None, target)
 
-    tasks = [one(s) for s in cluster.servers]
+    async def isolated(name: str, host: str, target: Target, removed: bool, work: Awaitable[Observed]) -> Observed:
+        """Whatever goes wrong observing one server is that server's plan error, never the others'."""
+        try:
+            return await work
+        except Exception as exc:  # noqa: BLE001 — logged with its traceback; the plan says it
+            log.exception("observing %s: unexpected error", name)
+            plan = ServerPlan(name, host, removed=removed)
+            plan.error = (f"unexpected error: {type(exc).__name__}: {str(exc)[:300]} — a bug in reconciler "
+                          "(rerun with RECONCILER_DEBUG=1 and report it); the other servers were observed")
+            return Observed(plan, None, None, target)
+
+    tasks = [isolated(s.name, s.host, Target.from_server(s), False, one(s)) for s in cluster.servers]
     if prune and previous:
         names = {s.name for s in cluster.servers}
-        tasks += [gone(n, info) for n, info in previous.items() if n not in names]
+        for n, info in previous.items():
+            if n not in names:
+                target = Target.from_record(info)
+                if target is None:
+                    log.warning("the state folder's record of %s is not usable; it cannot be pruned", n)
+                    continue
+                tasks.append(isolated(n, target.host, target, True, gone(n, target)))
     return list(await asyncio.gather(*tasks))
 
 

@@ -19,7 +19,7 @@ import random
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import asyncssh
 
@@ -43,6 +43,20 @@ class Target:
     user: str = "root"
     identity: str | None = None
     host_key: str | None = None  # pinned in the cluster file
+
+    @classmethod
+    def from_record(cls, info: Any) -> Target | None:
+        """A target from the state folder's record of a managed server; None when the record is not one
+        (the state folder is untrusted input: a hand-edited or corrupt record is skipped, not trusted)."""
+        if not isinstance(info, dict):
+            return None
+        fields: dict[str, Any] = {k: info.get(k) for k in ("name", "host", "port", "user", "identity", "host_key") if k in info}
+        text = ("name", "host", "user")
+        if (not all(isinstance(fields.get(k), str) for k in text if k in fields) or "name" not in fields
+                or "host" not in fields or not isinstance(fields.get("port", 22), int)
+                or not all(fields.get(k) is None or isinstance(fields[k], str) for k in ("identity", "host_key"))):
+            return None
+        return cls(**fields)
 
     @classmethod
     def from_server(cls, server: object) -> Target:

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from reconciler.errors import RemoteError
 from reconciler.ssh.pool import Result, Target
 
 REQUEST_LINE = "REQUEST: Any = None"  # the line a spliced request replaces, once per script
@@ -69,3 +70,24 @@ class Runner(Protocol):
     async def close(self) -> None:
         """Close every connection (and, for a fake, wait for what it started)."""
         ...
+
+
+def answer(result: Result, target: Target, script: Script, keys: Mapping[str, type | tuple[type, ...]]) -> dict[str, Any]:
+    """A script's answer (the last line of its output) as a JSON object whose ``keys`` have the given types.
+
+    Servers are hostile input like everything else: an answer that is not JSON, not an object, or whose
+    fields have other types raises ``RemoteError`` naming the server and the script — that server's
+    failure, never an exception that reaches the others."""
+    lines = [ln for ln in result.stdout.strip().splitlines() if ln.strip()]
+    try:
+        doc = json.loads(lines[-1]) if lines else None
+    except (ValueError, RecursionError):
+        doc = None
+    if not isinstance(doc, dict):
+        shown = (lines[-1] if lines else "nothing")[:120]
+        raise RemoteError(f"{target.name}: the {script.name} script answered something that is not its answer: {shown!r}",
+                          target.name)
+    for key, kind in keys.items():
+        if not isinstance(doc.get(key), kind) or (kind is int and isinstance(doc.get(key), bool)):
+            raise RemoteError(f"{target.name}: the {script.name} script's answer has no valid `{key}`", target.name)
+    return doc
