@@ -108,3 +108,22 @@ def test_learned_state_of_another_cluster_is_adopted_not_trusted(tmp_path):
     smaller = cluster(2)
     learned = state.load_learned(smaller)
     assert learned.topology.servers == ("s0", "s1") and not state.notes
+
+
+def test_apply_refuses_while_another_apply_holds_the_state_folder(tmp_path, cli, monkeypatch):
+    monkeypatch.setenv("RECONCILER_SECRET", "state-lock-test-secret-0123456789abcdef")
+    path = tmp_path / "cluster.yaml"
+    path.write_text("users:\n  - name: alice\n")  # no servers: nothing to reach, only the folder's lock to take
+    ctx = multiprocessing.get_context("spawn")
+    ready, done = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold, args=(str(tmp_path / ".reconciler"), ready, done))
+    holder.start()
+    try:
+        assert ready.wait(20)
+        run = cli("apply", "-f", str(path))
+        assert run.rc == 1 and f"in use by apply (pid {holder.pid})" in run.err and "try again later" in run.err, run.text
+    finally:
+        done.set()
+        holder.join(20)
+    run = cli("apply", "-f", str(path))
+    assert run.rc == 0, run.text

@@ -43,7 +43,7 @@ def register(sub: Any) -> None:
 
 
 def _observe(path: str, prune: bool, strict: bool,
-             then: Callable[[list[Observed], SSHPool, StateFolder], Awaitable[T]] | None = None
+             then: Callable[[Cluster, list[Observed], SSHPool, StateFolder], Awaitable[T]] | None = None
              ) -> tuple[Cluster, StateFolder, list[Observed], T | None]:
     """Observe every server; ``then`` runs on the same SSH connections right after (apply: one handshake per server).
     Warns (stderr) of every first contact ahead, or, ``strict``, refuses it."""
@@ -62,7 +62,7 @@ def _observe(path: str, prune: bool, strict: bool,
         async with pool_for(state, strict_host_keys=strict) as pool:
             observed = await observe(cluster, secret, pool, str(base_dir(path)), prune, state.managed(),
                                      strict_host_keys=known)
-            return observed, (await then(observed, pool, state) if then is not None else None)
+            return observed, (await then(cluster, observed, pool, state) if then is not None else None)
 
     observed, result = asyncio.run(go())
     return cluster, state, observed, result
@@ -103,19 +103,22 @@ def cmd_apply(args: argparse.Namespace) -> int:
     if saved is not None:
         path, prune = saved.cluster_file, saved.prune
 
-    async def then(observed: list[Observed], pool: SSHPool, state: StateFolder) -> list[ServerResult]:
+    async def then(cluster: Cluster, observed: list[Observed], pool: SSHPool, state: StateFolder) -> list[ServerResult]:
         if saved is not None:
             check_fresh(saved, observed)  # StalePlan: nothing is applied
         progress = Progress([o.plan.server for o in observed])
-        try:
-            # The commit returns the public material the servers generated: `observed` then holds it.
-            return await apply_all(observed, pool, progress)
-        finally:
-            progress.close()
+        # One apply per state folder at a time (LockHeld names the other); held until it is remembered.
+        with state.lock("apply"):
+            try:
+                # The commit returns the public material the servers generated: `observed` then holds it.
+                results = await apply_all(observed, pool, progress)
+            finally:
+                progress.close()
+            remember(state, cluster, observed, results)
+        return results
 
     cluster, state, observed, results = _observe(path, prune, args.strict_host_keys, then)
     assert results is not None
-    remember(state, cluster, observed, results)
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=2, default=str))
     else:

@@ -43,7 +43,7 @@ from reconciler.balance import Snapshot
 from reconciler.config import load_cluster
 from reconciler.credentials import Secret, clash_api_secret
 from reconciler.engine.singbox import AGENT
-from reconciler.errors import RemoteError, ReportError, SecretError
+from reconciler.errors import LockHeld, RemoteError, ReportError, SecretError
 from reconciler.fleet import snapshot
 from reconciler.fleet.reports import Report, agent_request, parse_report
 from reconciler.health.verdicts import ServerVerdict, Verdicts
@@ -425,8 +425,12 @@ class Loop:
             started = time.perf_counter()
             progress = Progress([o.plan.server for o in pending], log=lambda line: log.info("apply %s", line))
             try:
-                results = await apply_all(pending, self.pool, progress)  # adds generated public keys to `pending`
-                self.facts = await asyncio.to_thread(remember, self.state, cluster, pending, results)
+                with self.state.lock("run (self-heal)"):  # not while an `apply` from this folder runs
+                    results = await apply_all(pending, self.pool, progress)  # adds generated public keys to `pending`
+                    self.facts = await asyncio.to_thread(remember, self.state, cluster, pending, results)
+            except LockHeld as exc:
+                log.warning("self-heal waits for the next plan: %s", exc)
+                return
             except Exception:  # noqa: BLE001
                 log.exception("apply failed")
                 self.stats.record("apply", False, time.perf_counter() - started, time.time())
