@@ -64,7 +64,11 @@ def _observe(path: str, prune: bool, strict: bool,
                                      strict_host_keys=known)
             return observed, (await then(cluster, observed, pool, state) if then is not None else None)
 
-    observed, result = asyncio.run(go())
+    try:
+        observed, result = asyncio.run(go())
+    finally:
+        for note in state.notes:  # state files that could not be read: a fresh start, said, never silent
+            warn(note)
     return cluster, state, observed, result
 
 
