@@ -12,6 +12,7 @@ replacing a pinned key is the operator's decision, made by hand.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,7 +91,9 @@ def _pin_one(text: str, file: str, name: str, key: str) -> str:
 
 
 def _find_server(text: str, name: str) -> Any:
-    doc = YAML(typ="rt").load(text)
+    with warnings.catch_warnings():  # a reused anchor warns; the loader already accepted the file
+        warnings.simplefilter("ignore")
+        doc = YAML(typ="rt").load(text)
     for server in (doc or {}).get("servers") or []:
         if isinstance(server, dict) and str(server.get("name")) == name:
             return server

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import asyncssh
 
 from reconciler.errors import ConnectError, HostKeyChanged, RemoteCommandError, RemoteError
+from reconciler.safe_read import read_regular_file
 from reconciler.state.files import write_atomic
 
 if TYPE_CHECKING:
@@ -157,6 +158,7 @@ class SSHPool:
         self.retries = retries
         self.backoff = backoff
         self._conns: dict[str, asyncssh.SSHClientConnection] = {}
+        self._keys: dict[str, asyncssh.SSHKey] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
     async def connection(self, target: Target) -> asyncssh.SSHClientConnection:
@@ -169,6 +171,19 @@ class SSHPool:
             self._conns[target.name] = conn
             return conn
 
+    def _identity(self, path: str) -> asyncssh.SSHKey:
+        """The private key at ``path``, read bounded (a regular file only: never a device, a FIFO or /proc)
+        and parsed once per pool; a key that cannot be read is this server's ``ConnectError``."""
+        key = self._keys.get(path)
+        if key is None:
+            try:
+                key = self._keys[path] = asyncssh.import_private_key(read_regular_file(path, 64 * 1024))
+            except OSError as exc:
+                raise ConnectError(f"cannot read the SSH key {path}: {exc.strerror or exc}") from None
+            except (asyncssh.KeyImportError, ValueError) as exc:
+                raise ConnectError(f"the SSH key {path} cannot be used: {exc} (an encrypted key needs an agent)") from None
+        return key
+
     async def _connect(self, target: Target) -> asyncssh.SSHClientConnection:
         pinned = self.known.get(target)
         if pinned is None and self.strict_host_keys:
@@ -178,7 +193,7 @@ class SSHPool:
             try:
                 known: tuple[list[asyncssh.SSHKey], list[asyncssh.SSHKey], list[asyncssh.SSHKey]] | None = (
                     ([asyncssh.import_public_key(pinned)], [], []) if pinned else None)
-                kwargs: dict[str, object] = {"client_keys": [target.identity]} if target.identity else {}
+                kwargs: dict[str, object] = {"client_keys": [self._identity(target.identity)]} if target.identity else {}
                 if not pinned:  # first contact: record the key operators pin, like OpenSSH prefers it
                     kwargs["server_host_key_algs"] = FIRST_CONTACT_ALGS
                 conn = await asyncio.wait_for(asyncssh.connect(
