@@ -8,8 +8,9 @@ import threading
 import time
 from pathlib import Path
 
+from reconciler.credentials import Secret, user_credentials
 from reconciler.lab import lab_cluster_yaml
-from tests.lab.conftest import ORIGIN_PORT, Client, blob_sha, reconciler, reset_hosts, ssh
+from tests.lab.conftest import ORIGIN_PORT, SECRET, Client, blob_sha, reconciler, reset_hosts, ssh
 
 PROTOCOL_INBOUNDS = [
     ("p-vless", "vless-tls", 443, "tls: {server_name: www.lab.test}"),
@@ -46,7 +47,9 @@ def test_bare_hosts_plan_apply_replan(lab, env):
     plan = reconciler("plan", "-f", "c.yaml")
     assert plan.returncode == 2, plan.stdout + plan.stderr
     assert plan.stdout.strip().endswith("Plan: 15 to add, 3 to change, 0 to destroy.")
-    assert "<redacted>" in plan.stdout and "uuid\": \"<redacted>" in plan.stdout
+    # Credentials show as fingerprints, never as themselves (the users' uuids are derived from the lab secret).
+    alice = user_credentials(Secret(SECRET.encode()), "alice")
+    assert "\"uuid\": \"sha256:" in plan.stdout and alice.uuid not in plan.stdout and alice.password not in plan.stdout
     apply = reconciler("apply", "-f", "c.yaml")
     assert apply.returncode == 0, apply.stdout + apply.stderr
     assert "Apply: 3 ok, 0 failed, 3 changed." in apply.stdout
