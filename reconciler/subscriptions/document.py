@@ -2,6 +2,14 @@
 
 Both outlets — files for every user and the live ``/sub/<token>`` endpoint —
 call ``render``; for the same snapshot they return the same bytes.
+
+A disabled or expired user gets a refusal, not a profile (issue 14): status 403, a one-line text body
+that says why (what clients show of a failed update), the title and ``subscription-userinfo`` headers,
+and no entry; the file outlet writes that same text, which no client takes for a profile.
+
+An entry a format cannot give without telling clients to skip verification is left out of that format
+(``formats.omission``) and logged once per process as a warning: the loop's log, and the note
+``reconciler subscription`` prints.
 """
 
 from __future__ import annotations
@@ -10,16 +18,21 @@ import base64
 import functools
 import hashlib
 import json
+import logging
 import re
+import time
 from dataclasses import dataclass, field
 from functools import cached_property
+from urllib.parse import quote
 
 from reconciler.balance.decide import Entry, decide
 from reconciler.balance.snapshot import Snapshot
 from reconciler.credentials import Secret, UserCredentials, user_credentials
 from reconciler.model import User
-from reconciler.subscriptions.formats import FORMATS, clash, links, singbox
-from reconciler.subscriptions.outbound import client_outbound
+from reconciler.subscriptions.formats import FORMATS, clash, links_text, omission, singbox
+from reconciler.subscriptions.outbound import ClientOutbound, client_outbound
+
+log = logging.getLogger("reconciler.subscriptions")
 
 CONTENT_TYPES = {"links": "text/plain; charset=utf-8", "sing-box": "application/json; charset=utf-8",
                  "clash": "text/yaml; charset=utf-8"}
@@ -33,6 +46,11 @@ class Document:
     body: bytes
     headers: dict[str, str]
     entries: list[Entry] = field(default_factory=list)
+    status: int = 200  # 403: a refusal (disabled or expired user); its body says why
+
+    @property
+    def refused(self) -> bool:
+        return self.status != 200
 
     @cached_property  # asked on every live request (If-None-Match): hash the body once
     def etag(self) -> str:
@@ -83,10 +101,14 @@ def headers(snapshot: Snapshot, user_name: str, fmt: str, user: User | None = No
 
 def headers_json(snapshot: Snapshot, docs: dict[str, Document]) -> bytes:
     """``{format: headers}`` of one user's documents as JSON (the file outlet's ``headers.json``). The
-    user-independent part is encoded once per snapshot: the C encoder took 22 µs per user."""
+    user-independent part is encoded once per snapshot: the C encoder took 22 µs per user. A refusal's
+    headers carry its ``status`` too (for an uploader that serves the files)."""
     memo = snapshot.memo.header_json_heads
     parts = []
     for fmt, doc in docs.items():
+        if doc.refused:
+            parts.append(json.dumps(fmt) + ": " + json.dumps({**doc.headers, "status": str(doc.status)}, ensure_ascii=False))
+            continue
         head = memo.get(fmt)
         if head is None:
             fixed = {k: v for k, v in _header_base(snapshot, fmt).items() if k != "subscription-userinfo"}
@@ -96,8 +118,23 @@ def headers_json(snapshot: Snapshot, docs: dict[str, Document]) -> bytes:
     return ("{" + ", ".join(parts) + "}").encode()
 
 
+def refusal(snapshot: Snapshot, user: User, fmt: str) -> Document:
+    """What a disabled or expired user gets instead of a profile: 403 and one line that says why."""
+    if not user.enabled:
+        why = "This subscription is disabled."
+    else:
+        when = time.strftime("%Y-%m-%d", time.gmtime(user.expires_at or snapshot.now))
+        why = f"This subscription expired on {when}."
+    base = _header_base(snapshot, fmt)
+    hdrs = {"content-type": "text/plain; charset=utf-8", "profile-title": base["profile-title"],
+            "subscription-userinfo": headers(snapshot, user.name, fmt, user)["subscription-userinfo"],
+            "cache-control": "no-cache"}
+    return Document(f"{why} Ask the operator to renew it.\n".encode(), hdrs, [], status=403)
+
+
 def render(snapshot: Snapshot, user_name: str, fmt: str, secret: Secret, region: str | None = None) -> Document:
-    """The user's subscription in ``fmt``. An unknown, disabled or expired user gets an empty document."""
+    """The user's subscription in ``fmt``. An unknown user gets an empty document; a disabled or expired
+    one a refusal (``Document.refused``)."""
     return render_formats(snapshot, user_name, (fmt,), secret, region)[fmt]
 
 
@@ -121,16 +158,14 @@ def render_formats(snapshot: Snapshot, user_name: str, fmts: tuple[str, ...], se
         user = snapshot.cluster.user(user_name)
     except KeyError:
         return {fmt: Document(b"", {"content-type": CONTENT_TYPES[fmt]}, []) for fmt in fmts}
+    if not user.active(snapshot.now):
+        return {fmt: refusal(snapshot, user, fmt) for fmt in fmts}
     creds = credentials or user_credentials(secret, user.name, user.rotate)
     out = {}
     for fmt in fmts:
-        if fmt == "links" and any(e.ref.inbound.protocol == "shadowsocks-2022" for e in entries):
-            # SIP002 links base64 the Shadowsocks user info: no stand-in survives that, so render per user.
-            body = links([client_outbound(e, snapshot, secret, creds) for e in entries])
-        else:
-            body = _substitute(_template(snapshot, entries, fmt, secret), _stand_in(secret), creds)
-            if fmt == "links":
-                body = base64.b64encode(body)
+        body = _substitute(_template(snapshot, entries, fmt, secret), _stand_in(secret), creds, fmt == "links")
+        if fmt == "links":
+            body = base64.b64encode(body)
         doc = Document(body, headers(snapshot, user_name, fmt, user), entries)
         doc.headers["etag"] = doc.etag
         out[fmt] = doc
@@ -142,17 +177,35 @@ def _template(snapshot: Snapshot, entries: list[Entry], fmt: str, secret: Secret
     key = (fmt, tuple((e.name, e.ref.inbound.id) for e in entries))
     body = memo.get(key)
     if body is None:
-        outbounds = [client_outbound(e, snapshot, secret, _stand_in(secret)) for e in entries]
+        outbounds = _verifiable([client_outbound(e, snapshot, secret, _stand_in(secret)) for e in entries], fmt)
         if fmt == "links":  # the text before base64
-            body = base64.b64decode(links(outbounds))
+            body = links_text(outbounds)
         else:
             body = (singbox if fmt == "sing-box" else clash)(outbounds)
         memo[key] = body
     return body
 
 
-def _substitute(body: bytes, stand_in: UserCredentials, creds: UserCredentials) -> bytes:
+_warned: set[tuple[str, str, str]] = set()  # (inbound, format, why) already logged by this process
+
+
+def _verifiable(outbounds: list[ClientOutbound], fmt: str) -> list[ClientOutbound]:
+    """The outbounds ``fmt`` can give with their servers verified; the others are left out, with a warning."""
+    kept = []
+    for o in outbounds:
+        why = omission(o, fmt)
+        if why is None:
+            kept.append(o)
+        elif (o.inbound, fmt, why) not in _warned:
+            _warned.add((o.inbound, fmt, why))
+            log.warning("note: inbound %r is left out of %s subscriptions: %s", o.inbound, fmt, why)
+    return kept
+
+
+def _substitute(body: bytes, stand_in: UserCredentials, creds: UserCredentials, in_url: bool) -> bytes:
+    """The user's credentials in place of the stand-ins; percent-encoded in share links, where they stand in
+    a URL's user info (SIP002's Shadowsocks key is base64, with ``+``, ``/`` and ``=``)."""
     for placeholder, real in ((stand_in.uuid, creds.uuid), (stand_in.password, creds.password),
                               (stand_in.ss_key_128, creds.ss_key_128), (stand_in.ss_key_256, creds.ss_key_256)):
-        body = body.replace(placeholder.encode(), real.encode())
+        body = body.replace(placeholder.encode(), (quote(real, safe="") if in_url else real).encode())
     return body

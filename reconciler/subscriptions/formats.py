@@ -3,10 +3,13 @@
 - ``links``: base64 of one share link per line, as v2rayN/v2rayNG, Hiddify,
   Streisand and Shadowrocket read them (``vless://``, ``trojan://``, SIP002
   ``ss://``, ``hysteria2://``, ``tuic://``);
-- ``sing-box``: a complete client configuration — one outbound per entry
-  tagged with the entry's name, a selector, a local mixed proxy, DNS through
-  the proxy and sane routing defaults (sing-box 1.12+ schema);
+- ``sing-box``: a complete client profile — one outbound per entry tagged
+  with the entry's name, a selector over them, a TUN inbound, DNS through
+  the proxy and routing as the official client examples (sing-box 1.12+ schema);
 - ``clash``: a Clash Meta / Mihomo profile with the proxies and a select group.
+
+``omission`` decides, per format, which entries cannot be given without
+telling clients to skip verification (issue 14).
 """
 
 from __future__ import annotations
@@ -21,46 +24,78 @@ from reconciler.subscriptions.outbound import ClientOutbound
 FORMATS = ("links", "sing-box", "clash")
 
 
+# --------------------------------------------------------------------------- verification
+
+
+def omission(o: ClientOutbound, fmt: str) -> str | None:
+    """Why ``o`` is left out of ``fmt`` (a clause for the operator), or None: ``fmt`` can verify its server.
+
+    No format skips verification unless the inbound says ``tls.insecure: true``; a self-signed certificate
+    is pinned where the format can pin, with what an apply learnt (``outbound.pins_of``)."""
+    if o.verify != "pinned":
+        return None
+    later = "is learnt when an apply reads the certificate back (run `reconciler apply`)"
+    if fmt == "sing-box":
+        return None if o.spki_pin else f"its self-signed certificate's public-key pin {later}"
+    if fmt == "clash" or o.protocol == "hysteria2":  # Mihomo's `fingerprint`, Hysteria2's `pinSHA256`
+        return None if o.cert_sha256 else f"its self-signed certificate's SHA-256 fingerprint {later}"
+    return (f"{o.protocol} share links have no way to pin a self-signed certificate "
+            "(give the inbound a certificate, or accept the risk with `tls.insecure: true`)")
+
+
 # --------------------------------------------------------------------------- share links
 
 
+def _ss_userinfo(o: ClientOutbound) -> str:
+    # SIP002 with SIP022 (2022 ciphers): userinfo in plain text, method and password percent-encoded, never base64.
+    return f"{quote(o.method, safe='')}:{quote(o.password, safe='')}"
+
+
 def share_link(o: ClientOutbound) -> str:
+    """One link by its scheme's convention (the parameter names v2rayN, NekoBox, Hiddify and Mihomo read);
+    ``omission`` must have let ``o`` through for links."""
     tag = "#" + quote(o.name, safe="")
+    insecure = o.verify == "insecure"
     if o.protocol in ("vless-reality", "vless-tls"):
         q: dict[str, str] = {"encryption": "none", "type": "tcp"}
         if o.flow:
             q["flow"] = o.flow
-        if o.protocol == "vless-reality":
+        if o.protocol == "vless-reality":  # uTLS: `fp` only where the profile imitates a browser
             q.update(security="reality", sni=o.sni, fp=o.fingerprint, pbk=o.public_key, sid=o.short_id)
         else:
-            q.update(security="tls", sni=o.sni, fp=o.fingerprint or "chrome")
-            if o.self_signed:
+            q.update(security="tls", sni=o.sni)
+            if insecure:
                 q["allowInsecure"] = "1"
-        return f"vless://{o.uuid}@{o.url_host}:{o.port}?{urlencode(q)}{tag}"
+        return f"vless://{quote(o.uuid, safe='')}@{o.url_host}:{o.port}?{urlencode(q)}{tag}"
     if o.protocol == "trojan":
         q = {"security": "tls", "sni": o.sni, "type": "tcp"}
-        if o.self_signed:
+        if insecure:
             q["allowInsecure"] = "1"
         return f"trojan://{quote(o.password, safe='')}@{o.url_host}:{o.port}?{urlencode(q)}{tag}"
     if o.protocol == "shadowsocks-2022":
-        userinfo = base64.urlsafe_b64encode(f"{o.method}:{o.password}".encode()).rstrip(b"=").decode()
-        return f"ss://{userinfo}@{o.url_host}:{o.port}{tag}"
+        return f"ss://{_ss_userinfo(o)}@{o.url_host}:{o.port}{tag}"
     if o.protocol == "hysteria2":
         q = {"sni": o.sni}
-        if o.self_signed:
+        if insecure:
             q["insecure"] = "1"
+        elif o.verify == "pinned":
+            q["pinSHA256"] = o.cert_sha256  # the certificate's SHA-256 in hex (Hysteria2 URI scheme)
         return f"hysteria2://{quote(o.password, safe='')}@{o.url_host}:{o.port}/?{urlencode(q)}{tag}"
     if o.protocol == "tuic":
-        q = {"congestion_control": o.congestion_control, "alpn": ",".join(o.alpn), "sni": o.sni, "udp_relay_mode": "native"}
-        if o.self_signed:
+        q = {"congestion_control": o.congestion_control, "udp_relay_mode": "native", "alpn": ",".join(o.alpn), "sni": o.sni}
+        if insecure:
             q["allow_insecure"] = "1"
-        return f"tuic://{o.uuid}:{quote(o.password, safe='')}@{o.url_host}:{o.port}?{urlencode(q)}{tag}"
+        return f"tuic://{quote(o.uuid, safe='')}:{quote(o.password, safe='')}@{o.url_host}:{o.port}?{urlencode(q)}{tag}"
     raise ValueError(f"no share link for {o.protocol}")
 
 
+def links_text(outbounds: list[ClientOutbound]) -> bytes:
+    """The links, one a line, before base64 (credentials percent-encoded where they stand)."""
+    return ("\n".join(share_link(o) for o in outbounds) + ("\n" if outbounds else "")).encode()
+
+
 def links(outbounds: list[ClientOutbound]) -> bytes:
-    text = "\n".join(share_link(o) for o in outbounds) + ("\n" if outbounds else "")
-    return base64.b64encode(text.encode())
+    return base64.b64encode(links_text(outbounds))
 
 
 # --------------------------------------------------------------------------- sing-box
@@ -78,10 +113,10 @@ def _unique_tags(outbounds: list[ClientOutbound]) -> list[str]:
 
 def _singbox_tls(o: ClientOutbound) -> dict[str, object]:
     tls: dict[str, object] = {"enabled": True, "server_name": o.sni}
-    if o.insecure:
+    if o.verify == "insecure":
         tls["insecure"] = True
-    if o.pin_sha256:
-        tls["certificate_public_key_sha256"] = [o.pin_sha256]
+    elif o.verify == "pinned":
+        tls["certificate_public_key_sha256"] = [o.spki_pin]
     if o.alpn:
         tls["alpn"] = list(o.alpn)
     return tls
@@ -103,7 +138,7 @@ def singbox_outbound(o: ClientOutbound, tag: str) -> dict[str, object]:
         out = {"type": "hysteria2", **base, "password": o.password, "tls": _singbox_tls(o)}
     elif o.protocol == "tuic":
         out = {"type": "tuic", **base, "uuid": o.uuid, "password": o.password,
-               "congestion_control": o.congestion_control, "tls": _singbox_tls(o)}
+               "congestion_control": o.congestion_control, "udp_relay_mode": "native", "tls": _singbox_tls(o)}
     else:
         raise ValueError(o.protocol)
     if not out.get("flow", True):
@@ -111,7 +146,15 @@ def singbox_outbound(o: ClientOutbound, tag: str) -> dict[str, object]:
     return out
 
 
-def singbox(outbounds: list[ClientOutbound], mixed_port: int = 2080) -> bytes:
+# The TUN interface's addresses, as sing-box's own client examples give them.
+TUN_ADDRESSES = ["172.19.0.1/30", "fdfe:dcba:9876::1/126"]
+
+
+def singbox(outbounds: list[ClientOutbound]) -> bytes:
+    """A profile a phone or desktop app (SFA, SFI, SFM, Hiddify) runs as it is: a TUN inbound that takes the
+    device's traffic, DNS through the proxy, sniffing and DNS hijacking by rule actions, private addresses
+    direct, everything else to the selector of the routes' entries (sing-box 1.12+ schema, as the official
+    client examples of 1.14 write it). No local proxy port: another app on the device could use or find it."""
     tags = _unique_tags(outbounds)
     config = {
         "log": {"level": "warn"},
@@ -123,7 +166,7 @@ def singbox(outbounds: list[ClientOutbound], mixed_port: int = 2080) -> bytes:
             "final": "remote",
             "strategy": "prefer_ipv4",
         },
-        "inbounds": [{"type": "mixed", "tag": "mixed-in", "listen": "127.0.0.1", "listen_port": mixed_port}],
+        "inbounds": [{"type": "tun", "tag": "tun-in", "address": TUN_ADDRESSES, "auto_route": True, "strict_route": True}],
         "outbounds": [
             {"type": "selector", "tag": "proxy", "outbounds": tags or ["direct"], "default": (tags or ["direct"])[0]},
             *[singbox_outbound(o, t) for o, t in zip(outbounds, tags, strict=True)],
@@ -139,6 +182,8 @@ def singbox(outbounds: list[ClientOutbound], mixed_port: int = 2080) -> bytes:
             "auto_detect_interface": True,
             "default_domain_resolver": "local",
         },
+        # The user's choice in the selector survives a restart of the app.
+        "experimental": {"cache_file": {"enabled": True}},
     }
     # Compact: the C encoder (indent falls back to the pure-Python one, 5x slower); clients do not read whitespace.
     return (json.dumps(config, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
@@ -147,28 +192,33 @@ def singbox(outbounds: list[ClientOutbound], mixed_port: int = 2080) -> bytes:
 # --------------------------------------------------------------------------- Clash Meta / Mihomo
 
 
+def _clash_verify(o: ClientOutbound) -> dict[str, object]:
+    if o.verify == "insecure":
+        return {"skip-cert-verify": True}
+    if o.verify == "pinned":
+        return {"fingerprint": o.cert_sha256}  # Mihomo: the certificate's SHA-256 in hex
+    return {}
+
+
 def clash_proxy(o: ClientOutbound, name: str) -> dict[str, object]:
     base: dict[str, object] = {"name": name, "server": o.host, "port": o.port, "udp": True}
     if o.protocol in ("vless-reality", "vless-tls"):
-        p = {**base, "type": "vless", "uuid": o.uuid, "network": "tcp", "tls": True, "servername": o.sni,
-             "client-fingerprint": o.fingerprint or "chrome"}
+        p = {**base, "type": "vless", "uuid": o.uuid, "network": "tcp", "tls": True, "servername": o.sni}
         if o.flow:
             p["flow"] = o.flow
         if o.protocol == "vless-reality":
+            p["client-fingerprint"] = o.fingerprint
             p["reality-opts"] = {"public-key": o.public_key, "short-id": o.short_id}
-        elif o.self_signed:
-            p["skip-cert-verify"] = True
-        return p
+        return {**p, **_clash_verify(o)}
     if o.protocol == "trojan":
-        return {**base, "type": "trojan", "password": o.password, "sni": o.sni, "skip-cert-verify": o.self_signed}
+        return {**base, "type": "trojan", "password": o.password, "sni": o.sni, **_clash_verify(o)}
     if o.protocol == "shadowsocks-2022":
         return {**base, "type": "ss", "cipher": o.method, "password": o.password}
     if o.protocol == "hysteria2":
-        return {**base, "type": "hysteria2", "password": o.password, "sni": o.sni, "skip-cert-verify": o.self_signed,
-                "alpn": list(o.alpn)}
+        return {**base, "type": "hysteria2", "password": o.password, "sni": o.sni, "alpn": list(o.alpn), **_clash_verify(o)}
     if o.protocol == "tuic":
         return {**base, "type": "tuic", "uuid": o.uuid, "password": o.password, "sni": o.sni, "alpn": list(o.alpn),
-                "congestion-controller": o.congestion_control, "udp-relay-mode": "native", "skip-cert-verify": o.self_signed}
+                "congestion-controller": o.congestion_control, "udp-relay-mode": "native", **_clash_verify(o)}
     raise ValueError(o.protocol)
 
 

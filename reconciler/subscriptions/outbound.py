@@ -1,20 +1,31 @@
 """What a client needs to connect to one chosen inbound: a neutral description
 every renderer (share links, sing-box JSON, Clash/Mihomo YAML) formats its own way.
 
-TLS verification: an operator-supplied certificate is verified normally; a
-self-signed one (made on the server) is pinned by its public key when the
-snapshot knows the pin (sing-box), and otherwise — share links and Clash have
-no portable pin — clients are told to skip verification.
+TLS verification (issue 14: no format emits an unverified TLS entry silently) is one of:
+
+- ``ca``: an operator-supplied certificate, verified as usual;
+- ``pinned``: a self-signed certificate made on the server, verified by a pin the controller learnt when an
+  apply read the certificate back: its public key (``spki_pin``, what sing-box takes) and the whole
+  certificate's SHA-256 (``cert_sha256``, what Hysteria2 links and Mihomo take). A format whose pin is not
+  known yet, or that has no pin at all, leaves the entry out (``reconciler.subscriptions.formats.omission``);
+- ``insecure``: the inbound says ``tls.insecure: true`` (``validate`` warns): clients skip verification.
+
+The learnt pins of an inbound are kept as one fact (``tls_pins[inbound]``, ``pin_record``): the SPKI pin,
+a space, the certificate's SHA-256 in hex; a record from before the certificate's hash was learnt holds the
+SPKI pin alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Literal, TypedDict
 
 from reconciler.balance.decide import Entry
 from reconciler.balance.snapshot import Snapshot
 from reconciler.credentials import Secret, UserCredentials, reality_short_id, ss_server_key
+from reconciler.model.cluster import TLS
+
+Verify = Literal["", "ca", "pinned", "insecure"]  # "": no TLS of ours (REALITY, Shadowsocks)
 
 
 @dataclass(frozen=True)
@@ -23,15 +34,16 @@ class ClientOutbound:
     protocol: str  # vless-reality, vless-tls, trojan, shadowsocks-2022, hysteria2, tuic
     host: str
     port: int
+    inbound: str = ""  # the inbound's id (for the operator's warnings)
     uuid: str = ""
     password: str = ""
     method: str = ""
     flow: str = ""
     sni: str = ""
-    insecure: bool = False  # for clients that can pin (sing-box): skip verification only without a pin
-    pin_sha256: str = ""  # base64 SHA-256 of the certificate's public key
-    self_signed: bool = False  # clients that cannot pin (share links, Clash) must skip verification
-    fingerprint: str = ""
+    verify: Verify = ""
+    spki_pin: str = ""  # base64 SHA-256 of the certificate's public key (sing-box)
+    cert_sha256: str = ""  # hex SHA-256 of the certificate (Hysteria2 links' pinSHA256, Mihomo's fingerprint)
+    fingerprint: str = ""  # uTLS fingerprint: REALITY only (the only profile that imitates a browser)
     public_key: str = ""
     short_id: str = ""
     alpn: tuple[str, ...] = ()
@@ -42,24 +54,41 @@ class ClientOutbound:
         return f"[{self.host}]" if ":" in self.host else self.host
 
 
+def pin_record(spki_pin: str, cert_sha256: str) -> str:
+    """The learnt pins of a self-signed certificate as one fact (``tls_pins``): what ``pins_of`` reads."""
+    return f"{spki_pin} {cert_sha256}"
+
+
+def pins_of(record: str) -> tuple[str, str]:
+    """(SPKI pin, certificate SHA-256) from a ``tls_pins`` record; either is "" when not known."""
+    spki, _, cert = record.strip().partition(" ")
+    return spki, cert.strip().lower()
+
+
+def self_signed(tls: TLS) -> bool:
+    """The one place that decides whether clients of an inbound need a learnt pin: no certificate was given."""
+    return tls.certificate is None
+
+
 class _Address(TypedDict):
     name: str
     protocol: str
     host: str
     port: int
+    inbound: str
 
 
 class _Verify(TypedDict):
     sni: str
-    insecure: bool
-    pin_sha256: str
-    self_signed: bool
+    verify: Verify
+    spki_pin: str
+    cert_sha256: str
 
 
 def client_outbound(entry: Entry, snapshot: Snapshot, secret: Secret, creds: UserCredentials) -> ClientOutbound:
     ib = entry.ref.inbound
     host = entry.ref.server.host
-    base: _Address = {"name": entry.name, "protocol": ib.protocol, "host": host, "port": ib.port}
+    base: _Address = {"name": entry.name, "protocol": ib.protocol, "host": host, "port": ib.port, "inbound": ib.id}
     if ib.protocol == "vless-reality":
         sid = (ib.short_ids or [reality_short_id(secret, ib.id)])[-1]
         return ClientOutbound(**base, uuid=creds.uuid, flow=ib.flow, sni=ib.camouflage, fingerprint=ib.fingerprint,
@@ -68,12 +97,11 @@ def client_outbound(entry: Entry, snapshot: Snapshot, secret: Secret, creds: Use
         password = f"{ss_server_key(secret, ib.id, ib.method)}:{creds.ss_key(ib.method)}"
         return ClientOutbound(**base, method=ib.method, password=password)
     tls = ib.tls
-    self_signed = tls.certificate is None
-    pin = snapshot.tls_pins.get(ib.id, "") if self_signed else ""
-    verify: _Verify = {"sni": tls.server_name, "insecure": tls.insecure or (self_signed and not pin), "pin_sha256": pin,
-              "self_signed": self_signed or tls.insecure}
+    spki, cert = pins_of(snapshot.tls_pins.get(ib.id, "")) if self_signed(tls) else ("", "")
+    how: Verify = "insecure" if tls.insecure else "pinned" if self_signed(tls) else "ca"
+    verify: _Verify = {"sni": tls.server_name, "verify": how, "spki_pin": spki, "cert_sha256": cert}
     if ib.protocol == "vless-tls":
-        return ClientOutbound(**base, **verify, uuid=creds.uuid, flow=ib.flow, fingerprint="chrome")
+        return ClientOutbound(**base, **verify, uuid=creds.uuid, flow=ib.flow)
     if ib.protocol == "trojan":
         return ClientOutbound(**base, **verify, password=creds.password)
     if ib.protocol == "hysteria2":
