@@ -84,3 +84,44 @@ def test_validate_warns_at_the_line_of_insecure_true(tmp_path):
     assert len(warnings) == 1 and "fra-1-hy2" in warnings[0].message and "skip certificate verification" in warnings[0].message
     assert warnings[0].line == line
     assert not [d for d in load_cluster(str(EXAMPLE)).warnings if d.code == "insecure"]
+
+
+def test_the_live_endpoint_serves_a_refusal_with_its_status_and_the_file_outlet_writes_no_profile(tmp_path):
+    # issue 14: a disabled or expired user got HTTP 200 and a profile routing `direct`.
+    import asyncio
+
+    import aiohttp
+    from prometheus_client import CollectorRegistry
+
+    from reconciler.credentials import user_credentials
+    from reconciler.lab.demo import free_port
+    from reconciler.loop.http import HttpOutlet
+    from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens
+
+    cluster = example()
+    snap = Snapshot(cluster=cluster, now=1.8e9, public_keys=reality_keys(cluster))  # 2027-01-15: bob not yet expired
+    answers = LiveAnswers(SECRET, Tokens(SECRET))
+    answers.publish(snap)
+    outlet = HttpOutlet(answers, CollectorRegistry(auto_describe=False), lambda: None, lambda: (True, "ok"))
+    port = free_port()
+
+    async def go() -> None:
+        await outlet.start("127.0.0.1", port)
+        try:
+            async with aiohttp.ClientSession() as s:
+                for fmt in FORMATS:
+                    async with s.get(f"http://127.0.0.1:{port}/sub/{user_credentials(SECRET, 'dave').token}/{fmt}",
+                                     headers={"If-None-Match": "*"}) as r:
+                        assert r.status == 403 and await r.text() == "This subscription is disabled. Ask the operator to enable it.\n"
+                        assert r.headers["content-type"].startswith("text/plain") and "profile-title" in r.headers
+                    async with s.get(f"http://127.0.0.1:{port}/sub/{user_credentials(SECRET, 'alice').token}/{fmt}") as r:
+                        assert r.status == 200
+        finally:
+            await outlet.stop()
+
+    asyncio.run(go())
+    files = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET)
+    files.write(snap)
+    folder = tmp_path / "subs" / user_credentials(SECRET, "dave").token
+    assert (folder / "clash.yaml").read_text().startswith("This subscription is disabled")
+    assert '"status": "403"' in (folder / "headers.json").read_text()

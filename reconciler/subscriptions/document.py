@@ -121,15 +121,15 @@ def headers_json(snapshot: Snapshot, docs: dict[str, Document]) -> bytes:
 def refusal(snapshot: Snapshot, user: User, fmt: str) -> Document:
     """What a disabled or expired user gets instead of a profile: 403 and one line that says why."""
     if not user.enabled:
-        why = "This subscription is disabled."
+        why = "This subscription is disabled. Ask the operator to enable it."
     else:
         when = time.strftime("%Y-%m-%d", time.gmtime(user.expires_at or snapshot.now))
-        why = f"This subscription expired on {when}."
+        why = f"This subscription expired on {when}. Ask the operator to renew it."
     base = _header_base(snapshot, fmt)
     hdrs = {"content-type": "text/plain; charset=utf-8", "profile-title": base["profile-title"],
             "subscription-userinfo": headers(snapshot, user.name, fmt, user)["subscription-userinfo"],
             "cache-control": "no-cache"}
-    return Document(f"{why} Ask the operator to renew it.\n".encode(), hdrs, [], status=403)
+    return Document(f"{why}\n".encode(), hdrs, [], status=403)
 
 
 def render(snapshot: Snapshot, user_name: str, fmt: str, secret: Secret, region: str | None = None) -> Document:
