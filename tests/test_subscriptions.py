@@ -301,3 +301,20 @@ def test_no_text_in_the_file_can_pose_as_a_credential_stand_in():
         text = base64.b64decode(body).decode() if fmt == "links" else body.decode()
         assert "CREDPASS0STANDIN" in text and "CREDUUID0STANDIN" in text, fmt  # the name, left as it is
         assert creds.password in urllib.parse.unquote(text), fmt  # and the real credential where it belongs
+
+
+def test_an_active_user_with_no_usable_entry_gets_a_profile_that_refuses_traffic_instead_of_sending_it_direct(tmp_path):
+    # issue 14: every self-signed entry left out (no pin learnt yet) must not turn into an unprotected "VPN".
+    cluster = Cluster.model_validate({
+        "servers": [{"name": "s1", "host": "198.18.0.11", "country": "DE", "inbounds": [
+            {"id": "hy", "name": "Hy", "protocol": "hysteria2", "port": 443, "route": "r", "tls": {"server_name": "a.lab.test"}}]}],
+        "routes": [{"id": "r", "name": "R"}], "users": [{"name": "alice"}]})
+    snap = Snapshot(cluster=cluster, now=1.8e9)
+    doc = json.loads(render(snap, "alice", "sing-box", SECRET).body)
+    assert doc["route"]["rules"][-1] == {"action": "reject"} and doc["route"]["final"] == "proxy"
+    path = tmp_path / "empty.json"
+    path.write_text(json.dumps(doc))
+    out = subprocess.run([SING_BOX, "check", "-c", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    clash_doc = YAML(typ="safe").load(render(snap, "alice", "clash", SECRET).body.decode())
+    assert clash_doc["proxy-groups"][0]["proxies"] == ["REJECT"]

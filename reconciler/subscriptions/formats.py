@@ -177,6 +177,8 @@ def singbox(outbounds: list[ClientOutbound]) -> bytes:
                 {"action": "sniff"},
                 {"protocol": "dns", "action": "hijack-dns"},
                 {"ip_is_private": True, "outbound": "direct"},
+                # No entry the user can verify: the device's traffic is refused, never sent `direct` unprotected.
+                *([] if tags else [{"action": "reject"}]),
             ],
             "final": "proxy",
             "auto_detect_interface": True,
@@ -230,7 +232,7 @@ def clash(outbounds: list[ClientOutbound]) -> bytes:
         "mode": "rule",
         "log-level": "warning",
         "proxies": [clash_proxy(o, n) for o, n in zip(outbounds, names, strict=True)],
-        "proxy-groups": [{"name": "PROXY", "type": "select", "proxies": names or ["DIRECT"]}],
+        "proxy-groups": [{"name": "PROXY", "type": "select", "proxies": names or ["REJECT"]}],  # never DIRECT unprotected
         "rules": ["MATCH,PROXY"],
     }
     return _block_yaml(doc).encode()
