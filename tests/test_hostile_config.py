@@ -20,7 +20,7 @@ import pytest
 
 from reconciler.config.yamlread import MAX_FILE_BYTES, MAX_NODES
 from reconciler.safe_read import read_regular_file
-from tests.conftest import example_text, plant
+from tests.conftest import capable_example_text, example_text, plant
 
 LIMIT = 30.0  # seconds; the worst case takes about 2 s on one core
 LOCATION = re.compile(r"^(?P<file>[^\n]+?):(?P<line>\d+):(?P<col>\d+): error: (?P<msg>.*)$", re.M)
@@ -206,7 +206,7 @@ VALID: list[tuple[str, str, str]] = [
 
 @pytest.mark.parametrize("name,old,new", VALID, ids=[c[0] for c in VALID])
 def test_odd_but_valid_files_stay_valid(cli, tmp_path, name, old, new):
-    text, _ = plant(example_text(), old, new)
+    text, _ = plant(capable_example_text(), old, new)
     path = tmp_path / "cluster.yaml"
     path.write_text(text, encoding="utf-8")
     run = bounded(lambda: cli("validate", str(path)))
@@ -279,7 +279,7 @@ def test_the_secret_file_and_certificates_go_through_the_shared_reader(tmp_path)
 def _with_include(tmp_path, include: str, extra_settings: str = "") -> Any:
     repo = tmp_path / "repo"
     repo.mkdir(exist_ok=True)
-    text, _ = plant(example_text(), "# includes: [users.d/*.yaml]", f"includes: [{include}]")
+    text, _ = plant(capable_example_text(), "# includes: [users.d/*.yaml]", f"includes: [{include}]")
     if extra_settings:
         text, _ = plant(text, "  self_heal: true", f"  self_heal: true\n{extra_settings}")
     (repo / "cluster.yaml").write_text(text)

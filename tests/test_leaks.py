@@ -53,7 +53,9 @@ def write_cluster(tmp_path: Path, rotate_bob: int = 0) -> Path:
              "tls": {"server_name": "t.example.com", "certificate": f"tls/{s}.crt", "key": f"tls/{s}.key"}},
             {"id": f"{s}-ss", "name": "S", "protocol": "shadowsocks-2022", "port": 8388, "route": "r"},
         ]})
-    doc = {"settings": {"engine": {"binary": str(engine)}, "harden": False}, "servers": servers,
+    # The fake engine prints no build tags: it declares what the real one would have (issue 14).
+    doc = {"settings": {"engine": {"binary": str(engine), "capabilities": ["reality", "clash-api"]}, "harden": False},
+           "servers": servers,
            "routes": [{"id": "r", "name": "R"}],
            "users": [{"name": u, **({"rotate": rotate_bob} if u == "bob" and rotate_bob else {})} for u in USERS]}
     path = tmp_path / "cluster.yaml"

