@@ -17,7 +17,7 @@ from datetime import UTC, date, datetime, time
 from functools import cached_property
 from typing import TYPE_CHECKING, Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from reconciler.model.regions import COUNTRY_REGION, REGIONS
 from reconciler.model.types import ByteSize, Duration, Host, HostKey, Listen, Name
@@ -228,14 +228,63 @@ class _Inbound(_Model):
 
 
 class VlessReality(_Inbound):
+    """A VLESS+REALITY inbound. Its X25519 key pair is derived from the master secret (bump `rotate` for a new
+    one), so subscriptions carry its public key before any apply."""
+
     protocol: Literal["vless-reality"]
-    camouflage: Host = Field(..., description="The real TLS site REALITY impersonates (server name).")
+    camouflage: Host = Field(..., description="The real TLS 1.3 site REALITY impersonates: its DNS name, not an IP address.")
     camouflage_port: int = Field(443, ge=1, le=65535)
-    short_ids: list[Annotated[str, Field(pattern=r"^([0-9a-f]{2}){0,8}$")]] | None = Field(
-        None, description="REALITY short ids (hex, up to 16 characters); default: derived from the master secret."
+    server_names: list[Host] = Field(
+        default_factory=list,
+        description="The names (SNI) the REALITY server accepts, names the camouflage site serves; clients send the "
+                    "first, and engines that accept one name only (sing-box) accept the first. Default: [camouflage].",
     )
+    short_ids: list[Annotated[str, Field(pattern=r"^([0-9a-f]{2}){0,8}$")]] | None = Field(
+        None,
+        description="REALITY short ids (hex, up to 16 characters); clients use the last. Default: derived from the "
+                    "master secret.",
+    )
+    rotate: int = Field(0, ge=0, le=2**31, description="Bump to derive a new REALITY key pair for this inbound (GITOPS-6).")
     fingerprint: str = Field("chrome", description="uTLS fingerprint clients imitate.")
     flow: Literal["xtls-rprx-vision", ""] = "xtls-rprx-vision"
+
+    @staticmethod
+    def _is_ip(host: object) -> bool:
+        # A Host is an IP literal or an RFC 1123 name whose last label is not all digits: this tells them apart.
+        return isinstance(host, str) and (":" in host or host.rstrip(".").rsplit(".", 1)[-1].isdigit())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _server_names_default(cls, data: object) -> object:
+        # [camouflage] unless the file lists them; an IP camouflage is reported once, at `camouflage`.
+        if isinstance(data, dict) and "server_names" not in data and isinstance(data.get("camouflage"), str) \
+                and not cls._is_ip(data["camouflage"]):
+            return {**data, "server_names": [data["camouflage"]]}
+        return data
+
+    @field_validator("camouflage", "server_names")
+    @classmethod
+    def _dns_names(cls, value: str | list[str], info: ValidationInfo) -> str | list[str]:
+        for name in [value] if isinstance(value, str) else value:
+            if cls._is_ip(name):
+                what = ("the site REALITY presents to anyone who is not a client" if info.field_name == "camouflage"
+                        else "a name clients send as SNI, which TLS allows for DNS names only")
+                raise ValueError(f"{name!r} is an IP address; it must be the DNS name of a real TLS 1.3 site ({what}), "
+                                 "e.g. www.example.com")
+        if isinstance(value, list) and len(set(value)) != len(value):
+            raise ValueError("names must be unique")
+        if value == [] and "camouflage" in info.data:
+            raise ValueError("list at least one name, or leave `server_names` out for [camouflage]")
+        return value
+
+    @field_validator("short_ids")
+    @classmethod
+    def _short_ids(cls, value: list[str] | None) -> list[str] | None:
+        if value == []:
+            raise ValueError("list at least one short id, or leave `short_ids` out for one derived from the secret")
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError("short ids must be unique")
+        return value
 
 
 class VlessTLS(_Inbound):
