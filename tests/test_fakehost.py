@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from reconciler.apply.run import ServerResult, apply_all
-from reconciler.credentials import Secret
+from reconciler.credentials import Secret, reality_keys
 from reconciler.engine.singbox import AGENT, BINARY, CONFIG, FIREWALL, SERVICE, TEMPLATE, UNIT
 from reconciler.errors import ConfigError, RemoteCommandError, StalePlan
 from reconciler.model import Cluster
@@ -93,7 +93,7 @@ def test_a_bare_host_is_planned_then_provisioned(tmp_path, runner):
     assert host.read(BINARY) == fake_engine("1.14.4")
     assert host.read(BINARY + ".sha256").decode() == hashlib.sha256(fake_engine("1.14.4")).hexdigest()
     assert host.read(BINARY + ".version").decode().startswith("sing-box version 1.14.4")
-    assert host.read(CONFIG) == next(f.content for f in o.desired.files if f.path == TEMPLATE)  # no REALITY key to fill in
+    assert host.read(CONFIG) == next(f.content for f in o.desired.files if f.path == TEMPLATE)  # nothing to fill in
     assert host.read("/etc/sing-box/tls/a-tls.key").startswith(b"-----BEGIN PRIVATE KEY-----")
     unit = host.unit(SERVICE)
     assert unit["active"] == "active" and unit["enabled"] and unit["starts"] == 1
@@ -203,6 +203,39 @@ def test_prune_removes_keys_of_inbounds_that_left_and_whole_servers(tmp_path, ru
         assert b.read(path) is None, path
     assert b.read(AGENT) is not None  # not in the removal plan: left as it is
     assert all(not o.plan.actions for o in plan(smaller, runner, prune=True, previous={"a": previous["a"]}))
+
+
+REALITY = [{"id": "{s}-reality", "name": "R", "protocol": "vless-reality", "port": 443, "route": "r",
+            "camouflage": "www.example.com"}]
+
+
+def test_a_reality_server_gets_its_derived_key_and_one_an_older_version_keyed_is_rekeyed(tmp_path, runner):
+    # issue 14: no key generation on the server; config.json is the template, the derived private key in it.
+    # A server an older version provisioned (a placeholder in the template, its own pair under reality/) gets the
+    # derived key at its next apply, and --prune removes the pair it generated.
+    c = cluster(tmp_path, inbounds=REALITY)
+    [o] = plan(c, runner)
+    assert ("+", "generate-key") not in kinds(o)
+    [r] = apply([o], runner)
+    assert r.ok, r.message
+    host = runner.host("a")
+    private = reality_keys(SECRET, "a-reality").private_key
+    config = json.loads(host.read(CONFIG) or b"")
+    assert config["inbounds"][0]["tls"]["reality"]["private_key"] == private and host.read(CONFIG) == host.read(TEMPLATE)
+    assert not list(host.path("/etc/sing-box").rglob("*reality*.key"))  # no pair on the server
+
+    old = (host.read(TEMPLATE) or b"").replace(private.encode(), b"@@REALITY_PRIVATE_KEY:a-reality@@")
+    host.write(TEMPLATE, old)
+    host.write("/etc/sing-box/reality/a-reality.key", b"server-made-private-key\n")
+    host.write("/etc/sing-box/reality/a-reality.pub", b"server-made-public-key\n")
+    [o] = plan(c, runner, prune=True)
+    assert [(a.kind, a.target) for a in o.plan.actions] == [
+        ("write-file", TEMPLATE), ("reload", SERVICE), ("remove-file", "/etc/sing-box/reality/a-reality.key"),
+        ("remove-file", "/etc/sing-box/reality/a-reality.pub")]
+    [r] = apply([o], runner)
+    assert r.ok, r.message
+    assert json.loads(host.read(CONFIG) or b"")["inbounds"][0]["tls"]["reality"]["private_key"] == private
+    assert host.read("/etc/sing-box/reality/a-reality.key") is None and plan(c, runner, prune=True)[0].plan.actions == []
 
 
 def test_a_saved_plan_is_refused_once_a_server_changed(tmp_path, runner):

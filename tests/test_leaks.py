@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from reconciler.credentials import Secret, clash_api_secret, reality_short_id, ss_server_key, user_credentials
+from reconciler.credentials import Secret, clash_api_secret, reality_keys, reality_short_id, ss_server_key, user_credentials
 from reconciler.ssh.fake import FakeRunner, fake_engine
 
 USERS = ("alice", "bob", "carol")
@@ -97,7 +97,8 @@ def secret_values(secret: Secret) -> list[str]:
     for s in ("a", "b"):
         values += [ss_server_key(secret, f"{s}-ss", "2022-blake3-aes-128-gcm"),
                    ss_server_key(secret, f"{s}-ss", "2022-blake3-aes-256-gcm"),
-                   clash_api_secret(secret, s), reality_short_id(secret, f"{s}-reality")]
+                   clash_api_secret(secret, s), reality_short_id(secret, f"{s}-reality"),
+                   reality_keys(secret, f"{s}-reality").private_key]  # derived on the controller (issue 14)
     return values
 
 

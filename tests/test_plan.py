@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reconciler.credentials import Redactor, Secret, fingerprint, user_credentials
+from reconciler.credentials import Redactor, Secret, fingerprint, reality_keys, user_credentials
 from reconciler.engine import remote
 from reconciler.engine.scripts import facts as facts_script
 from reconciler.engine.singbox import AGENT, BINARY, TEMPLATE, UNIT, ManagedFile, desired
@@ -95,6 +95,20 @@ def test_bare_host_plan():
     assert kinds(acts) == [("+", "install-engine"), ("+", "generate-key"), ("+", "write-file"), ("+", "write-file"),
                            ("+", "write-file"), ("~", "restart"), ("+", "harden")]
     assert {a.target for a in acts if a.kind == "write-file"} == {TEMPLATE, UNIT, AGENT}
+
+
+def test_a_fresh_reality_server_plans_no_key_generation_and_shows_no_key():
+    # issue 14: the REALITY pair is derived on the controller; the plan writes it in the configuration, unseen
+    ib = {"id": "a-in", "name": "A", "protocol": "vless-reality", "port": 443, "route": "r", "camouflage": "www.example.com"}
+    c = Cluster.model_validate({"servers": [{"name": "a", "host": "192.0.2.1", "country": "DE", "inbounds": [ib]}],
+                                "routes": [{"id": "r", "name": "R"}], "users": [{"name": "alice"}]})
+    d = desired(c, c.servers[0], SECRET, 1.8e9)
+    acts = plan_server(d, facts())
+    assert kinds(acts) == [("+", "install-engine"), ("+", "write-file"), ("+", "write-file"), ("+", "write-file"),
+                           ("~", "restart"), ("+", "harden")]
+    private = reality_keys(SECRET, "a-in").private_key
+    shown = render_human([ServerPlan("a", "192.0.2.1", acts)]) + json.dumps([a.as_json() for a in acts])
+    assert private not in shown and '"private_key": "sha256:' in shown
 
 
 def test_agent_change_does_not_reload_the_engine():
@@ -212,6 +226,8 @@ def test_prune_removes_keys_of_inbounds_that_left_and_whole_servers():
     assert plan_server(d, f) == []  # nothing without --prune
     pruned = plan_server(d, f, prune=True)
     assert [(a.sign, a.target) for a in pruned] == [("-", "/etc/sing-box/tls/gone.crt"), ("-", "/etc/sing-box/reality/gone.key")]
+    # issue 14: a REALITY pair an older version generated on the server is unused, its inbound still here or not
+    assert "derived on the controller" in pruned[1].reason
     removal = plan_removal(converged(d))
     assert kinds(removal)[0] == ("-", "stop") and {a.target for a in removal[1:]} == {TEMPLATE, UNIT, BINARY}
     assert plan_removal(facts()) == []

@@ -73,20 +73,18 @@ def warn(note: str) -> None:
     print(f"warning: {note}", file=sys.stderr)
 
 
-def fleet_snapshot(path: str, cluster: Cluster, now: float | None = None) -> Snapshot:
-    """The snapshot the loop would answer from now: the same ``fleet.snapshot`` over the state folder."""
+def fleet_snapshot(path: str, cluster: Cluster, now: float | None = None, secret: Secret | None = None) -> Snapshot:
+    """The snapshot the loop would answer from now: the same ``fleet.snapshot`` over the state folder, with the
+    REALITY public keys derived from the master secret (``secret``, or the cluster's) — none need an apply."""
     from reconciler.fleet import snapshot
+    from reconciler.fleet.reality import with_reality_keys
 
     state = state_of(path, cluster)
     facts, learned = state.facts(), state.load_learned(cluster)
     for note in state.notes:
         warn(note)
-    snap = snapshot(cluster, learned, facts, time.time() if now is None else now)
-    pending = [r.inbound.id for r in cluster.inbounds if r.inbound.protocol == "vless-reality" and not snap.usable(r)]
-    if pending:
-        print(f"note: {len(pending)} REALITY inbound(s) have no public key yet (apply first): {', '.join(pending)}",
-              file=sys.stderr)
-    return snap
+    keyed = with_reality_keys(facts, cluster, secret or secret_of(cluster))
+    return snapshot(cluster, learned, keyed, time.time() if now is None else now)
 
 
 def user_named(cluster: Cluster, name: str) -> User:

@@ -5,13 +5,14 @@ Managed on every server:
 - ``/etc/sing-box/config.template.json`` — the server configuration: every inbound of the server with
   the credentials of every active user (GITOPS-6: derived from the master secret), a ``clash_api`` on
   loopback for statistics, and per-user route rules (``auth_user`` → an outbound per user) so every
-  connection carries its user. REALITY private keys appear only as placeholders: the keys are generated
-  on the server at first install and substituted there into ``config.json`` (the file sing-box runs);
+  connection carries its user. REALITY private keys are derived from the master secret like every other
+  credential (issue 14) and written here, so clients know the public keys before any apply;
 - ``/etc/systemd/system/sing-box.service`` — the unit, reload by SIGHUP;
 - operator-supplied TLS certificates and keys, when the cluster file names them.
 
-Generated on the server once, and kept: REALITY key pairs (``/etc/sing-box/reality/<inbound>.key|.pub``)
-and self-signed certificates (``/etc/sing-box/tls/<inbound>.crt|.key``) for TLS inbounds without one.
+Generated on the server once, and kept: self-signed certificates (``/etc/sing-box/tls/<inbound>.crt|.key``)
+for TLS inbounds without one. (REALITY pairs generated there by older versions, in ``/etc/sing-box/reality/``,
+are no longer used: ``--prune`` removes them.)
 
 Secrets are typed here, where they are put into files (issue 13): a ``ManagedFile`` records the exact
 secret values it holds (``secrets``: every credential rendered into the configuration) and whether its
@@ -27,7 +28,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reconciler.credentials import Redactor, Secret, clash_api_secret, reality_short_id, ss_server_key, user_credentials
+from reconciler.credentials import Redactor, Secret, clash_api_secret, reality_keys, reality_short_id, ss_server_key, user_credentials
 from reconciler.model import Cluster, Server, User
 from reconciler.safe_read import read_regular_file
 
@@ -41,7 +42,6 @@ WANTS = f"/etc/systemd/system/multi-user.target.wants/{SERVICE}"  # what `system
 CLASH_API = "127.0.0.1:9090"
 AGENT = "/usr/local/lib/reconciler/agent.py"
 AGENT_SOURCE = (Path(__file__).with_name("agent.py")).read_bytes()
-REALITY_PLACEHOLDER = "@@REALITY_PRIVATE_KEY:{id}@@"
 
 UNIT_TEXT = """\
 # Managed by reconciler: edits here are drift and will be corrected.
@@ -81,16 +81,16 @@ class ManagedFile:
 
 @dataclass(frozen=True)
 class KeyRequest:
-    """A key the server must generate once and keep (REALITY pair or self-signed certificate)."""
+    """A key the server must generate once and keep: a self-signed certificate (REALITY pairs are derived on the
+    controller)."""
 
     inbound: str
-    kind: str  # "reality" | "self-signed"
+    kind: str  # "self-signed"
     server_name: str = ""
 
     @property
     def paths(self) -> tuple[str, str]:
-        if self.kind == "reality":
-            return f"{CONFIG_DIR}/reality/{self.inbound}.key", f"{CONFIG_DIR}/reality/{self.inbound}.pub"
+        """(certificate, private key)."""
         return f"{CONFIG_DIR}/tls/{self.inbound}.crt", f"{CONFIG_DIR}/tls/{self.inbound}.key"
 
 
@@ -153,12 +153,14 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
         base = {"tag": ib.id, "listen": "::", "listen_port": ib.port}
         if ib.protocol == "vless-reality":
             sids = ib.short_ids if ib.short_ids is not None else ["", reality_short_id(secret, ib.id)]
-            put += [sid for sid in sids if sid]
+            private = reality_keys(secret, ib.id, ib.rotate).private_key
+            put += [sid for sid in sids if sid] + [private]
+            # sing-box's REALITY server accepts one name (its server_name): the first, the one clients send.
             inbounds.append({"type": "vless", **base,
                              "users": [{"name": n, "uuid": c.uuid, "flow": ib.flow} for n, c in creds.items()],
-                             "tls": {"enabled": True, "server_name": ib.camouflage, "reality": {
+                             "tls": {"enabled": True, "server_name": ib.server_names[0], "reality": {
                                  "enabled": True, "handshake": {"server": ib.camouflage, "server_port": ib.camouflage_port},
-                                 "private_key": REALITY_PLACEHOLDER.format(id=ib.id), "short_id": sids}}})
+                                 "private_key": private, "short_id": sids}}})
         elif ib.protocol == "vless-tls":
             inbounds.append({"type": "vless", **base,
                              "users": [{"name": n, "uuid": c.uuid, "flow": ib.flow} for n, c in creds.items()],
@@ -264,22 +266,21 @@ def desired(cluster: Cluster, server: Server, secret: Secret, now: float, base_d
              ManagedFile(AGENT, AGENT_SOURCE, 0o755, engine=False)]
     keys = []
     for ib in server.inbounds:
-        if ib.protocol == "vless-reality":
-            keys.append(KeyRequest(ib.id, "reality"))
-        elif ib.protocol != "shadowsocks-2022":
-            tls = ib.tls
-            if tls.certificate and tls.key:  # the model gives both or neither
-                for src, dst, mode, secret_file in ((tls.certificate, f"{CONFIG_DIR}/tls/{ib.id}.crt", 0o644, False),
-                                                     (tls.key, f"{CONFIG_DIR}/tls/{ib.id}.key", 0o600, True)):
-                    path = os.path.join(base_dir, os.path.expanduser(src))
-                    content = read_regular_file(path)
-                    # Both opaque: a certificate is public, but its diff is noise and its PEM must never be printed.
-                    # A key's lines are secrets too: a tool that echoes one line of it shows its fingerprint.
-                    lines = tuple(x for x in content.decode(errors="replace").splitlines()
-                                  if len(x) >= 16 and not x.startswith("-----")) if secret_file else ()
-                    files.append(ManagedFile(dst, content, mode, secret=secret_file, opaque=True, secrets=lines))
-            else:
-                keys.append(KeyRequest(ib.id, "self-signed", tls.server_name))
+        if ib.protocol == "vless-reality" or ib.protocol == "shadowsocks-2022":
+            continue  # no TLS files: REALITY's key is in the configuration, Shadowsocks has no TLS
+        tls = ib.tls
+        if tls.certificate and tls.key:  # the model gives both or neither
+            for src, dst, mode, secret_file in ((tls.certificate, f"{CONFIG_DIR}/tls/{ib.id}.crt", 0o644, False),
+                                                 (tls.key, f"{CONFIG_DIR}/tls/{ib.id}.key", 0o600, True)):
+                path = os.path.join(base_dir, os.path.expanduser(src))
+                content = read_regular_file(path)
+                # Both opaque: a certificate is public, but its diff is noise and its PEM must never be printed.
+                # A key's lines are secrets too: a tool that echoes one line of it shows its fingerprint.
+                lines = tuple(x for x in content.decode(errors="replace").splitlines()
+                              if len(x) >= 16 and not x.startswith("-----")) if secret_file else ()
+                files.append(ManagedFile(dst, content, mode, secret=secret_file, opaque=True, secrets=lines))
+        else:
+            keys.append(KeyRequest(ib.id, "self-signed", tls.server_name))
     listeners = sorted({(ib.port, t) for ib in server.inbounds for t in ib.transports})
     firewall: tuple[ManagedFile, ...] = ()
     if cluster.settings.harden:

@@ -45,6 +45,7 @@ from reconciler.credentials import Secret, clash_api_secret
 from reconciler.engine.singbox import AGENT
 from reconciler.errors import LockHeld, RemoteError, ReportError, SecretError
 from reconciler.fleet import snapshot
+from reconciler.fleet.reality import with_reality_keys
 from reconciler.fleet.reports import Report, agent_request, parse_report
 from reconciler.health.verdicts import ServerVerdict, Verdicts
 from reconciler.loop.http import HttpOutlet
@@ -287,7 +288,7 @@ class Loop:
             reports = await self.collect(cluster)
             now = time.time()
             verdicts = self.learned.fold(cluster, reports, now)
-            snap = snapshot(cluster, self.learned, self.facts, now, verdicts)
+            snap = snapshot(cluster, self.learned, with_reality_keys(self.facts, cluster, self.secret), now, verdicts)
             self.learned.assignments = dict(snap.assignments)  # stickiness (LB-6): the next interval starts here
             self.stats.record("collect", True, time.perf_counter() - started, now)
             self.answers.publish(snap)

@@ -117,11 +117,10 @@ def plan_server(desired: DesiredServer, facts: Facts, current_files: dict[str, b
         binary_change = True
 
     key_change = False
-    for key in desired.keys:
-        private = key.paths[0] if key.kind == "reality" else key.paths[1]
-        if not facts.present.get(private):
-            what = "REALITY key pair" if key.kind == "reality" else f"self-signed certificate for {key.server_name}"
-            actions.append(Action("+", "generate-key", key.inbound, f"generate a {what} on the server (kept there)"))
+    for key in desired.keys:  # self-signed certificates only: REALITY pairs are derived on the controller
+        if not facts.present.get(key.paths[1]):
+            actions.append(Action("+", "generate-key", key.inbound,
+                                  f"generate a self-signed certificate for {key.server_name} on the server (kept there)"))
             key_change = True
 
     unit_change = config_change = False
@@ -166,7 +165,9 @@ def plan_server(desired: DesiredServer, facts: Facts, current_files: dict[str, b
         for path in facts.extra:
             if path.endswith((".reconciler-new", ".reconciler-old", ".tmp")):
                 continue
-            if path.startswith((f"{CONFIG_DIR}/reality/", f"{CONFIG_DIR}/tls/")) and path not in wanted:
+            if path.startswith(f"{CONFIG_DIR}/reality/"):  # generated there by versions before issue 14
+                actions.append(Action("-", "remove-file", path, "REALITY keys are derived on the controller now (prune)"))
+            elif path.startswith(f"{CONFIG_DIR}/tls/") and path not in wanted:
                 actions.append(Action("-", "remove-file", path, "its inbound left the cluster file (prune)"))
     return actions
 

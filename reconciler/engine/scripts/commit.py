@@ -1,8 +1,8 @@
 """One transaction on one server, in one round trip (request: JSON on stdin; answer: one JSON line).
 
-Writes the changed small files it carries, generates missing REALITY key pairs and self-signed
-certificates (existing ones are kept; the public halves are returned), renders ``config.json`` from the
-template (REALITY private keys are substituted here and never leave the server), runs ``sing-box check``
+Writes the changed small files it carries, generates missing self-signed certificates (existing ones are
+kept; the certificates are returned), renders ``config.json`` from the template (a copy: REALITY keys are
+derived on the controller and in the template since issue 14; nothing is substituted), runs ``sing-box check``
 with the staged engine, keeps the old files (hard links), swaps the new ones in with atomic renames,
 reloads or restarts, and verifies the listeners within a timeout; on any failure it restores the old
 files, restarts and verifies again. The runner starts it under ``setsid -w``, so a dropped SSH session
@@ -89,28 +89,20 @@ class Commit:
             write(self.at(f["path"]), base64.b64decode(f["data"]), f["mode"])
 
     def keys(self) -> None:
-        # Missing REALITY key pairs and self-signed certificates are made here, once; existing ones are kept.
+        # Missing self-signed certificates are made here, once; existing ones are kept.
         for k in self.req["keys"]:
             a, b = k["paths"]
             if not (os.path.exists(self.at(a)) and os.path.exists(self.at(b))):
                 os.makedirs(os.path.dirname(self.at(a)), mode=0o700, exist_ok=True)
-                if k["kind"] == "reality":
-                    out = subprocess.run([self.binary, "generate", "reality-keypair"], capture_output=True, text=True,
-                                         check=True).stdout
-                    vals = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-                    files = ((a, vals["PrivateKey"].strip(), 0o600), (b, vals["PublicKey"].strip(), 0o644))
-                else:
-                    out = subprocess.run([self.binary, "generate", "tls-keypair", k["server_name"], "-m", "120"],
-                                         capture_output=True, text=True, check=True).stdout
-                    key = out[out.index("-----BEGIN PRIVATE KEY-----"):out.index("-----END PRIVATE KEY-----") + 25] + "\n"
-                    cert = out[out.index("-----BEGIN CERTIFICATE-----"):out.index("-----END CERTIFICATE-----") + 25] + "\n"
-                    files = ((a, cert, 0o644), (b, key, 0o600))
-                for path, text, mode in files:
+                out = subprocess.run([self.binary, "generate", "tls-keypair", k["server_name"], "-m", "120"],
+                                     capture_output=True, text=True, check=True).stdout
+                key = out[out.index("-----BEGIN PRIVATE KEY-----"):out.index("-----END PRIVATE KEY-----") + 25] + "\n"
+                cert = out[out.index("-----BEGIN CERTIFICATE-----"):out.index("-----END CERTIFICATE-----") + 25] + "\n"
+                for path, text, mode in ((a, cert, 0o644), (b, key, 0o600)):
                     write(self.at(path), text.encode(), mode)
                 self.result["made"].append(k["inbound"])
-            public = b if k["kind"] == "reality" else a
-            with open(self.at(public)) as f:
-                self.result["public"][public] = f.read()
+            with open(self.at(a)) as f:
+                self.result["public"][a] = f.read()
 
     def unit(self, props: str = "LoadState,NeedDaemonReload,UnitFileState") -> dict[str, str]:
         code, out = sh(["systemctl", "show", "--property=" + props, self.req["service"]])
@@ -156,9 +148,6 @@ class Commit:
         new = self.at(self.req["template_new"])
         with open(new if os.path.exists(new) else self.at(self.req["template"])) as f:
             text = f.read()
-        for inbound, path in self.req["reality"].items():
-            with open(self.at(path)) as f:
-                text = text.replace("@@REALITY_PRIVATE_KEY:%s@@" % inbound, f.read().strip())
         fd = os.open(self.at(self.req["config_new"]), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(text)
