@@ -213,9 +213,11 @@ def ss_server_key(secret: Secret, inbound_id: str, method: str) -> str:
     return base64.b64encode(secret.derive("ss2022-server", inbound_id, length=16 if "128" in method else 32)).decode()
 
 
-def reality_short_id(secret: Secret, inbound_id: str) -> str:
-    """The default REALITY short id of an inbound (8 hex characters)."""
-    return secret.derive("reality-sid", inbound_id, length=4).hex()
+def reality_short_id(secret: Secret, inbound_id: str, rotate: int = 0) -> str:
+    """The default REALITY short id of an inbound (8 hex characters); ``rotate`` gives a new one with the new
+    key pair (0 keeps the id inbounds had before rotation existed)."""
+    parts = (inbound_id,) if not rotate else (inbound_id, str(rotate))
+    return secret.derive("reality-sid", *parts, length=4).hex()
 
 
 @dataclass(frozen=True)

@@ -149,3 +149,19 @@ def test_reality_settings_are_validated_at_their_place_in_the_file(tmp_path: Pat
 def test_server_names_default_to_the_camouflage_site():
     ib = cluster().servers[0].inbounds[0]
     assert ib.protocol == "vless-reality" and ib.server_names == ["www.example.com"] and ib.rotate == 0
+
+
+def test_clients_send_the_first_server_name_and_a_rotation_gives_a_new_short_id():
+    from reconciler.balance import Snapshot
+    from reconciler.subscriptions import render
+
+    def link(**extra: object) -> dict[str, list[str]]:
+        c = cluster(**extra)
+        snap = Snapshot(cluster=c, now=0.0, public_keys=reality_public_keys(c, SECRET))
+        body = render(snap, "alice", "links", SECRET).body
+        return parse_qs(urlsplit(base64.b64decode(body).decode().strip()).query)
+
+    q = link(server_names=["cdn.example.net", "www.example.com"])
+    assert q["sni"] == ["cdn.example.net"]  # the one name sing-box's REALITY server accepts: its server_names[0]
+    before, after = link(), link(rotate=1)
+    assert before["sid"] != after["sid"] and before["pbk"] != after["pbk"]

@@ -152,7 +152,7 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
     for ib in server.inbounds:
         base = {"tag": ib.id, "listen": "::", "listen_port": ib.port}
         if ib.protocol == "vless-reality":
-            sids = ib.short_ids if ib.short_ids is not None else ["", reality_short_id(secret, ib.id)]
+            sids = ib.short_ids if ib.short_ids is not None else ["", reality_short_id(secret, ib.id, ib.rotate)]
             private = reality_keys(secret, ib.id, ib.rotate).private_key
             put += [sid for sid in sids if sid] + [private]
             # sing-box's REALITY server accepts one name (its server_name): the first, the one clients send.

@@ -90,8 +90,9 @@ def client_outbound(entry: Entry, snapshot: Snapshot, secret: Secret, creds: Use
     host = entry.ref.server.host
     base: _Address = {"name": entry.name, "protocol": ib.protocol, "host": host, "port": ib.port, "inbound": ib.id}
     if ib.protocol == "vless-reality":
-        sid = (ib.short_ids or [reality_short_id(secret, ib.id)])[-1]
-        return ClientOutbound(**base, uuid=creds.uuid, flow=ib.flow, sni=ib.camouflage, fingerprint=ib.fingerprint,
+        sid = (ib.short_ids or [reality_short_id(secret, ib.id, ib.rotate)])[-1]
+        sni = ib.server_names[0] if ib.server_names else ib.camouflage  # the one name the REALITY server accepts
+        return ClientOutbound(**base, uuid=creds.uuid, flow=ib.flow, sni=sni, fingerprint=ib.fingerprint,
                               public_key=snapshot.public_keys.get(ib.id, ""), short_id=sid)
     if ib.protocol == "shadowsocks-2022":
         password = f"{ss_server_key(secret, ib.id, ib.method)}:{creds.ss_key(ib.method)}"
