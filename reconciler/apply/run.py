@@ -113,7 +113,7 @@ async def _apply_one(o: Observed, runner: Runner, progress: Callable[[str, str],
         if o.plan.removed:
             await lock.acquire(runner, o.target, o.plan.server)
         else:
-            await lock.acquire(runner, o.target, o.plan.server, _folders(o), [f"{CONFIG_DIR}/reality"])
+            await lock.acquire(runner, o.target, o.plan.server, _folders(o), [f"{CONFIG_DIR}/tls"])
         held = _Held()
         try:
             async with lock.Renewal(runner, o.target) as held.renewal:
@@ -149,7 +149,7 @@ async def _apply_one(o: Observed, runner: Runner, progress: Callable[[str, str],
 def _folders(o: Observed) -> list[str]:
     """The folders the managed files live in (created before the lock: harmless under another's)."""
     assert o.desired is not None
-    return sorted({f"{CONFIG_DIR}/tls", f"{CONFIG_DIR}/reality", *(posixpath.dirname(f.path) for f in o.desired.files)})
+    return sorted({f"{CONFIG_DIR}/tls", *(posixpath.dirname(f.path) for f in o.desired.files)})
 
 
 def _of(o: Observed, kind: str) -> list[Action]:
@@ -214,7 +214,6 @@ async def _commit(runner: Runner, o: Observed, phase: Callable[[str], None], res
                  for k in d.keys if k.inbound in generate],
         "template": TEMPLATE, "template_new": f"{TEMPLATE}.reconciler-new", "config": CONFIG,
         "config_new": f"{CONFIG}.reconciler-new", "binary": BINARY, "service": SERVICE,
-        "reality": {k.inbound: k.paths[0] for k in d.keys if k.kind == "reality"},
         "action": action, "listeners": [list(x) for x in d.listeners], "verify_timeout": verify_timeout,
         "lock": lock.LOCK_DIR if release else None,
         "running": o.facts.active == "active",

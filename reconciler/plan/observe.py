@@ -37,14 +37,11 @@ DIFF_LIMIT = 1 << 20  # old contents read for a diff, per file
 def facts_request(d: DesiredServer | None) -> dict[str, object]:
     files = [TEMPLATE, UNIT] + ([f.path for f in (*d.files, *d.firewall)] if d else [])
     public, private = [], []
-    for k in d.keys if d else ():
-        a, b = k.paths
-        if k.kind == "reality":
-            private.append(a)
-            public.append(b)
-        else:
-            public.append(a)
-            private.append(b)
+    for k in d.keys if d else ():  # self-signed certificates: the certificate is public, its key is not
+        cert, key = k.paths
+        public.append(cert)
+        private.append(key)
+    # The reality folder is listed only so that --prune finds pairs older versions generated there.
     return {"files": sorted(set(files)), "binary": BINARY, "service": SERVICE, "wants": WANTS,
             "public": public, "private": private,
             "lock": LOCK_FILE, "dirs": [f"{CONFIG_DIR}/reality", f"{CONFIG_DIR}/tls"],
@@ -173,24 +170,18 @@ def fingerprint(observed: list[Observed]) -> str:
 
 
 def learned_facts(observed: list[Observed]) -> dict[str, dict[str, str]]:
-    """Public material worth remembering for subscriptions: REALITY public keys, and per self-signed certificate
-    its pins, as one record (``subscriptions.outbound.pin_record``): the public-key pin sing-box takes and the
-    certificate's SHA-256 Hysteria2 links and Mihomo take."""
-    keys: dict[str, str] = {}
+    """Public material worth remembering for subscriptions: per self-signed certificate its pins, as one record
+    (``subscriptions.outbound.pin_record``): the public-key pin sing-box takes and the certificate's SHA-256
+    Hysteria2 links and Mihomo take. (REALITY public keys are derived on the controller: nothing to learn.)"""
     pins: dict[str, str] = {}
     for o in observed:
         if o.facts is None or o.desired is None:
             continue
         for k in o.desired.keys:
-            if k.kind == "reality":
-                pub = o.facts.public.get(k.paths[1])
-                if pub:
-                    keys[k.inbound] = pub.strip()
-            else:
-                cert = o.facts.public.get(k.paths[0])
-                if cert:
-                    try:
-                        pins[k.inbound] = pin_record(spki_pin(cert), certificate_sha256(cert))
-                    except ValueError:
-                        pass
-    return {"public_keys": keys, "tls_pins": pins}
+            cert = o.facts.public.get(k.paths[0])
+            if cert:
+                try:
+                    pins[k.inbound] = pin_record(spki_pin(cert), certificate_sha256(cert))
+                except ValueError:
+                    pass
+    return {"tls_pins": pins}

@@ -2,7 +2,7 @@
 reads and writes it.
 
 What it holds: ``known_hosts.json`` (host keys seen on first contact), ``facts.json`` (public
-material servers generated: REALITY public keys, certificate pins), ``managed.json`` (servers
+material servers generated: the pins of self-signed certificates), ``managed.json`` (servers
 an apply has managed, with how to reach them, for pruning), ``learned.npz`` (the fleet core's
 learned state) and the file outlet's manifest. Every write goes through
 ``reconciler.state.files.write_atomic`` (mode 0600, the folder 0700).
