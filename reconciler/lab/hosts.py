@@ -3,9 +3,9 @@
 Each host is a network namespace on the bridge ``rlabbr0`` (198.18.0.1/24; host i
 is 198.18.0.(100+i)) and a systemd-nspawn container booting real systemd from
 an overlay on a debootstrap rootfs that is built once and cached in the lab
-folder (git-ignored). Recipe: ../shared/lab/RECIPE.md, flavour B, with its
-three fixes: ``--register=no --keep-unit``, a cgroup of its own per
-container, and a raised ``fs.inotify.max_user_instances``.
+folder (git-ignored). Three details make it hold on a busy machine:
+``--register=no --keep-unit``, a cgroup of its own per container, and a
+raised ``fs.inotify.max_user_instances``.
 
 Everything here needs root. Every wait is bounded; ``down`` removes whatever
 ``up`` created (also after a crash: it works from the state file), and only
