@@ -34,6 +34,7 @@ from typing import Any
 
 from reconciler.credentials import Redactor
 from reconciler.engine import remote
+from reconciler.engine.capabilities import version_output
 from reconciler.engine.singbox import BINARY, CONFIG, CONFIG_DIR, SERVICE, TEMPLATE
 from reconciler.errors import CommitFailed, LockHeld, RemoteCommandError, RemoteError
 from reconciler.plan import lock
@@ -310,18 +311,13 @@ _VERSIONS: dict[tuple[str, int, int], str | None] = {}
 
 
 def _local_version(path: str) -> str | None:
-    """``<binary> version`` run here, once per file version; None when it does not run here (another
-    architecture or OS): then each server runs it."""
-    import subprocess
-
+    """``<binary> version`` run here (bounded, by the one runner of it: engine.capabilities), once per file
+    version; None when it does not run here (another architecture or OS): then each server runs it."""
     st = os.stat(path)
     key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
     if key not in _VERSIONS:
-        try:
-            out = subprocess.run([path, "version"], capture_output=True, text=True, timeout=20)
-            _VERSIONS[key] = out.stdout if out.returncode == 0 and out.stdout.startswith("sing-box version") else None
-        except (OSError, subprocess.SubprocessError):
-            _VERSIONS[key] = None
+        out = version_output(path)
+        _VERSIONS[key] = out if out is not None and out.startswith("sing-box version") else None
     return _VERSIONS[key]
 
 

@@ -60,8 +60,11 @@ def cmd_subscription(args: argparse.Namespace) -> int:
     region = _region(path, cluster.settings.steering.geoip_database, args.address) if args.address else None
     snap = fleet_snapshot(path, cluster)
     doc = render(snap, args.user, args.format, secret, region=region)
-    if not doc.entries:
-        print(f"note: {args.user} gets no entries (disabled, expired, or no route has a usable inbound)", file=sys.stderr)
+    if doc.refused:
+        print(f"note: {args.user} is refused (HTTP {doc.status} from the live endpoint): {doc.body.decode().strip()}",
+              file=sys.stderr)
+    elif not doc.entries:
+        print(f"note: {args.user} gets no entries (no route has a usable inbound)", file=sys.stderr)
     if args.headers:
         for k, v in doc.headers.items():
             print(f"{k}: {v}")

@@ -3,7 +3,8 @@
 - ``GET|HEAD /sub/<token>[/<format>]`` (or ``?format=``): the user's subscription
   from the current snapshot — the same ``render`` as the files, cached per
   snapshot — with the headers clients read and an ETag (``If-None-Match`` → 304).
-  Unknown tokens get 404 and nothing else.
+  Unknown tokens get 404 and nothing else; a disabled or expired user gets 403 with
+  a one-line reason (the renderer's refusal), never a profile.
 - ``/healthz``: 200 while the loop ticks on time, 503 otherwise (the operations
   listener says why; the public one only whether).
 
