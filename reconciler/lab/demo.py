@@ -6,7 +6,6 @@ runs with ``--duration``, and the lab is torn down on every exit path.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import secrets
@@ -20,7 +19,6 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from rich.console import Console
 
@@ -99,15 +97,12 @@ class LoopProcess:
 
 
 def subscription_hosts(loop: LoopProcess, token: str) -> list[str]:
-    """The server addresses in a user's share-link subscription, as the live endpoint serves it."""
-    code, body, _ = loop.get(f"/sub/{token}/links")
+    """The server addresses in a user's sing-box subscription, as the live endpoint serves it (the format that
+    carries every protocol verified: share links leave out TLS entries they cannot pin)."""
+    code, body, _ = loop.get(f"/sub/{token}/sing-box")
     if code != 200:
         return []
-    hosts = []
-    for line in base64.b64decode(body).decode().splitlines():
-        netloc = urlsplit(line).netloc
-        hosts.append(netloc.rsplit("@", 1)[-1].rsplit(":", 1)[0])
-    return hosts
+    return [str(o["server"]) for o in json.loads(body).get("outbounds", []) if isinstance(o, dict) and "server" in o]
 
 
 def reconciler_command(argv: list[str]) -> int:

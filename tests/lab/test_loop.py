@@ -206,8 +206,9 @@ def test_traffic_connected_users_and_capacity_are_collected(lab, fleet):
     assert f'reconciler_server_capacity_known{{server="{server}"}} 1.0' in metrics
 
 
-def test_block_is_seen_subscriptions_move_alerts_fire_and_it_heals(lab, fleet, prometheus):
+def test_block_is_seen_subscriptions_move_alerts_fire_and_it_heals(lab, fleet, prometheus, request):
     # spec: HEALTH-5, HEALTH-7, HEALTH-10, HEALTH-12, HEALTH-13, LB-6
+    request.addfinalizer(lab.unblock_all)  # a failed assertion must not leave the block for the next tests
     loop: LoopProcess = fleet["loop"]
     F = 3
     st = loop.wait(lambda s: all(v["status"] == "ok" for v in s["servers"].values()), 20 * INTERVAL + 30)
@@ -387,7 +388,7 @@ def test_sigkill_mid_interval_leaves_whole_files_and_state(lab, fleet):
                 if f.suffix == ".json":
                     json.loads(data)
                 elif f.suffix == ".txt":
-                    assert base64.b64decode(data, validate=True), f
+                    base64.b64decode(data, validate=True)  # whole base64 (empty when no entry can be verified as a link)
         learned = Learned.from_bytes(state_file.read_bytes())
         assert learned.ticks >= ticks_before
         ticks_before = learned.ticks
