@@ -229,11 +229,10 @@ def test_plan_and_apply_refuse_reality_on_the_wheel_engine_before_touching_any_s
 
 def test_plan_goes_on_when_the_engine_declares_reality(cli, tmp_path, monkeypatch):
     from reconciler.ssh.fake import FakeRunner
-    from tests.test_leaks import _Pool
 
     monkeypatch.setenv("RECONCILER_SECRET", "capabilities-test-secret-0123456789")
     runner = FakeRunner(tmp_path / "hosts")
-    monkeypatch.setattr("reconciler.apply.session.pool_for", lambda state, **kw: _Pool(runner))
+    monkeypatch.setattr("reconciler.apply.session.pool_for", lambda state, **kw: runner)
     path, _ = reality_file(tmp_path, "{capabilities: [reality]}")
     run = cli("plan", "-f", path)
     assert run.rc == 2, run.text

@@ -178,16 +178,6 @@ def test_a_server_that_cannot_be_reached_is_not_pinned_and_the_others_are(cli, t
 # --------------------------------------------------------------------------- plan warns, or refuses
 
 
-class _Pool:
-    def __init__(self, runner: FakeRunner):
-        self.runner = runner
-
-    async def __aenter__(self) -> FakeRunner:
-        return self.runner
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.runner.close()
-
 
 def test_plan_warns_of_first_contact_and_strict_refuses_only_those_servers(cli, tmp_path, monkeypatch):
     # Issue 13 — a server with neither a pinned nor a remembered key: plan warns; --strict-host-keys does not
@@ -196,7 +186,7 @@ def test_plan_warns_of_first_contact_and_strict_refuses_only_those_servers(cli, 
 
     monkeypatch.setenv("RECONCILER_SECRET", "hostkeys-test-Secret-7Qm2xV9pLs")
     runner = FakeRunner(tmp_path / "hosts")
-    monkeypatch.setattr("reconciler.apply.session.pool_for", lambda state, **kw: _Pool(runner))
+    monkeypatch.setattr("reconciler.apply.session.pool_for", lambda state, **kw: runner)
     new_certificates(tmp_path)
     path = str(write_cluster(tmp_path))
     state = tmp_path / ".reconciler"

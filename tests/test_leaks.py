@@ -74,18 +74,6 @@ def new_certificates(tmp_path: Path) -> list[bytes]:
     return pems
 
 
-class _Pool:
-    """The CLI's ``pool_for(state)`` seam, answering with the fake hosts."""
-
-    def __init__(self, runner: FakeRunner):
-        self.runner = runner
-
-    async def __aenter__(self) -> FakeRunner:
-        return self.runner
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.runner.close()
-
 
 def secret_values(secret: Secret) -> list[str]:
     """Every secret that must never be shown: the master secret and everything derived from it here."""
@@ -109,7 +97,7 @@ def test_plan_and_apply_never_show_a_secret_or_a_pem_block(cli, tmp_path, monkey
     monkeypatch.setenv("RECONCILER_SECRET", value)
     secret = Secret(value.encode())
     runner = FakeRunner(tmp_path / "hosts")
-    monkeypatch.setattr("reconciler.apply.session.pool_for", lambda state, **kw: _Pool(runner))
+    monkeypatch.setattr("reconciler.apply.session.pool_for", lambda state, **kw: runner)
     pems = new_certificates(tmp_path)
     path = str(write_cluster(tmp_path))
     saved = tmp_path / "plan.json"

@@ -58,7 +58,7 @@ def cmd_subscription(args: argparse.Namespace) -> int:
     user_named(cluster, args.user)
     secret = secret_of(cluster)
     region = _region(path, cluster.settings.steering.geoip_database, args.address) if args.address else None
-    snap = fleet_snapshot(path, cluster)
+    snap = fleet_snapshot(path, cluster, secret=secret)
     doc = render(snap, args.user, args.format, secret, region=region)
     if doc.refused:
         print(f"note: {args.user} is refused (HTTP {doc.status} from the live endpoint): {doc.body.decode().strip()}",

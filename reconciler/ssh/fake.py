@@ -168,3 +168,9 @@ class FakeRunner:
         for proc in self._detached:
             await proc.wait()
         self._detached.clear()
+
+    async def __aenter__(self) -> FakeRunner:  # used where an SSHPool is (``async with pool_for(state)``)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -224,9 +224,6 @@ def engine(args: list[str]) -> int:
             print(f"FATAL[0000] the fake engine rejects a configuration containing {fail!r}", file=sys.stderr)
             return 1
         return 0
-    if args[:2] == ["generate", "reality-keypair"]:
-        print(f"PrivateKey: {secrets.token_urlsafe(32)}\nPublicKey: {secrets.token_urlsafe(32)}")
-        return 0
     if args[:2] == ["generate", "tls-keypair"]:
         body = secrets.token_hex(24)
         print(f"-----BEGIN PRIVATE KEY-----\n{body}\n-----END PRIVATE KEY-----\n"
