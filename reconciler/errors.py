@@ -18,6 +18,7 @@ and what to do. The CLI prints ``error: <message>`` and exits with ``exit_code``
     │   ├── HostKeyChanged            permanent: the server's host key is not the pinned one; refused
     │   ├── RemoteCommandError        permanent: a command ran and failed (command, exit code, stderr)
     │   └── CommitFailed              permanent: the server refused the new state and rolled back
+    ├── ReleaseError                  an engine release could not be fetched (temporary), or is not the pinned file
     ├── ReportError                   temporary: a server's report could not be read this interval
     └── LabError                      permanent: the local sandbox could not do what was asked
 
@@ -107,6 +108,14 @@ class RemoteCommandError(RemoteError):
 
 class CommitFailed(RemoteError):
     """The server rejected or could not run the new state; it rolled back (or changed nothing)."""
+
+
+class ReleaseError(ReconcilerError):
+    """An engine release the controller fetches: unreachable (``temporary``), or not the pinned file."""
+
+    def __init__(self, message: str, temporary: bool = False):
+        super().__init__(message)
+        self.temporary = temporary  # type: ignore[misc]
 
 
 # --------------------------------------------------------------------------- the loop and the lab

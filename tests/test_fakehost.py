@@ -16,7 +16,8 @@ import pytest
 
 from reconciler.apply.run import ServerResult, apply_all
 from reconciler.credentials import Secret, reality_keys
-from reconciler.engine.singbox import AGENT, BINARY, CONFIG, FIREWALL, SERVICE, TEMPLATE, UNIT
+from reconciler.engine.base import AGENT, FIREWALL
+from reconciler.engine.singbox import LAYOUT
 from reconciler.errors import ConfigError, RemoteCommandError, StalePlan
 from reconciler.model import Cluster
 from reconciler.plan.lock import LEASE_SECONDS, LOCK_DIR, LOCK_FILE
@@ -24,6 +25,8 @@ from reconciler.plan.observe import Observed, fingerprint, observe
 from reconciler.plan.saved import check_fresh, load_plan, save_plan
 from reconciler.ssh import Target
 from reconciler.ssh.fake import FakeRunner, fake_engine
+
+BINARY, CONFIG, SERVICE, TEMPLATE, UNIT = LAYOUT.binary, LAYOUT.config, LAYOUT.service, LAYOUT.template, LAYOUT.unit
 
 SECRET = Secret(b"fakehost-test-secret-0123456789abc")
 NOW = 1.8e9
@@ -80,8 +83,7 @@ def test_a_bare_host_is_planned_then_provisioned(tmp_path, runner):
     # spec: GITOPS-3, GITOPS-4 — the plan says what changes; apply does exactly that, and verifies it
     c = cluster(tmp_path)
     [o] = plan(c, runner)
-    assert kinds(o) == [("+", "install-engine"), ("+", "generate-key"), ("+", "write-file"), ("+", "write-file"),
-                        ("+", "write-file"), ("~", "restart"), ("+", "harden")]
+    assert kinds(o) == [("+", "install-engine")] + [("+", "write-file")] * 5 + [("~", "restart"), ("+", "harden")]
     host = runner.host("a")
     assert host.read(TEMPLATE) is None and host.unit(SERVICE)["active"] == "inactive"
 
@@ -102,7 +104,11 @@ def test_a_bare_host_is_planned_then_provisioned(tmp_path, runner):
     assert host.unit("reconciler-firewall.service")["enabled"]
     assert not host.path(LOCK_DIR).exists()  # released
     assert not list(host.path("/etc/sing-box").glob("*.reconciler-*"))  # nothing staged is left behind
-    assert "/etc/sing-box/tls/a-tls.crt" in o.facts.public  # what the commit generated is learnt at once
+    # issue 14: the certificate is the one derived from the secret, so clients' pins are known without reading it back
+    from reconciler.certificates import derived_certificate
+
+    made = derived_certificate(SECRET, "a-tls", "x.test")
+    assert host.read("/etc/sing-box/tls/a-tls.crt") == made.cert_pem.encode()
 
 
 def test_a_second_apply_changes_nothing_and_asks_systemd_nothing(tmp_path, runner):
@@ -193,13 +199,13 @@ def test_prune_removes_keys_of_inbounds_that_left_and_whole_servers(tmp_path, ru
     observed = plan(smaller, runner, prune=True, previous=previous)
     [oa, ob] = observed
     assert ("-", "remove-file") in kinds(oa) and ob.plan.removed
-    assert kinds(ob) == [("-", "stop"), ("-", "remove-file"), ("-", "remove-file"), ("-", "remove-file")]
+    assert kinds(ob) == [("-", "stop")] + [("-", "remove-file")] * 6  # configuration, its copy, unit, binary, TLS pair
     results = apply(observed, runner)
     assert all(r.ok for r in results), [r.message for r in results]
     assert a.read("/etc/sing-box/tls/a-tls.crt") is None and a.read("/etc/sing-box/tls/a-tls.key") is None
     assert a.unit(SERVICE)["listeners"] == [(8388, "tcp"), (8388, "udp")]
     assert b.unit(SERVICE)["active"] == "inactive" and not b.unit(SERVICE)["enabled"]
-    for path in (BINARY, BINARY + ".sha256", BINARY + ".version", TEMPLATE, UNIT, CONFIG):
+    for path in (BINARY, BINARY + ".sha256", BINARY + ".version", TEMPLATE, UNIT, CONFIG, "/etc/sing-box/tls/b-tls.key"):
         assert b.read(path) is None, path
     assert b.read(AGENT) is not None  # not in the removal plan: left as it is
     assert all(not o.plan.actions for o in plan(smaller, runner, prune=True, previous={"a": previous["a"]}))
@@ -215,7 +221,7 @@ def test_a_reality_server_gets_its_derived_key_and_one_an_older_version_keyed_is
     # derived key at its next apply, and --prune removes the pair it generated.
     c = cluster(tmp_path, inbounds=REALITY)
     [o] = plan(c, runner)
-    assert ("+", "generate-key") not in kinds(o)
+    assert not [a for a in o.plan.actions if a.target.endswith(".key")]
     [r] = apply([o], runner)
     assert r.ok, r.message
     host = runner.host("a")

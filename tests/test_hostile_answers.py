@@ -10,11 +10,13 @@ from typing import Any
 
 import pytest
 
-from reconciler.engine.singbox import SERVICE
+from reconciler.engine.singbox import LAYOUT
 from reconciler.ssh import Result, Target
 from reconciler.ssh.fake import FakeRunner
 from reconciler.ssh.runner import Script
 from tests.test_fakehost import apply, cluster, plan
+
+SERVICE = LAYOUT.service
 
 
 class Hostile(FakeRunner):

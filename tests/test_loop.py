@@ -433,7 +433,7 @@ def test_agent_probes_tcp_and_reports_failures_locally(tmp_path):
     # The agent is stdlib-only and runs on the servers; here it probes a real local listener and a closed port.
     import socket
 
-    from reconciler.engine import singbox
+    from reconciler.engine import base as singbox
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 
 from reconciler.credentials import Redactor, Secret, fingerprint, reality_keys, user_credentials
 from reconciler.engine import remote
+from reconciler.engine.adapters import LAYOUTS, desired
+from reconciler.engine.base import AGENT, ManagedFile
 from reconciler.engine.scripts import facts as facts_script
-from reconciler.engine.singbox import AGENT, BINARY, TEMPLATE, UNIT, ManagedFile, desired
+from reconciler.engine.singbox import LAYOUT
 from reconciler.model import Cluster
 from reconciler.plan.actions import (
     ServerPlan,
@@ -28,6 +30,8 @@ from reconciler.plan.actions import (
 from reconciler.plan.facts import Facts, Listener, parse_facts, parse_lock, parse_ss, parse_version
 
 SECRET = Secret(b"plan-test-secret-0123456789abcdef")
+BINARY, TEMPLATE, UNIT = LAYOUT.binary, LAYOUT.template, LAYOUT.unit
+CERT, KEY = "/etc/sing-box/tls/a-in.crt", "/etc/sing-box/tls/a-in.key"
 
 
 @pytest.mark.parametrize("output,version", [
@@ -35,6 +39,7 @@ SECRET = Secret(b"plan-test-secret-0123456789abcdef")
     ("sing-box version 1.13.0-beta.2\n", "1.13.0-beta.2"),
     ("bash: /usr/local/bin/sing-box: No such file or directory\n", None),
     ("", None),
+    ("Mihomo Meta v1.19.32 linux amd64 with go1.26.8 Wed Sep 30 16:55:13 UTC 2026\nUse tags: with_gvisor\n", "1.19.32"),
 ])
 def test_parse_version(output, version):
     assert parse_version(output) == version
@@ -82,7 +87,7 @@ def facts(**kw) -> Facts:
 def converged(d, **kw) -> Facts:
     """Facts of a server that already runs exactly ``d``."""
     return facts(files={f.path: f.sha256 for f in (*d.files, *d.firewall)}, engine_version=d.binary.version,
-                 active="active", enabled="enabled", present={k.paths[1]: True for k in d.keys}, firewall=True, **kw)
+                 active="active", enabled="enabled", firewall=True, **kw)
 
 
 def kinds(actions) -> list[tuple[str, str]]:
@@ -92,9 +97,11 @@ def kinds(actions) -> list[tuple[str, str]]:
 def test_bare_host_plan():
     d = desired(cluster(), cluster().servers[0], SECRET, 1.8e9)
     acts = plan_server(d, facts())
-    assert kinds(acts) == [("+", "install-engine"), ("+", "generate-key"), ("+", "write-file"), ("+", "write-file"),
-                           ("+", "write-file"), ("~", "restart"), ("+", "harden")]
-    assert {a.target for a in acts if a.kind == "write-file"} == {TEMPLATE, UNIT, AGENT}
+    # issue 14: the self-signed certificate is derived on the controller and written like any file (opaque)
+    assert kinds(acts) == [("+", "install-engine")] + [("+", "write-file")] * 5 + [("~", "restart"), ("+", "harden")]
+    assert {a.target for a in acts if a.kind == "write-file"} == {TEMPLATE, UNIT, AGENT, CERT, KEY}
+    key = next(a for a in acts if a.target == KEY)
+    assert key.diff.startswith("create: sha256:") and "BEGIN" not in render_human([ServerPlan("a", "h", acts)])
 
 
 def test_a_fresh_reality_server_plans_no_key_generation_and_shows_no_key():
@@ -132,7 +139,7 @@ def test_converged_host_has_nothing_to_do():
     ({"enabled": "disabled"}, [("~", "start")]),
     ({"engine_version": "1.13.0"}, [("~", "install-engine"), ("~", "restart")]),
     ({"unit": "edited"}, [("~", "write-file"), ("~", "restart")]),
-    ({"key_missing": True}, [("+", "generate-key"), ("~", "reload")]),
+    ({"key_missing": True}, [("+", "write-file"), ("~", "reload")]),
 ])
 def test_one_difference_one_plan(change, expected):
     base = cluster()
@@ -150,7 +157,7 @@ def test_one_difference_one_plan(change, expected):
     if "unit" in change:
         f = facts(**{**f.__dict__, "files": {**f.files, UNIT: "0" * 64}})
     if "key_missing" in change:
-        f = facts(**{**f.__dict__, "present": {}})
+        f = facts(**{**f.__dict__, "files": {**f.files, KEY: None}})
     assert kinds(plan_server(d, f)) == expected
 
 
@@ -221,22 +228,23 @@ def test_preflight_refusals():
 
 def test_prune_removes_keys_of_inbounds_that_left_and_whole_servers():
     d = desired(cluster(), cluster().servers[0], SECRET, 1.8e9)
-    f = facts(**{**converged(d).__dict__, "extra": ("/etc/sing-box/tls/a-in.crt", "/etc/sing-box/tls/a-in.key",
-                                                     "/etc/sing-box/tls/gone.crt", "/etc/sing-box/reality/gone.key")})
+    f = facts(**{**converged(d).__dict__, "extra": (CERT, KEY, "/etc/sing-box/tls/gone.crt", "/etc/sing-box/reality/gone.key")})
     assert plan_server(d, f) == []  # nothing without --prune
     pruned = plan_server(d, f, prune=True)
     assert [(a.sign, a.target) for a in pruned] == [("-", "/etc/sing-box/tls/gone.crt"), ("-", "/etc/sing-box/reality/gone.key")]
     # issue 14: a REALITY pair an older version generated on the server is unused, its inbound still here or not
     assert "derived on the controller" in pruned[1].reason
-    removal = plan_removal(converged(d))
+    installed = converged(d)
+    installed = facts(**{**installed.__dict__, "files": {**installed.files, BINARY: "ab" * 32}})
+    removal = plan_removal(installed, LAYOUTS)
     assert kinds(removal)[0] == ("-", "stop") and {a.target for a in removal[1:]} == {TEMPLATE, UNIT, BINARY}
-    assert plan_removal(facts()) == []
+    assert plan_removal(facts(), LAYOUTS) == []
 
 
 def test_human_output_ends_like_terraform():
     p = ServerPlan("a", "192.0.2.1", actions=plan_server(desired(cluster(), cluster().servers[0], SECRET, 1.8e9), facts()))
     text = render_human([p, ServerPlan("b", "192.0.2.2", error="cannot connect")])
-    assert text.strip().endswith("Plan: 6 to add, 1 to change, 0 to destroy.")
+    assert text.strip().endswith("Plan: 7 to add, 1 to change, 0 to destroy.")
     assert "! server b (192.0.2.2): cannot observe: cannot connect" in text
     assert summary_line([]) == "Plan: 0 to add, 0 to change, 0 to destroy."
 

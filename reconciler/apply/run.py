@@ -9,7 +9,7 @@ Phases per server: connect → preflight → lock → install engine → configu
 - The lock (``reconciler.plan.lock``) names who applies since when; a second apply is refused with that
   holder. The commit releases it itself when it is the last step, even if our SSH session dies.
 - Changed files travel in the commit's request; the commit script (run under ``setsid -w`` on the server)
-  checks the rendered configuration with ``sing-box check``, swaps everything in with atomic renames,
+  checks the rendered configuration with the engine's own check, swaps everything in with atomic renames,
   reloads or restarts, verifies the listeners, and rolls back to the previous files on any failure.
 - One server's failure never stops the others; every server gets a result.
 - While a server's apply runs, its lock's lease is renewed (``lock.Renewal``), so a slow apply is never
@@ -29,16 +29,16 @@ import os
 import posixpath
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from reconciler.credentials import Redactor
-from reconciler.engine import remote
+from reconciler.engine import release, remote
 from reconciler.engine.capabilities import version_output
-from reconciler.engine.singbox import BINARY, CONFIG, CONFIG_DIR, SERVICE, TEMPLATE
-from reconciler.errors import CommitFailed, LockHeld, RemoteCommandError, RemoteError
+from reconciler.errors import CommitFailed, LockHeld, ReleaseError, RemoteCommandError, RemoteError
 from reconciler.plan import lock
-from reconciler.plan.actions import Action
+from reconciler.plan.actions import SUPPORTED_ARCH, Action
+from reconciler.plan.facts import parse_version
 from reconciler.plan.observe import Observed
 from reconciler.ssh import Result, Runner
 from reconciler.ssh.runner import answer
@@ -46,7 +46,7 @@ from reconciler.ssh.runner import answer
 log = logging.getLogger("reconciler.apply")
 
 # The actions the commit carries out; a plan with none of them (only harden or remove-file) needs no commit.
-COMMIT_KINDS = frozenset({"install-engine", "write-file", "generate-key", "restart", "reload", "start"})
+COMMIT_KINDS = frozenset({"install-engine", "write-file", "restart", "reload", "start"})
 SERVICE_KINDS = ("restart", "reload", "start")
 ENGINE_UPLOAD_SECONDS = lock.LONGEST_STEP_SECONDS
 
@@ -114,7 +114,8 @@ async def _apply_one(o: Observed, runner: Runner, progress: Callable[[str, str],
         if o.plan.removed:
             await lock.acquire(runner, o.target, o.plan.server)
         else:
-            await lock.acquire(runner, o.target, o.plan.server, _folders(o), [f"{CONFIG_DIR}/tls"])
+            assert o.desired is not None
+            await lock.acquire(runner, o.target, o.plan.server, _folders(o), [o.desired.engine.tls_dir])
         held = _Held()
         try:
             async with lock.Renewal(runner, o.target) as held.renewal:
@@ -150,7 +151,7 @@ async def _apply_one(o: Observed, runner: Runner, progress: Callable[[str, str],
 def _folders(o: Observed) -> list[str]:
     """The folders the managed files live in (created before the lock: harmless under another's)."""
     assert o.desired is not None
-    return sorted({f"{CONFIG_DIR}/tls", *(posixpath.dirname(f.path) for f in o.desired.files)})
+    return sorted({o.desired.engine.tls_dir, *(posixpath.dirname(f.path) for f in o.desired.files)})
 
 
 def _of(o: Observed, kind: str) -> list[Action]:
@@ -174,11 +175,14 @@ class _Held:
 
 async def _transaction(runner: Runner, o: Observed, phase: Callable[[str], None], result: ServerResult,
                        verify_timeout: float, held: _Held) -> None:
-    """The plan's actions under the lock: the commit (engine, files, keys, service), then removals and the
-    firewall. The commit releases the lock itself when nothing follows it."""
+    """The plan's actions under the lock: the commit (engine, files, service; stopping a retired engine), then
+    removals and the firewall. The commit releases the lock itself when nothing follows it."""
     after = [a for a in o.plan.actions if a.kind in ("remove-file", "harden")]
     if any(a.kind in COMMIT_KINDS for a in o.plan.actions):
         await _commit(runner, o, phase, result, verify_timeout, held, release=not after)
+    if not any(a.kind in COMMIT_KINDS for a in o.plan.actions):
+        for a in _of(o, "stop"):  # a retired engine, when nothing else changes
+            await runner.script(o.target, remote.FILES, {"op": "remove", "stop": a.target, "paths": []})
     removals = [a.target for a in _of(o, "remove-file")]
     if removals:
         await runner.script(o.target, remote.FILES, {"op": "remove", "paths": removals})
@@ -189,9 +193,10 @@ async def _transaction(runner: Runner, o: Observed, phase: Callable[[str], None]
 
 async def _commit(runner: Runner, o: Observed, phase: Callable[[str], None], result: ServerResult, verify_timeout: float,
                   held: _Held, release: bool) -> None:
-    """Stage what the plan changes, then one commit round trip: keys, render, check, swap, restart, verify."""
+    """Stage what the plan changes, then one commit round trip: render, check, swap, restart, verify."""
     d = o.desired
     assert d is not None and o.facts is not None
+    engine = d.engine
     moves: list[list[str]] = []
     binary_new = None
     if _of(o, "install-engine"):
@@ -206,15 +211,16 @@ async def _commit(runner: Runner, o: Observed, phase: Callable[[str], None], res
         tmp = f"{f.path}.reconciler-new"
         files.append({"path": tmp, "data": base64.b64encode(f.content).decode(), "mode": f.mode})
         moves.append([tmp, f.path])
-    generate = {a.target for a in _of(o, "generate-key")}
     action = next((a.kind for a in o.plan.actions if a.kind in SERVICE_KINDS), "none")
+    retire = [a.target for a in _of(o, "stop")]
+    if retire and action == "none":
+        action = "restart"  # the retired engine held the ports: the new one starts once it is stopped
     phase("start")
     req = {
-        "files": files, "moves": moves, "binary_new": binary_new,
-        "keys": [{"inbound": k.inbound, "kind": k.kind, "server_name": k.server_name, "paths": list(k.paths)}
-                 for k in d.keys if k.inbound in generate],
-        "template": TEMPLATE, "template_new": f"{TEMPLATE}.reconciler-new", "config": CONFIG,
-        "config_new": f"{CONFIG}.reconciler-new", "binary": BINARY, "service": SERVICE,
+        "files": files, "moves": moves, "binary_new": binary_new, "engine": engine.name,
+        "template": engine.template, "template_new": f"{engine.template}.reconciler-new", "config": engine.config,
+        "config_new": f"{engine.config}.reconciler-new", "binary": engine.binary, "service": engine.service,
+        "check": list(engine.check), "dir": engine.config_dir, "retire": retire,
         "action": action, "listeners": [list(x) for x in d.listeners], "verify_timeout": verify_timeout,
         "lock": lock.LOCK_DIR if release else None,
         "running": o.facts.active == "active",
@@ -224,10 +230,7 @@ async def _commit(runner: Runner, o: Observed, phase: Callable[[str], None], res
     res = await runner.script(o.target, remote.COMMIT, req, timeout=verify_timeout * 3 + 60)
     phase("verify")
     commit = answer(res, o.target, remote.COMMIT, {"ok": bool})
-    public = commit.get("public")
-    if isinstance(public, dict) and public:  # what the keys step generated: no second observation needed to learn it
-        o.facts = replace(o.facts, public={**o.facts.public, **{str(k): v for k, v in public.items() if isinstance(v, str)}})
-    result.details["commit"] = {k: v for k, v in commit.items() if k != "public"}
+    result.details["commit"] = commit
     if not commit["ok"]:
         result.rolled_back = bool(commit.get("rolled_back"))
         where = "rolled back to the previous configuration" if result.rolled_back else "nothing was changed"
@@ -273,51 +276,80 @@ async def _harden(runner: Runner, o: Observed, timeout: float) -> None:
 
 
 async def _stage_engine(runner: Runner, o: Observed) -> list[list[str]]:
-    """The engine binary, checked (sha256, version) and staged under a temporary name with its sidecars,
-    in one round trip; the commit moves them into place. Returns those moves, the binary first."""
+    """The engine binary, checked (sha256, version) and staged under a temporary name with its sidecars; the
+    commit moves them into place. Returns those moves, the binary first.
+
+    ``install: download``: the server fetches the release itself (a VPS's link is faster than the operator's
+    uplink) and refuses a file whose sha256 differs from the pin for its architecture, installing nothing.
+    When the server cannot fetch it (no route out, a missing file), the controller fetches it once, checks the
+    same pin, and uploads the binary: the fallback. ``install: upload``: the controller's binary, gzipped."""
     d = o.desired
-    assert d is not None
-    tmp = f"{BINARY}.reconciler-new"
-    req: dict[str, Any] = {"tmp": tmp}
-    data: bytes | None = None
-    if d.binary.url and not d.binary.local_path:
-        arch = "arm64" if o.facts and o.facts.arch in ("aarch64", "arm64") else "amd64"
-        req.update(mode="download", url=d.binary.url.format(version=d.binary.version, arch=arch))  # hashed there
-    elif d.binary.local_path:
+    assert d is not None and o.facts is not None
+    engine, b = d.engine, d.binary
+    tmp = f"{engine.binary}.reconciler-new"
+    req: dict[str, Any] = {"tmp": tmp, "version_args": list(engine.version_args), "name": engine.process}
+    local = b.local_path
+    if b.url and not local:
+        arch = SUPPORTED_ARCH.get(o.facts.arch, o.facts.arch)
+        pin = b.pin_for(arch)
+        if not pin:
+            raise RemoteCommandError(o.plan.server, "install engine", None,
+                                     f"no sha256 pinned for {arch} releases of {engine.name} {b.version}: run "
+                                     "`reconciler engine pin` (it downloads once, checks the build and writes the pins)")
+        url = b.url.replace("{arch}", arch)
+        res = await runner.script(o.target, remote.ENGINE, {**req, "mode": "download", "url": url, "sha256": pin},
+                                  timeout=ENGINE_UPLOAD_SECONDS)
+        staged = answer(res, o.target, remote.ENGINE, {"ok": bool})
+        if not staged["ok"] and staged.get("kind") == "fetch":
+            log.warning("%s cannot fetch %s itself (%s): the controller fetches it and uploads it", o.plan.server, url,
+                        str(staged.get("error"))[:200])
+            try:
+                local = await asyncio.to_thread(release.fetch_binary, url, pin, engine.process)
+            except ReleaseError as exc:
+                raise RemoteCommandError(o.plan.server, "install engine", None,
+                                         f"the server could not fetch {url} ({str(staged.get('error'))[:200]}), "
+                                         f"nor could the controller: {exc}") from None
+        elif not staged["ok"]:
+            raise RemoteCommandError(o.plan.server, "install engine", None, str(staged.get("error"))[:600])
+    if local:
         # Shipped compressed (a Go binary shrinks to ~40%) and unpacked as it streams in. gzip's CRC and
         # SSH's MAC vouch for the bytes; the sha256 was taken here, once, from the source.
-        data, digest = _gzipped(d.binary.local_path)
+        data, digest = _gzipped(local)
         # The same bytes report the same version: no 44 MB binary to start on every server.
-        req.update(mode="upload", sha256=digest, version=_local_version(d.binary.local_path))
-    else:
+        res = await runner.script(o.target, remote.ENGINE, {**req, "mode": "upload", "sha256": digest,
+                                                            "version": _local_version(local, engine.version_args)},
+                                  input=data, timeout=ENGINE_UPLOAD_SECONDS)
+        staged = answer(res, o.target, remote.ENGINE, {"ok": bool})
+        if not staged["ok"]:
+            raise RemoteCommandError(o.plan.server, "install engine", None, str(staged.get("error"))[:600])
+    elif not b.url:
         raise RemoteCommandError(o.plan.server, "install engine", None,
                                  "no engine binary: set settings.engine.binary, or install: download with a url")
-    res = await runner.script(o.target, remote.ENGINE, req, input=data, timeout=ENGINE_UPLOAD_SECONDS)
-    staged = answer(res, o.target, remote.ENGINE, {"sha256": str, "version": str})
-    digest, version = staged["sha256"].strip(), staged["version"]
+    digest, version = str(staged.get("sha256", "")).strip(), str(staged.get("version", ""))
     problem = None
-    if d.binary.sha256 and digest != d.binary.sha256:
-        problem = f"the binary's sha256 {digest} differs from the pinned {d.binary.sha256}"
-    elif d.binary.version not in version:
-        problem = f"the binary reports {version.splitlines()[:1]}, not version {d.binary.version}"
+    if b.local_path and b.sha256 and digest != b.sha256:
+        problem = f"the binary's sha256 {digest} differs from the pinned {b.sha256}"
+    elif parse_version(version) != b.version:
+        problem = f"the binary reports {version.splitlines()[:1]}, not version {b.version}"
     if problem:
         await runner.script(o.target, remote.FILES, {"op": "remove", "paths": [tmp, f"{tmp}.sha256", f"{tmp}.version"]})
         raise RemoteCommandError(o.plan.server, "install engine", None, problem)
-    return [[tmp, BINARY], [f"{tmp}.sha256", f"{BINARY}.sha256"], [f"{tmp}.version", f"{BINARY}.version"]]
+    bin_ = engine.binary
+    return [[tmp, bin_], [f"{tmp}.sha256", f"{bin_}.sha256"], [f"{tmp}.version", f"{bin_}.version"]]
 
 
 _PACKED: dict[str, tuple[bytes, str]] = {}
 _VERSIONS: dict[tuple[str, int, int], str | None] = {}
 
 
-def _local_version(path: str) -> str | None:
-    """``<binary> version`` run here (bounded, by the one runner of it: engine.capabilities), once per file
-    version; None when it does not run here (another architecture or OS): then each server runs it."""
+def _local_version(path: str, args: tuple[str, ...]) -> str | None:
+    """``<binary> version`` (or ``-v``) run here (bounded, by the one runner of it: engine.capabilities), once per
+    file version; None when it does not run here (another architecture or OS): then each server runs it."""
     st = os.stat(path)
     key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
     if key not in _VERSIONS:
-        out = version_output(path)
-        _VERSIONS[key] = out if out is not None and out.startswith("sing-box version") else None
+        out = version_output(path, args)
+        _VERSIONS[key] = out if out is not None and parse_version(out) else None
     return _VERSIONS[key]
 
 
@@ -361,6 +393,7 @@ async def _remove_server(runner: Runner, o: Observed) -> None:
     paths = []
     for a in _of(o, "remove-file"):
         paths += [a.target, f"{a.target}.sha256"]
-    paths += [CONFIG, f"{BINARY}.version"]
-    stop = SERVICE if _of(o, "stop") else None
-    await runner.script(o.target, remote.FILES, {"op": "remove", "stop": stop, "paths": paths, "daemon_reload": True})
+    paths += [f"{a.target}.version" for a in _of(o, "remove-file")]
+    for a in _of(o, "stop"):
+        await runner.script(o.target, remote.FILES, {"op": "remove", "stop": a.target, "paths": [], "daemon_reload": False})
+    await runner.script(o.target, remote.FILES, {"op": "remove", "stop": None, "paths": paths, "daemon_reload": True})

@@ -171,8 +171,14 @@ def _set_key(text: str, node: Any, key: str, value: str | None) -> str:
     if key in node:
         kstart = _offset(text, *node.lc.key(key))
         vstart = _offset(text, *node.lc.value(key))
-        m = _SCALAR.match(text, vstart)
-        vend = m.end() if m else vstart
+        if text[vstart:vstart + 1] in ("{", "["):  # a flow collection: replaced whole
+            vend = _flow_close(text, vstart) + 1
+        elif isinstance(node[key], dict | list) and len(node[key]):
+            raise EditError(f"`{key}` is a block mapping or list here; write it on one line ({key}: {{…}}) or remove it, "
+                            "then run this again")
+        else:
+            m = _SCALAR.match(text, vstart)
+            vend = m.end() if m else vstart
         if value is not None:
             return text[:vstart] + value + text[vend:]
         if flow:

@@ -169,6 +169,16 @@ def _warnings(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
                          "remove `insecure: true`: a self-signed certificate is pinned where a format can pin (sing-box, "
                          "Mihomo, Hysteria2 links), or give a certificate", "insecure")
 
+    used = {cluster.engine_of(s).name for s in cluster.servers}
+    for name in sorted(used):  # issue 14: a downloaded engine is pinned, or apply refuses to install it
+        eng = cluster.settings.engine_named(name)
+        where = ("settings", "engine") if name == cluster.settings.engine.name else ("settings", "engines", name)
+        if eng.install == "download" and eng.sha256 is None:
+            yield at("warning", source.key(where),
+                     f"the {name} release the servers download is not pinned by sha256: apply refuses to install it",
+                     "run `reconciler engine pin` (it fetches the release once, checks its build and writes the pins)",
+                     "engine-unpinned")
+
     for ri, route in enumerate(cluster.routes):
         members = cluster.members[route.id]
         if not members:

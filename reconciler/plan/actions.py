@@ -16,7 +16,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from reconciler.credentials import Redactor, fingerprint_digest
-from reconciler.engine.singbox import BINARY, CONFIG_DIR, TEMPLATE, UNIT, DesiredServer, ManagedFile
+from reconciler.engine.base import DesiredServer, Layout, ManagedFile
 from reconciler.plan.facts import Facts
 
 SUPPORTED_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
@@ -26,7 +26,7 @@ DIFF_LINES = 200
 @dataclass(frozen=True)
 class Action:
     sign: str  # "+" add, "~" change, "-" remove
-    kind: str  # install-engine, write-file, generate-key, restart, reload, start, remove-file, stop
+    kind: str  # install-engine, write-file, restart, reload, start, remove-file, stop, harden
     target: str  # path, service or inbound
     reason: str
     diff: str = ""
@@ -90,7 +90,12 @@ def preflight(facts: Facts, desired: DesiredServer) -> list[str]:
         problems.append("not a systemd host (/run/systemd/system is missing): the engine runs as a systemd unit")
     if facts.arch not in SUPPORTED_ARCH:
         problems.append(f"unsupported architecture {facts.arch!r}; supported: x86_64, aarch64")
-    ours = {"sing-box", ""}
+    want = desired.binary
+    arch = SUPPORTED_ARCH.get(facts.arch, facts.arch)
+    if want.url and not want.local_path and not want.pin_for(arch) and facts.engine_version != want.version:
+        problems.append(f"no sha256 is pinned for {arch} releases of {desired.engine.name} {want.version}: run "
+                        "`reconciler engine pin` (it fetches them once and writes the pins into the file)")
+    ours = {desired.engine.process, *(x.process for x in desired.retire), ""}  # a retired engine is stopped first
     for port, proto in desired.listeners:
         for lst in facts.listeners:
             if lst.port == port and lst.proto == proto and lst.process not in ours:
@@ -104,24 +109,27 @@ def plan_server(desired: DesiredServer, facts: Facts, current_files: dict[str, b
     of opaque files; whatever they hold, the diffs pass through ``desired.redactor()``)."""
     actions: list[Action] = []
     current_files = current_files or {}
+    engine = desired.engine
     binary_change = False
     want = desired.binary
+    name = engine.name
     if facts.engine_version is None:
-        actions.append(Action("+", "install-engine", BINARY, f"install sing-box {want.version} (not installed)"))
+        actions.append(Action("+", "install-engine", engine.binary, f"install {name} {want.version} (not installed)"))
         binary_change = True
     elif facts.engine_version != want.version:
-        actions.append(Action("~", "install-engine", BINARY, f"sing-box {facts.engine_version} → {want.version}"))
+        actions.append(Action("~", "install-engine", engine.binary, f"{name} {facts.engine_version} → {want.version}"))
         binary_change = True
-    elif want.sha256 and facts.engine_sha256 and facts.engine_sha256 != want.sha256:
-        actions.append(Action("~", "install-engine", BINARY, "binary differs from the pinned sha256: reinstall"))
+    elif want.local_path and want.sha256 and facts.engine_sha256 and facts.engine_sha256 != want.sha256:
+        actions.append(Action("~", "install-engine", engine.binary, "binary differs from the pinned sha256: reinstall"))
         binary_change = True
 
-    key_change = False
-    for key in desired.keys:  # self-signed certificates only: REALITY pairs are derived on the controller
-        if not facts.present.get(key.paths[1]):
-            actions.append(Action("+", "generate-key", key.inbound,
-                                  f"generate a self-signed certificate for {key.server_name} on the server (kept there)"))
-            key_change = True
+    # Another engine an earlier apply installed (the server changed engines): stopped before the new one starts,
+    # its files removed once the new one serves.
+    for old in desired.retire:
+        found = [p for p in old.paths() if facts.files.get(p)]
+        if found:
+            actions.append(Action("-", "stop", old.service, f"the server runs {name} now"))
+            actions += [Action("-", "remove-file", p, f"{old.name} is retired") for p in found]
 
     unit_change = config_change = False
     redactor = desired.redactor()
@@ -134,23 +142,26 @@ def plan_server(desired: DesiredServer, facts: Facts, current_files: dict[str, b
         else:
             actions.append(Action("~", "write-file", f.path, "content differs",
                                   file_diff(f, current_files.get(f.path), have, redactor)))
-        if f.path == UNIT:
+        if f.path == engine.unit:
             unit_change = True
         elif f.engine:
             config_change = True
 
+    service = engine.service
     if binary_change or unit_change:
-        actions.append(Action("~", "restart", "sing-box.service",
+        actions.append(Action("~", "restart", service,
                               "restart: " + ("the engine changed" if binary_change else "the unit changed")))
-    elif config_change or key_change:
-        if facts.active == "active":
-            actions.append(Action("~", "reload", "sing-box.service", "reload (SIGHUP): the configuration changed"))
+    elif config_change:
+        if facts.active == "active" and engine.reloads:
+            actions.append(Action("~", "reload", service, "reload (SIGHUP): the configuration changed"))
+        elif facts.active == "active":
+            actions.append(Action("~", "restart", service, f"restart: the configuration changed ({name} has no reload)"))
         else:
-            actions.append(Action("+", "start", "sing-box.service", "start with the new configuration"))
+            actions.append(Action("+", "start", service, "start with the new configuration"))
     elif facts.active != "active":
-        actions.append(Action("+", "start", "sing-box.service", f"the service is {facts.active or 'not running'}"))
+        actions.append(Action("+", "start", service, f"the service is {facts.active or 'not running'}"))
     elif facts.enabled != "enabled":
-        actions.append(Action("~", "start", "sing-box.service", "enable at boot"))
+        actions.append(Action("~", "start", service, "enable at boot"))
 
     if desired.firewall:
         stale = [f for f in desired.firewall if facts.files.get(f.path) != f.sha256]
@@ -161,25 +172,26 @@ def plan_server(desired: DesiredServer, facts: Facts, current_files: dict[str, b
                                   "kept only if a fresh SSH connection still gets in"))
 
     if prune:
-        wanted = {f.path for f in desired.files} | {p for k in desired.keys for p in k.paths}
+        wanted = {f.path for f in desired.files}
         for path in facts.extra:
             if path.endswith((".reconciler-new", ".reconciler-old", ".tmp")):
                 continue
-            if path.startswith(f"{CONFIG_DIR}/reality/"):  # generated there by versions before issue 14
+            if path.startswith(f"{engine.config_dir}/reality/"):  # generated there by versions before issue 14
                 actions.append(Action("-", "remove-file", path, "REALITY keys are derived on the controller now (prune)"))
-            elif path.startswith(f"{CONFIG_DIR}/tls/") and path not in wanted:
+            elif path.startswith(f"{engine.tls_dir}/") and path not in wanted:
                 actions.append(Action("-", "remove-file", path, "its inbound left the cluster file (prune)"))
     return actions
 
 
-def plan_removal(facts: Facts) -> list[Action]:
-    """A server that left the cluster file: stop the engine and remove what we installed (prune)."""
-    if facts.engine_version is None and not any(facts.files.values()):
-        return []
-    actions = [Action("-", "stop", "sing-box.service", "the server left the cluster file (prune)")]
-    for path in (TEMPLATE, UNIT, BINARY):
-        if facts.files.get(path) or path == BINARY and facts.engine_version:
-            actions.append(Action("-", "remove-file", path, "the server left the cluster file (prune)"))
+def plan_removal(facts: Facts, layouts: tuple[Layout, ...]) -> list[Action]:
+    """A server that left the cluster file: stop every engine found and remove what we installed (prune)."""
+    actions = []
+    for engine in layouts:
+        found = [p for p in engine.paths() if facts.files.get(p)]
+        found += [p for p in facts.extra if p.startswith(f"{engine.config_dir}/")]  # its keys and certificates
+        if found:
+            actions.append(Action("-", "stop", engine.service, "the server left the cluster file (prune)"))
+            actions += [Action("-", "remove-file", p, "the server left the cluster file (prune)") for p in found]
     return actions
 
 

@@ -6,17 +6,18 @@ tables of real outputs.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from cryptography import x509
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from reconciler.certificates import certificate_sha256, spki_pin
 
-_VERSION = re.compile(r"^sing-box version (\S+)", re.M)
+__all__ = ["Facts", "Listener", "certificate_sha256", "parse_facts", "parse_ss", "parse_version", "spki_pin"]
+
+#: What each engine's version command prints first: sing-box's ``version``, Mihomo's ``-v``.
+_VERSION = re.compile(r"^(?:sing-box version |Mihomo Meta v)(\S+)", re.M)
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class Facts:
 
 
 def parse_version(output: str) -> str | None:
-    """`sing-box version` output → "1.14.4"."""
+    """`sing-box version` or `mihomo -v` output → "1.14.4", "1.19.32"."""
     m = _VERSION.search(output or "")
     return m.group(1) if m else None
 
@@ -88,20 +89,6 @@ def parse_lock(text: str | None) -> dict[str, Any] | None:
         return value if isinstance(value, dict) else {"holder": str(value)}
     except ValueError:
         return {"holder": text.strip()[:200]}
-
-
-def spki_pin(cert_pem: str) -> str:
-    """base64 SHA-256 of a certificate's public key (what sing-box's certificate_public_key_sha256 takes)."""
-    cert = x509.load_pem_x509_certificate(cert_pem.encode())
-    spki = cert.public_key().public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo)
-    return base64.b64encode(hashlib.sha256(spki).digest()).decode()
-
-
-def certificate_sha256(cert_pem: str) -> str:
-    """Hex SHA-256 of a certificate's DER bytes: what Hysteria2 links' ``pinSHA256`` and Mihomo's ``fingerprint``
-    take (a certificate fingerprint, not a key pin: it changes when the certificate is re-issued)."""
-    cert = x509.load_pem_x509_certificate(cert_pem.encode())
-    return hashlib.sha256(cert.public_bytes(Encoding.DER)).hexdigest()
 
 
 def _field(data: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any) -> Any:

@@ -18,16 +18,16 @@ from typing import Any
 
 from reconciler.credentials import Secret
 from reconciler.engine import remote
-from reconciler.engine.singbox import BINARY, CONFIG_DIR, SERVICE, TEMPLATE, UNIT, WANTS, DesiredServer, desired
+from reconciler.engine.adapters import LAYOUTS, desired
+from reconciler.engine.base import DesiredServer
 from reconciler.errors import RemoteError
 from reconciler.model import Cluster, Server
 from reconciler.plan.actions import ServerPlan, plan_removal, plan_server, preflight
-from reconciler.plan.facts import Facts, certificate_sha256, parse_facts, spki_pin
+from reconciler.plan.facts import Facts, parse_facts
 from reconciler.plan.lock import LOCK_FILE
 from reconciler.ssh import KnownHosts, Runner, Target
 from reconciler.ssh.pool import first_contact_refusal
 from reconciler.ssh.runner import answer
-from reconciler.subscriptions.outbound import pin_record
 
 log = logging.getLogger("reconciler.plan")
 
@@ -35,16 +35,17 @@ DIFF_LIMIT = 1 << 20  # old contents read for a diff, per file
 
 
 def facts_request(d: DesiredServer | None) -> dict[str, object]:
-    files = [TEMPLATE, UNIT] + ([f.path for f in (*d.files, *d.firewall)] if d else [])
-    public, private = [], []
-    for k in d.keys if d else ():  # self-signed certificates: the certificate is public, its key is not
-        cert, key = k.paths
-        public.append(cert)
-        private.append(key)
+    """What the facts script reads: the desired engine's binary, unit and files, and the other engines' files (to
+    retire them); for a server that left the file (``d`` None), every engine's."""
+    retire = d.retire if d is not None else LAYOUTS
+    engine = d.engine if d is not None else LAYOUTS[0]
+    files = [engine.template, engine.unit] + ([f.path for f in (*d.files, *d.firewall)] if d else [])
+    files += [p for x in retire for p in x.paths()]
     # The reality folder is listed only so that --prune finds pairs older versions generated there.
-    return {"files": sorted(set(files)), "binary": BINARY, "service": SERVICE, "wants": WANTS,
-            "public": public, "private": private,
-            "lock": LOCK_FILE, "dirs": [f"{CONFIG_DIR}/reality", f"{CONFIG_DIR}/tls"],
+    dirs = sorted({f"{x.config_dir}/{sub}" for x in (engine, *retire) for sub in ("reality", "tls")})
+    return {"files": sorted(set(files)), "binary": engine.binary, "version_args": list(engine.version_args),
+            "service": engine.service, "wants": engine.wants, "public": [], "private": [],
+            "lock": LOCK_FILE, "dirs": dirs,
             # Without harden, whether our table is loaded matters only when a server is being removed.
             "firewall": d is None or bool(d.firewall)}
 
@@ -124,7 +125,7 @@ async def observe(cluster: Cluster, secret: Secret, runner: Runner, base_dir: st
         facts = await _facts_or_error(runner, target, None, plan)
         if facts is None:
             return Observed(plan, None, None, target)
-        plan.actions = plan_removal(facts)
+        plan.actions = plan_removal(facts, LAYOUTS)
         return Observed(plan, facts, None, target)
 
     async def isolated(name: str, host: str, target: Target, removed: bool, work: Awaitable[Observed]) -> Observed:
@@ -170,18 +171,6 @@ def fingerprint(observed: list[Observed]) -> str:
 
 
 def learned_facts(observed: list[Observed]) -> dict[str, dict[str, str]]:
-    """Public material worth remembering for subscriptions: per self-signed certificate its pins, as one record
-    (``subscriptions.outbound.pin_record``): the public-key pin sing-box takes and the certificate's SHA-256
-    Hysteria2 links and Mihomo take. (REALITY public keys are derived on the controller: nothing to learn.)"""
-    pins: dict[str, str] = {}
-    for o in observed:
-        if o.facts is None or o.desired is None:
-            continue
-        for k in o.desired.keys:
-            cert = o.facts.public.get(k.paths[0])
-            if cert:
-                try:
-                    pins[k.inbound] = pin_record(spki_pin(cert), certificate_sha256(cert))
-                except ValueError:
-                    pass
-    return {"tls_pins": pins}
+    """Public material worth remembering from the servers: none since issue 14 (REALITY keys and self-signed
+    certificates are derived on the controller, and so are their pins). Kept so that saved state stays shaped."""
+    return {}

@@ -8,8 +8,8 @@ host's directory as their request's ``root``, so they touch only files under it;
 same scripts against real systemd hosts over real SSH.
 
 What a test can script: ``fail_check_if`` / ``fail_start_if`` (the engine rejects, or its unit fails on,
-a configuration containing that text), ``reachable`` (connections fail) and ``new_connections`` (a fresh
-connection fails, as behind a firewall that cuts new SSH sessions). What it can read: the host's files
+a configuration containing that text), ``reachable`` (connections fail), ``new_connections`` (a fresh
+connection fails, as behind a firewall that cuts new SSH sessions) and ``offline`` (its own downloads fail). What it can read: the host's files
 (``read``), its units (``unit``), its listeners and firewall table, and every ``systemctl`` call (``log``).
 Raw commands (``run``) are refused: every action of plan and apply is a named script.
 """
@@ -32,7 +32,8 @@ TOOLS = Path(__file__).with_name("fake_tools.py")
 
 
 def fake_engine(version: str = "1.14.4") -> bytes:
-    """The bytes of a fake ``sing-box`` (answers ``version``, ``check -c``, ``generate``): to upload as the engine.
+    """The bytes of a fake engine (as ``sing-box``: ``version``, ``check -c``; as ``mihomo``: ``-v``, ``-t``; it
+    answers by the name it runs as): to upload as the engine.
 
     A fake because the real binary needs root to run as a service and opens real sockets; the fake starts in
     milliseconds. tests/test_engine.py checks the real binary accepts what we render; tests/lab/ runs it."""
@@ -48,6 +49,7 @@ class FakeHost:
         self.root = root
         self.reachable = True
         self.new_connections = True
+        self.offline = False  # no route out: its own downloads fail (the controller's do not)
         for d in ("run/systemd/system", "proc/net", "etc/systemd/system/multi-user.target.wants", "usr/local/bin",
                   "usr/local/lib", "etc", "run", ".fake/bin"):
             (root / d).mkdir(parents=True, exist_ok=True)
@@ -108,8 +110,11 @@ class FakeHost:
         return table
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "PATH": f"{self.root / '.fake/bin'}{os.pathsep}{os.environ.get('PATH', '')}",
-                "FAKE_HOST_ROOT": str(self.root)}
+        env = {**os.environ, "PATH": f"{self.root / '.fake/bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+               "FAKE_HOST_ROOT": str(self.root)}
+        if self.offline:  # every fetch goes to a proxy that refuses it, as a server with no route out
+            env.update(http_proxy="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9", no_proxy="")
+        return env
 
 
 class FakeRunner:

@@ -1,4 +1,4 @@
-"""The fake host's stand-ins for ``systemctl``, ``ss``, ``nft`` and the ``sing-box`` binary (standard library only).
+"""The fake host's stand-ins for ``systemctl``, ``ss``, ``nft`` and the engines (standard library only).
 
 ``reconciler.ssh.fake`` copies this file, behind a ``#!python`` line, into a fake host's ``bin`` folder
 under each tool's name (and as the engine binary it uploads); the real server-side scripts then call them
@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import sys
 from typing import Any
 
 ENGINE_VERSION = "1.14.4"  # the fake engine's answer to `version` (``fake.fake_engine`` sets it)
-PID = 4242
+PIDS = {"sing-box": 4242, "mihomo": 4243}  # each engine's process
 UDP_TYPES = {"hysteria2", "tuic"}
 
 
@@ -81,38 +80,40 @@ def start(state: dict[str, Any], name: str) -> None:
         return
     with open(unit_file(name)) as f:
         exec_start = next((line.split("=", 1)[1].split() for line in f if line.startswith("ExecStart=")), [])
-    if not exec_start or "run" not in exec_start:
+    if not exec_start or os.path.basename(exec_start[0]) not in PIDS:
         unit["active"] = "active"  # a oneshot (the firewall's boot unit)
         return
-    binary, config = exec_start[0], exec_start[exec_start.index("-c") + 1]
+    binary = exec_start[0]
+    engine = os.path.basename(binary)
+    config = exec_start[exec_start.index("-c" if "-c" in exec_start else "-f") + 1]
     listeners: list[tuple[int, str]] = []
     try:
         with open(at(config)) as f:
             text = f.read()
         doc = json.loads(text)
         ok = os.access(at(binary), os.X_OK) and not (state.get("fail_start_if") is not None and state["fail_start_if"] in text)
-        for ib in doc.get("inbounds", []):
-            kind, port = ib.get("type"), int(ib["listen_port"])
+        for ib in doc.get("inbounds", doc.get("listeners", [])):  # sing-box's inbounds, Mihomo's listeners
+            kind, port = ib.get("type"), int(ib.get("listen_port", ib.get("port")))
             if kind in UDP_TYPES or kind == "shadowsocks":
                 listeners.append((port, "udp"))
             if kind not in UDP_TYPES:
                 listeners.append((port, "tcp"))
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         ok = False
     unit["active"] = "active" if ok else "failed"
     unit["listeners"] = listeners if ok else []
-    if name == "sing-box.service":
-        write_listeners(unit["listeners"])
-        os.makedirs(at(f"/proc/{PID}"), exist_ok=True)
-        with open(at(f"/proc/{PID}/cgroup"), "w") as f:
+    unit["engine"] = engine
+    if engine in PIDS:
+        write_listeners([x for u in state["units"].values() for x in u.get("listeners", [])])
+        os.makedirs(at(f"/proc/{PIDS[engine]}"), exist_ok=True)
+        with open(at(f"/proc/{PIDS[engine]}/cgroup"), "w") as f:
             f.write(f"0::/system.slice/{name}\n" if ok else "0::/\n")
 
 
 def stop(state: dict[str, Any], name: str) -> None:
     unit: dict[str, Any] = state["units"].setdefault(name, {})
     unit["active"], unit["listeners"] = "inactive", []
-    if name == "sing-box.service":
-        write_listeners([])
+    write_listeners([x for u in state["units"].values() for x in u.get("listeners", [])])
 
 
 def systemctl(args: list[str]) -> int:
@@ -177,9 +178,10 @@ def systemctl(args: list[str]) -> int:
 
 def ss(args: list[str]) -> int:
     for unit in load()["units"].values():
+        engine = unit.get("engine", "sing-box")
         for port, proto in unit.get("listeners", []):
             state = "LISTEN" if proto == "tcp" else "UNCONN"
-            print(f"{proto}   {state} 0      4096   *:{port}   *:*    users:((\"sing-box\",pid={PID},fd=7))")
+            print(f"{proto}   {state} 0      4096   *:{port}   *:*    users:((\"{engine}\",pid={PIDS.get(engine, 1)},fd=7))")
     return 0
 
 
@@ -207,29 +209,40 @@ def nft(args: list[str]) -> int:
     return 0
 
 
+def check(path: str) -> int:
+    with open(path) as f:
+        text = f.read()
+    fail = load().get("fail_check_if")
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        print(f"FATAL decode config: {exc}", file=sys.stderr)
+        return 1
+    if fail is not None and fail in text:
+        print(f"FATAL[0000] the fake engine rejects a configuration containing {fail!r}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def engine(args: list[str]) -> int:
     if args[:1] == ["version"]:
         print(f"sing-box version {ENGINE_VERSION}\n\nEnvironment: fake (reconciler.ssh.fake_tools)")
         return 0
     if args[:2] == ["check", "-c"]:
-        with open(args[2]) as f:
-            text = f.read()
-        fail = load().get("fail_check_if")
-        try:
-            json.loads(text)
-        except ValueError as exc:
-            print(f"FATAL decode config: {exc}", file=sys.stderr)
-            return 1
-        if fail is not None and fail in text:
-            print(f"FATAL[0000] the fake engine rejects a configuration containing {fail!r}", file=sys.stderr)
-            return 1
-        return 0
-    if args[:2] == ["generate", "tls-keypair"]:
-        body = secrets.token_hex(24)
-        print(f"-----BEGIN PRIVATE KEY-----\n{body}\n-----END PRIVATE KEY-----\n"
-              f"-----BEGIN CERTIFICATE-----\n{body}\n-----END CERTIFICATE-----")
-        return 0
+        return check(args[2])
     print(f"fake sing-box: {' '.join(args)} is not modelled", file=sys.stderr)
+    return 1
+
+
+def mihomo(args: list[str]) -> int:
+    if args[:1] == ["-v"]:
+        print(f"Mihomo Meta v{ENGINE_VERSION} linux amd64 with go1.26 (fake: reconciler.ssh.fake_tools)")
+        return 0
+    if args[:1] == ["-t"] and "-f" in args:
+        code = check(args[args.index("-f") + 1])
+        print("configuration file test is successful" if code == 0 else "configuration file test failed")
+        return code
+    print(f"fake mihomo: {' '.join(args)} is not modelled", file=sys.stderr)
     return 1
 
 
@@ -237,6 +250,8 @@ def main(argv: list[str]) -> int:
     name = os.path.basename(argv[0])
     if name.startswith("sing-box"):
         return engine(argv[1:])
+    if name.startswith("mihomo"):
+        return mihomo(argv[1:])
     tools = {"systemctl": systemctl, "ss": ss, "nft": nft}
     return tools[name](argv[1:])
 

@@ -4,15 +4,14 @@ every renderer (share links, sing-box JSON, Clash/Mihomo YAML) formats its own w
 TLS verification (issue 14: no format emits an unverified TLS entry silently) is one of:
 
 - ``ca``: an operator-supplied certificate, verified as usual;
-- ``pinned``: a self-signed certificate made on the server, verified by a pin the controller learnt when an
-  apply read the certificate back: its public key (``spki_pin``, what sing-box takes) and the whole
-  certificate's SHA-256 (``cert_sha256``, what Hysteria2 links and Mihomo take). A format whose pin is not
-  known yet, or that has no pin at all, leaves the entry out (``reconciler.subscriptions.formats.omission``);
+- ``pinned``: a self-signed certificate derived from the master secret (``reconciler.certificates``), verified
+  by its pins, known from the first render: its public key (``spki_pin``, what sing-box takes) and the whole
+  certificate's SHA-256 (``cert_sha256``, what Hysteria2 links and Mihomo take). A format that has no pin
+  leaves the entry out (``reconciler.subscriptions.formats.omission``);
 - ``insecure``: the inbound says ``tls.insecure: true`` (``validate`` warns): clients skip verification.
 
-The learnt pins of an inbound are kept as one fact (``tls_pins[inbound]``, ``pin_record``): the SPKI pin,
-a space, the certificate's SHA-256 in hex; a record from before the certificate's hash was learnt holds the
-SPKI pin alone.
+The pins of an inbound travel in the snapshot as one record (``tls_pins[inbound]``, ``pin_record``): the SPKI
+pin, a space, the certificate's SHA-256 in hex (``reconciler.fleet.reality`` derives them).
 """
 
 from __future__ import annotations
@@ -66,7 +65,8 @@ def pins_of(record: str) -> tuple[str, str]:
 
 
 def self_signed(tls: TLS) -> bool:
-    """The one place that decides whether clients of an inbound need a learnt pin: no certificate was given."""
+    """The one place that decides whether clients of an inbound pin its certificate: it is derived from the master
+    secret (no certificate of the operator's)."""
     return tls.certificate is None
 
 

@@ -1,12 +1,13 @@
 """One transaction on one server, in one round trip (request: JSON on stdin; answer: one JSON line).
 
-Writes the changed small files it carries, generates missing self-signed certificates (existing ones are
-kept; the certificates are returned), renders ``config.json`` from the template (a copy: REALITY keys are
-derived on the controller and in the template since issue 14; nothing is substituted), runs ``sing-box check``
-with the staged engine, keeps the old files (hard links), swaps the new ones in with atomic renames,
-reloads or restarts, and verifies the listeners within a timeout; on any failure it restores the old
-files, restarts and verifies again. The runner starts it under ``setsid -w``, so a dropped SSH session
-cannot leave a server half-switched, and it releases the apply lock when it ends (when it is given one).
+Writes the changed small files it carries (certificates and keys among them: derived on the controller since
+issue 14), renders the engine's configuration from the template (a copy: nothing is substituted), runs the
+engine's own check (``check``: an argv, e.g. ``sing-box check -c`` or ``mihomo -t``) with the staged engine,
+keeps the old files (hard links), swaps the new ones in with atomic renames, stops the engines it ``retire``s
+(a server that changed engines), reloads or restarts, and verifies the listeners within a timeout; on any
+failure it restores the old files, restarts (the retired engines too) and verifies again. The runner starts
+it under ``setsid -w``, so a dropped SSH session cannot leave a server half-switched, and it releases the
+apply lock when it ends (when it is given one).
 """
 
 from __future__ import annotations
@@ -64,8 +65,7 @@ class Commit:
     def __init__(self, req: dict[str, Any]) -> None:
         self.req = req
         self.root = str(req.get("root", "/"))
-        self.result: dict[str, Any] = {"ok": False, "stage": "stage", "rolled_back": False, "error": "", "made": [],
-                                       "public": {}, "seconds": {}}
+        self.result: dict[str, Any] = {"ok": False, "stage": "stage", "rolled_back": False, "error": "", "seconds": {}}
         self.clock = time.monotonic()
         new = req.get("binary_new")
         self.binary = self.at(new) if new and os.path.exists(self.at(new)) else self.at(req["binary"])
@@ -75,6 +75,15 @@ class Commit:
 
     def at(self, path: str) -> str:
         return at(self.root, path)
+
+    def check(self, binary: str, config: str) -> list[str]:
+        """The engine's check of a configuration file, as the request's argv template says."""
+        return [a.replace("{binary}", binary).replace("{config}", config).replace("{dir}", self.at(self.req["dir"]))
+                for a in self.req["check"]]
+
+    @property
+    def checker(self) -> str:
+        return "%s %s" % (self.req.get("engine", "the engine"), self.req["check"][1])
 
     def step(self, name: str) -> None:
         # Seconds spent in each stage (apply --json shows them): where a slow server spends its commit.
@@ -87,22 +96,6 @@ class Commit:
         # The changed small files travel in this request (no file-transfer session per file).
         for f in self.req["files"]:
             write(self.at(f["path"]), base64.b64decode(f["data"]), f["mode"])
-
-    def keys(self) -> None:
-        # Missing self-signed certificates are made here, once; existing ones are kept.
-        for k in self.req["keys"]:
-            a, b = k["paths"]
-            if not (os.path.exists(self.at(a)) and os.path.exists(self.at(b))):
-                os.makedirs(os.path.dirname(self.at(a)), mode=0o700, exist_ok=True)
-                out = subprocess.run([self.binary, "generate", "tls-keypair", k["server_name"], "-m", "120"],
-                                     capture_output=True, text=True, check=True).stdout
-                key = out[out.index("-----BEGIN PRIVATE KEY-----"):out.index("-----END PRIVATE KEY-----") + 25] + "\n"
-                cert = out[out.index("-----BEGIN CERTIFICATE-----"):out.index("-----END CERTIFICATE-----") + 25] + "\n"
-                for path, text, mode in ((a, cert, 0o644), (b, key, 0o600)):
-                    write(self.at(path), text.encode(), mode)
-                self.result["made"].append(k["inbound"])
-            with open(self.at(a)) as f:
-                self.result["public"][a] = f.read()
 
     def unit(self, props: str = "LoadState,NeedDaemonReload,UnitFileState") -> dict[str, str]:
         code, out = sh(["systemctl", "show", "--property=" + props, self.req["service"]])
@@ -170,20 +163,20 @@ class Commit:
         config = self.at(req["config"])
         try:
             self.stage()
-            self.step("keys")
-            self.keys()
             self.step("render")
             self.render()
             self.step("check")
             # A running engine is protected by checking first. With none running there is nothing to protect:
             # the start itself is the check (~60 ms of CPU saved), and a failed start is explained below.
             if self.running:
-                code, out = sh([self.binary, "check", "-c", self.at(req["config_new"])])
+                code, out = sh(self.check(self.binary, self.at(req["config_new"])))
                 if code != 0:
-                    raise RuntimeError("sing-box check rejected the new configuration: " + out.strip())
+                    raise RuntimeError("%s rejected the new configuration: %s" % (self.checker, out.strip()))
             self.step("swap")
             self.swap()
             self.step("restart")
+            for old in req.get("retire", []):  # a server changing engines: the old one frees the ports first
+                sh(["systemctl", "disable", "--now", old])
             self.restart(req["action"])
             self.step("verify")
             if not self.verify():
@@ -194,9 +187,9 @@ class Commit:
             result["error"] = str(e)[-1500:]
             if not self.running and result["stage"] in ("restart", "verify"):
                 try:  # swapped in by now: the new engine and configuration are in place
-                    code, out = sh([self.at(req["binary"]), "check", "-c", config])
+                    code, out = sh(self.check(self.at(req["binary"]), config))
                     if code != 0:
-                        result["error"] = "sing-box check rejected the new configuration: " + out.strip()
+                        result["error"] = "%s rejected the new configuration: %s" % (self.checker, out.strip())
                 except (OSError, subprocess.SubprocessError):
                     pass
             if result["stage"] in ("restart", "verify", "swap"):
@@ -206,6 +199,8 @@ class Commit:
                     elif os.path.exists(path) and (path != config or not self.running):
                         os.remove(path)
                 result["rolled_back"] = True
+                for old in req.get("retire", []):
+                    sh(["systemctl", "enable", "--now", old])
                 if self.running:
                     self.restart("restart")
                     result["rollback_verified"] = self.verify()

@@ -2,11 +2,15 @@
 
 Uploaded (``mode: upload``): a gzip stream on stdin, unpacked as the bytes arrive (Python's zlib
 inflates ~30% faster than gzip(1) on the servers we target, and unpacking overlaps the transfer);
-its sha256 was taken on the controller from the source. Downloaded (``mode: download``): fetched
-from ``url`` on the server and hashed here. The version is the controller's when it could run the
-same bytes (``version``), else this binary's own ``version`` output. Prints ``{"sha256", "version"}``;
-on failure it removes what it staged and exits non-zero with the reason on stderr. The commit
-moves the staged files into place.
+its sha256 was taken on the controller from the source. Downloaded (``mode: download``): the release
+file fetched from ``url`` here, its sha256 checked against the pin (``sha256``) before anything is
+unpacked: a different file is refused and nothing is installed; then the binary (``name``) is taken
+out of a ``.tar.gz`` or ``.gz`` release (or is the file itself). The version is the controller's when
+it could run the same bytes (``version``), else this binary's own (``version_args``).
+
+Prints one JSON line: ``{"ok": true, "sha256", "version"}``, or ``{"ok": false, "kind", "error"}`` with
+``kind`` ``fetch`` (the server could not get the file: the controller may upload it instead), ``hash``
+(the file is not the pinned one) or ``stage``; on failure whatever was staged is removed.
 """
 
 from __future__ import annotations
@@ -20,6 +24,13 @@ if TYPE_CHECKING:
     from typing import Any, BinaryIO
 
 REQUEST: Any = None
+MAX_DOWNLOAD = 512 * 1024 * 1024  # a release is tens of MB; a server sending more is not a release
+
+
+class Failed(Exception):
+    def __init__(self, kind: str, error: str) -> None:
+        super().__init__(error)
+        self.kind = kind
 
 
 def at(root: str, path: str) -> str:
@@ -39,11 +50,9 @@ def inflate(src: BinaryIO, path: str) -> None:
         raise RuntimeError("the engine upload ended early")
 
 
-def download(url: str, path: str) -> str:
+def sha256_of(path: str) -> str:
     import hashlib
-    import urllib.request
 
-    urllib.request.urlretrieve(url, path)
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -51,13 +60,66 @@ def download(url: str, path: str) -> str:
     return h.hexdigest()
 
 
-def stage(req: dict[str, Any], src: BinaryIO) -> dict[str, str]:
+def fetch(url: str, path: str) -> None:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=60) as resp, open(path, "wb") as out:
+            size = 0
+            for block in iter(lambda: resp.read(1 << 20), b""):
+                size += len(block)
+                if size > MAX_DOWNLOAD:
+                    raise Failed("fetch", "more than %d MB: not a release" % (MAX_DOWNLOAD >> 20))
+                out.write(block)
+    except urllib.error.HTTPError as e:
+        raise Failed("fetch", "%s answered HTTP %d" % (url, e.code)) from None
+    except (OSError, ValueError) as e:  # no route, refused, timed out, DNS; a malformed URL
+        raise Failed("fetch", "cannot fetch %s: %s" % (url, e)) from None
+
+
+def unpack(archive: str, dest: str, name: str) -> None:
+    """The binary ``name`` out of a .tar.gz release, a .gz, or the file itself."""
+    import gzip
+    import shutil
+    import tarfile
+
+    with open(archive, "rb") as f:
+        magic = f.read(2)
+    if tarfile.is_tarfile(archive):
+        with tarfile.open(archive) as tar:
+            member = next((m for m in tar.getmembers() if m.isfile() and os.path.basename(m.name) == name), None)
+            if member is None:
+                raise Failed("stage", "the release holds no file named %r" % name)
+            src = tar.extractfile(member)
+            assert src is not None
+            with src, open(dest, "wb") as out:
+                shutil.copyfileobj(src, out, 1 << 20)
+    elif magic == b"\x1f\x8b":
+        with gzip.open(archive, "rb") as packed, open(dest, "wb") as out:
+            shutil.copyfileobj(packed, out, 1 << 20)
+    else:
+        os.replace(archive, dest)
+
+
+def stage(req: dict[str, Any], src: BinaryIO) -> dict[str, Any]:
     tmp = at(req.get("root", "/"), req["tmp"])
     if req["mode"] == "upload":
         inflate(src, tmp)
         digest = str(req["sha256"])
     else:
-        digest = download(req["url"], tmp)
+        download = tmp + ".download"
+        try:
+            fetch(req["url"], download)
+            got = sha256_of(download)
+            if got != req["sha256"]:
+                raise Failed("hash", "the file at %s has sha256 %s, not the pinned %s: refused, nothing installed"
+                             % (req["url"], got, req["sha256"]))
+            unpack(download, tmp, req["name"])
+        finally:
+            if os.path.exists(download):
+                os.remove(download)
+        digest = sha256_of(tmp)
     with open(tmp + ".sha256", "w") as f:
         f.write(digest)
     os.chmod(tmp, 0o755)
@@ -65,13 +127,15 @@ def stage(req: dict[str, Any], src: BinaryIO) -> dict[str, str]:
     if not version:  # the controller could not run these bytes: the server does
         import subprocess
 
-        run = subprocess.run([tmp, "version"], capture_output=True, text=True, timeout=60)
+        run = subprocess.run([tmp] + list(req.get("version_args", ["version"])), capture_output=True, text=True,
+                             timeout=60)
         if run.returncode != 0:
-            raise RuntimeError("`sing-box version` exited %d: %s" % (run.returncode, run.stderr.strip()[-300:]))
+            raise Failed("stage", "`%s %s` exited %d: %s" % (req["name"], " ".join(req.get("version_args", [])),
+                                                             run.returncode, run.stderr.strip()[-300:]))
         version = run.stdout
     with open(tmp + ".version", "w") as f:
         f.write(version)
-    return {"sha256": digest, "version": version}
+    return {"ok": True, "sha256": digest, "version": version}
 
 
 def main(req: dict[str, Any]) -> None:
@@ -83,7 +147,7 @@ def main(req: dict[str, Any]) -> None:
         for path in (tmp, tmp + ".sha256", tmp + ".version"):
             if os.path.exists(path):
                 os.remove(path)
-        sys.exit("cannot stage the engine: %s" % e)
+        out = {"ok": False, "kind": getattr(e, "kind", "stage"), "error": "cannot stage the engine: %s" % e}
     print(json.dumps(out))
 
 

