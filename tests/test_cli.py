@@ -17,11 +17,16 @@ def test_init_scaffolds_a_valid_file_with_the_default_route_spelled_out(cli, tmp
     run = cli("init", str(path))
     assert run.rc == 0, run.text
     result = load_cluster(str(path))
-    assert result.ok and not result.warnings
+    # issue 14: the official release, REALITY-capable; the one warning says to pin it
+    assert result.ok and [w.code for w in result.warnings] == ["engine-unpinned"]
+    assert result.cluster.settings.engine.install == "download" and result.cluster.settings.engine.name == "sing-box"
     assert [r.id for r in result.cluster.routes] == ["default"] and not result.cluster.routes[0].implicit
     assert (tmp_path / "schemas" / "cluster.schema.json").exists()
     assert cli("init", str(path)).rc == 1  # never overwrites silently
     assert cli("init", str(path), "--force").rc == 0
+    assert cli("init", str(path), "--force", "--engine", "mihomo").rc == 0
+    mihomo = load_cluster(str(path))
+    assert mihomo.ok and mihomo.cluster.settings.engine.name == "mihomo" and "mihomo-linux-{arch}" in path.read_text()
 
 
 def test_demo_shows_the_example(cli, tmp_path):

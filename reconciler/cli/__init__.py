@@ -19,6 +19,7 @@ from reconciler import __version__
 from reconciler.cli import engine as engine
 from reconciler.cli import fleet as fleet
 from reconciler.cli import hostkeys as hostkeys
+from reconciler.cli import init as init
 from reconciler.cli import lab as lab
 from reconciler.cli import plan as plan
 from reconciler.cli import routes as routes
@@ -28,7 +29,7 @@ from reconciler.cli import validate as validate
 from reconciler.cli.common import print_diagnostics
 from reconciler.errors import ConfigError, ReconcilerError
 
-MODULES = (validate, routes, plan, fleet, run, lab, secret, hostkeys, engine)
+MODULES = (validate, init, routes, plan, fleet, run, lab, secret, hostkeys, engine)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -13,39 +13,7 @@ from reconciler.config import load_cluster
 from reconciler.config.diagnostics import Diagnostic, SourceMap, at
 from reconciler.config.loader import LoadResult
 from reconciler.config.schema import SCHEMA_PATH, schema_text
-from reconciler.errors import InvalidInput
 from reconciler.model import Cluster
-
-INIT_TEMPLATE = """\
-# yaml-language-server: $schema=schemas/cluster.schema.json
-# A minimal cluster: one server, one inbound, one route. Validate with
-#   reconciler validate -f {file}
-# Secrets never go here: set RECONCILER_SECRET (see settings.secret).
-
-settings:
-  health:
-    report_interval: 60s
-
-servers:
-  - name: vps-1
-    host: 203.0.113.10              # your server's address
-    ssh: {{user: root, port: 22}}
-    country: DE                     # ISO 3166-1 alpha-2; the region is derived
-    inbounds:
-      - id: vps-1-reality
-        name: "My VPN"              # what users see in their app
-        protocol: vless-reality
-        port: 443
-        camouflage: www.example.com # a real TLS site REALITY presents
-        route: default
-
-routes:
-  - id: default                     # the route a file without routes gets implicitly (ROUTE-6)
-    name: default
-
-users:
-  - name: me
-"""
 
 
 def register(sub: Any) -> None:
@@ -59,10 +27,6 @@ def register(sub: Any) -> None:
     s.add_argument("--check", action="store_true", help="exit 1 when the file on disk is stale")
     s.set_defaults(run=cmd_schema)
 
-    i = add_command(sub, "init", "scaffold a minimal valid cluster file", "reconciler init -f cluster.yaml")
-    add_file(i, positional=True)
-    i.add_argument("--force", action="store_true", help="overwrite an existing file")
-    i.set_defaults(run=cmd_init)
 
 
 def summary(cluster: Cluster) -> dict[str, int]:
@@ -132,19 +96,4 @@ def cmd_schema(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
     print(f"wrote {out}")
-    return 0
-
-
-def cmd_init(args: argparse.Namespace) -> int:
-    path = Path(cluster_file(args))
-    if path.exists() and not args.force:
-        raise InvalidInput(f"{path} already exists; use --force to overwrite")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(INIT_TEMPLATE.format(file=path), encoding="utf-8")
-    schema = path.parent / SCHEMA_PATH
-    if not schema.exists():
-        schema.parent.mkdir(parents=True, exist_ok=True)
-        schema.write_text(schema_text(), encoding="utf-8")
-        print(f"wrote {schema}")
-    print(f"wrote {path}; next: reconciler validate -f {path}")
     return 0

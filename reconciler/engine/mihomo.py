@@ -16,7 +16,8 @@ Hysteria2 and TUIC. Managed on every Mihomo server:
 
 Its home folder (``-d``) is ``/var/lib/mihomo`` (the unit's StateDirectory): the cache it writes lives
 there, never beside the managed files; ``SAFE_PATHS`` lets it read the certificates under ``/etc/mihomo``.
-No rule needs a GeoIP database, so it downloads nothing.
+No rule needs a GeoIP database, so it downloads nothing. Names (REALITY's target) are resolved as the
+server resolves them: its resolver and its hosts file.
 
 What Mihomo cannot do, ``reconciler.engine.capabilities`` refuses before any server is touched: its
 Shadowsocks listener takes one key, not one per user (``UNSUPPORTED``). Its ``-t`` only parses: it does not
@@ -117,6 +118,9 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
         "mode": "rule", "log-level": "warning", "ipv6": True, "allow-lan": False, "find-process-mode": "off",
         "geo-auto-update": False, "profile": {"store-selected": False, "store-fake-ip": False},
         "external-controller": CLASH_API, "secret": put[-1],
+        # The server's own resolver and /etc/hosts: without this Mihomo resolves names (REALITY's target among them)
+        # only through its built-in defaults, and a name the server's hosts file gives cannot be found.
+        "dns": {"enable": True, "ipv6": True, "use-system-hosts": True, "nameserver": ["system"]},
         "listeners": listeners,
         "proxies": [{"name": f"u-{n}", "type": "direct"} for n in names],
         "rules": [f"IN-USER,{n}{'/' + creds[n].uuid if tuic else ''},u-{n}" for n in names] + ["MATCH,DIRECT"],
