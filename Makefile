@@ -5,8 +5,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 # Debian packages the tests, the demo and the benchmarks use (installed only when missing).
 # prometheus: the real server and promtool for the metrics, alert-rule and dashboard tests;
-# wrk and nginx-light: the subscription endpoint's load benchmark and its static-file anchor.
-APT_PACKAGES := graphviz openssh-client curl iproute2 nftables systemd-container debootstrap prometheus wrk nginx-light
+# wrk and nginx-light: the subscription endpoint's load benchmark and its static-file anchor;
+# pebble: Let's Encrypt's test ACME server (and its DNS stand-in) for the certificate lab test; openssl: the
+# TLS 1.3 site REALITY presents in the tests.
+APT_PACKAGES := graphviz openssh-client curl iproute2 nftables systemd-container debootstrap prometheus wrk nginx-light pebble openssl
 
 .PHONY: setup apt test demo bench schema clean
 

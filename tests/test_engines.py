@@ -249,3 +249,75 @@ def test_engine_pin_learns_the_capabilities_of_a_real_build(tmp_path, monkeypatc
     finally:
         server.shutdown()
         server.server_close()
+
+
+# --------------------------------------------------------------------------- ACME (the lab test runs a real CA)
+
+
+def acme_cluster(tmp_path: Path, renew_before: str = "30d") -> Cluster:
+    return Cluster.model_validate({
+        "settings": {"engine": {"binary": str(engine_file(tmp_path, "sing-box", "1.14.4"))}, "harden": True,
+                     "acme": {"directory": "https://127.0.0.1:1/dir", "renew_before": renew_before},
+                     "outputs": {"state_dir": str(tmp_path / "state")}},
+        "servers": [{"name": "a", "host": "192.0.2.1", "country": "DE", "inbounds": [
+            {"id": "a-tls", "name": "T", "protocol": "trojan", "port": 443, "route": "r",
+             "tls": {"server_name": "vpn.example.net", "acme": True}}]}],
+        "routes": [{"id": "r", "name": "R"}], "users": [{"name": "alice"}]})
+
+
+def test_an_acme_inbound_is_verified_by_the_ca_never_pinned_nor_skipped(tmp_path):
+    from reconciler.balance import Snapshot
+    from reconciler.fleet.reality import tls_pins
+    from reconciler.subscriptions import render
+
+    c = acme_cluster(tmp_path)
+    assert tls_pins(c, SECRET) == {}
+    doc = render(Snapshot(cluster=c, now=NOW), "alice", "clash", SECRET).body.decode()
+    assert "skip-cert-verify: true" not in doc and "fingerprint" not in doc and "vpn.example.net" in doc
+    with pytest.raises(ValueError, match="acme: true takes its certificate from the CA"):
+        Cluster.model_validate({**c.model_dump(mode="json", exclude={"routes": {0: {"implicit"}}}),
+                                "servers": [{"name": "a", "host": "192.0.2.1", "country": "DE", "inbounds": [
+                                    {"id": "x", "name": "X", "protocol": "trojan", "port": 443,
+                                     "tls": {"server_name": "x.test", "acme": True, "insecure": True}}]}]})
+
+
+def test_an_acme_certificate_is_due_when_missing_or_near_its_end_and_the_plan_says_so(tmp_path, runner):
+    import datetime
+
+    from reconciler.apply.acme import due
+    from reconciler.engine.adapters import acme_dir
+
+    c = acme_cluster(tmp_path)
+    [o] = plan(c, runner)  # no certificate yet: the server's plan says apply orders one
+    assert "no certificate from the ACME CA yet: apply orders one" in o.plan.error
+    assert [w.inbound for w in due(c, ".", NOW)] == ["a-tls"]
+    made = derived_certificate_for_test(valid_days=60)
+    folder = Path(acme_dir(c, "."))
+    folder.mkdir(parents=True)
+    (folder / "a-tls.crt").write_text(made[0])
+    (folder / "a-tls.key").write_text(made[1])
+    now = datetime.datetime.now(datetime.UTC).timestamp()
+    assert due(c, ".", now) == []  # 60 days left, renewed 30 days before
+    assert [w.inbound for w in due(acme_cluster(tmp_path, "90d"), ".", now)] == ["a-tls"]
+    [o] = plan(c, runner)
+    assert not o.plan.error and "/etc/sing-box/tls/a-tls.crt" in {a.target for a in o.plan.actions}
+    rules = next(f for f in o.desired.firewall if f.path.endswith(".nft")).content.decode()
+    assert "tcp dport { 80, 443 } accept" in rules  # the CA's HTTP-01 requests reach the server
+
+
+def derived_certificate_for_test(valid_days: int) -> tuple[str, str]:
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "vpn.example.net")])
+    start = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(7).not_valid_before(start).not_valid_after(start + datetime.timedelta(days=valid_days))
+            .sign(key, hashes.SHA256()))
+    return (cert.public_bytes(serialization.Encoding.PEM).decode(),
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode())

@@ -53,6 +53,16 @@ def remember(state: StateFolder, cluster: Cluster, observed: list[Any], results:
     return state.remember_facts(learned_facts(observed))
 
 
+async def certificates(cluster: Cluster, pool: Any, base_dir: str) -> None:
+    """Before an apply: order the ACME certificates that are due (``reconciler.apply.acme``), saying so on stderr;
+    one that cannot be had is a warning (its server's plan then says it has none yet)."""
+    from reconciler.apply.acme import ensure_certificates
+
+    failed = await ensure_certificates(cluster, pool, base_dir, say=lambda line: print(line, file=sys.stderr, flush=True))
+    for inbound, why in failed.items():
+        print(f"warning: no certificate for inbound {inbound!r}: {why}", file=sys.stderr)
+
+
 class Progress:
     """Per-server phases: a live table on a terminal, plain lines otherwise (CI logs).
 

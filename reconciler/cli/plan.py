@@ -59,9 +59,10 @@ def _servable(path: str) -> Cluster:
 def _observe(path: str, prune: bool, strict: bool,
              then: Callable[[Cluster, list[Observed], SSHPool, StateFolder], Awaitable[T]] | None = None
              ) -> tuple[Cluster, StateFolder, list[Observed], T | None]:
-    """Observe every server; ``then`` runs on the same SSH connections right after (apply: one handshake per server).
-    Warns (stderr) of every first contact ahead, or, ``strict``, refuses it."""
-    from reconciler.apply.session import first_contact_warnings, pool_for
+    """Observe every server; ``then`` runs on the same SSH connections right after (apply: one handshake per server;
+    before observing, it orders the ACME certificates that are due). Warns (stderr) of every first contact ahead,
+    or, ``strict``, refuses it."""
+    from reconciler.apply.session import certificates, first_contact_warnings, pool_for
     from reconciler.plan.observe import observe
     from reconciler.ssh import KnownHosts
 
@@ -74,6 +75,8 @@ def _observe(path: str, prune: bool, strict: bool,
 
     async def go() -> tuple[list[Observed], T | None]:
         async with pool_for(state, strict_host_keys=strict) as pool:
+            if then is not None:
+                await certificates(cluster, pool, str(base_dir(path)))
             observed = await observe(cluster, secret, pool, str(base_dir(path)), prune, state.managed(),
                                      strict_host_keys=known)
             return observed, (await then(cluster, observed, pool, state) if then is not None else None)
@@ -87,10 +90,8 @@ def _observe(path: str, prune: bool, strict: bool,
 
 
 def _warnings(cluster: Cluster) -> list[str]:
-    if not cluster.unassigned:
-        return []
-    return [f"{len(cluster.unassigned)} inbound(s) are not in any route — clients cannot see them yet: "
-            + ", ".join(r.inbound.id for r in cluster.unassigned)]
+    unassigned = ", ".join(r.inbound.id for r in cluster.unassigned)
+    return [f"{len(cluster.unassigned)} inbound(s) are not in any route — clients cannot see them yet: {unassigned}"] if unassigned else []
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

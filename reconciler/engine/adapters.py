@@ -14,7 +14,17 @@ from dataclasses import dataclass
 
 from reconciler.credentials import Secret
 from reconciler.engine import mihomo, singbox
-from reconciler.engine.base import AGENT, AGENT_SOURCE, DesiredServer, EngineBinary, Layout, ManagedFile, firewall_files, tls_files
+from reconciler.engine.base import (
+    ACME_FOLDER,
+    AGENT,
+    AGENT_SOURCE,
+    DesiredServer,
+    EngineBinary,
+    Layout,
+    ManagedFile,
+    firewall_files,
+    tls_files,
+)
 from reconciler.model import Cluster, EngineSettings, Server
 
 
@@ -52,6 +62,11 @@ def engine_binary(settings: EngineSettings) -> EngineBinary:
                         sha256_by_arch=by_arch)
 
 
+def acme_dir(cluster: Cluster, base_dir: str) -> str:
+    """The folder of the ACME account and certificates: ``acme`` in the state folder (never in git)."""
+    return os.path.join(base_dir, os.path.expanduser(cluster.settings.outputs.state_dir), ACME_FOLDER)
+
+
 def desired(cluster: Cluster, server: Server, secret: Secret, now: float, base_dir: str = ".") -> DesiredServer:
     adapter = adapter_of(cluster, server)
     layout = adapter.layout
@@ -59,7 +74,7 @@ def desired(cluster: Cluster, server: Server, secret: Secret, now: float, base_d
     files = [ManagedFile(layout.template, config, 0o600, secret=True, secrets=put),
              ManagedFile(layout.unit, adapter.unit_text.encode(), 0o644),
              ManagedFile(AGENT, AGENT_SOURCE, 0o755, engine=False),
-             *tls_files(server, secret, layout, base_dir)]
+             *tls_files(server, secret, layout, base_dir, acme_dir(cluster, base_dir))]
     listeners = sorted({(ib.port, t) for ib in server.inbounds for t in ib.transports})
     return DesiredServer(server=server.name, engine=layout, files=tuple(files),
                          binary=engine_binary(cluster.engine_of(server)), listeners=tuple(listeners),

@@ -127,9 +127,18 @@ def active_users(cluster: Cluster, now: float) -> list[User]:
     return [u for u in cluster.users if u.active(now)]
 
 
-def tls_files(server: Server, secret: Secret, layout: Layout, base_dir: str) -> list[ManagedFile]:
+ACME_FOLDER = "acme"  # in the state folder: the ACME account key and the certificates it was issued
+
+
+def acme_paths(acme_dir: str, inbound_id: str) -> tuple[str, str]:
+    """Where the controller keeps an inbound's ACME certificate (chain) and key."""
+    return os.path.join(acme_dir, f"{inbound_id}.crt"), os.path.join(acme_dir, f"{inbound_id}.key")
+
+
+def tls_files(server: Server, secret: Secret, layout: Layout, base_dir: str, acme_dir: str) -> list[ManagedFile]:
     """Every TLS inbound's certificate and key at ``<tls_dir>/<inbound>.crt|.key``: the operator's files, read
-    here, or a certificate derived from the master secret. Both opaque: a certificate is public, but its diff
+    here; the ACME CA's, as the controller last got them (``acme_dir``); or a certificate derived from the master
+    secret. Both opaque: a certificate is public, but its diff
     is noise and its PEM is never printed; a key's lines are secrets too (a tool that echoes one line of it
     shows its fingerprint)."""
     files = []
@@ -141,6 +150,13 @@ def tls_files(server: Server, secret: Secret, layout: Layout, base_dir: str) -> 
             path = os.path.join(base_dir, os.path.expanduser(tls.certificate))
             cert = read_regular_file(path)
             key = read_regular_file(os.path.join(base_dir, os.path.expanduser(tls.key)))
+        elif tls.acme:
+            cert_path, key_path = acme_paths(acme_dir, ib.id)
+            try:
+                cert, key = read_regular_file(cert_path), read_regular_file(key_path)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"inbound {ib.id!r} has no certificate from the ACME CA yet: apply orders one "
+                                        f"(HTTP-01 on port 80 of {server.host}; {tls.server_name} must resolve to it)") from None
         else:
             made = derived_certificate(secret, ib.id, tls.server_name, tls.rotate)
             cert, key = made.cert_pem.encode(), made.key_pem.encode()
@@ -200,5 +216,7 @@ def firewall_rules(ssh_port: int, listeners: list[tuple[int, str]]) -> str:
 def firewall_files(cluster: Cluster, server: Server, listeners: list[tuple[int, str]]) -> tuple[ManagedFile, ...]:
     if not cluster.settings.harden:
         return ()
+    if any(getattr(getattr(ib, "tls", None), "acme", False) for ib in server.inbounds):
+        listeners = [*listeners, (cluster.settings.acme.http_port, "tcp")]  # the CA's HTTP-01 requests
     return (ManagedFile(FIREWALL, firewall_rules(server.ssh.port, listeners).encode(), 0o644),
             ManagedFile(FIREWALL_UNIT, FIREWALL_UNIT_TEXT.encode(), 0o644))

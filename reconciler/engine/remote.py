@@ -8,7 +8,8 @@ text (importlib.resources), once, and sent to the server's ``python3 -I -S`` by 
 - ``ENGINE``: stage an uploaded (gzip on stdin) or downloaded engine binary with its sidecars;
 - ``FIREWALL``: load the firewall, keep it only if a fresh SSH connection gets in;
 - ``LOCK``: take or release the apply lock (policy: ``reconciler.plan.lock``);
-- ``FILES``: read old contents for diffs, remove files (prune).
+- ``FILES``: read old contents for diffs, remove files (prune);
+- ``ACME``: answer a CA's HTTP-01 challenge (detached; ``reconciler.apply.acme``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ ENGINE = Script("engine", source("engine"))
 FIREWALL = Script("firewall", source("firewall"))
 LOCK = Script("lock", source("lock"))
 FILES = Script("files", source("files"))
+ACME = Script("acme", source("acme"))
 
 
 def facts_script(request: dict[str, object]) -> str:

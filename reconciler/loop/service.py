@@ -37,6 +37,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from reconciler.apply.acme import ensure_certificates
 from reconciler.apply.run import apply_all
 from reconciler.apply.session import Progress, pool_for, remember
 from reconciler.balance import Snapshot
@@ -405,6 +406,9 @@ class Loop:
             cluster = self.cluster
             started = time.perf_counter()
             try:
+                if cluster.settings.self_heal:  # ACME certificates due for renewal are renewed before the plan
+                    for inbound, why in (await ensure_certificates(cluster, self.pool, self.base_dir)).items():
+                        log.warning("no certificate for inbound %s: %s", inbound, why)
                 observed = await observe(cluster, self.secret, self.pool, self.base_dir, False)
             except Exception:  # noqa: BLE001 — logged with traceback; the next plan tries again
                 log.exception("plan failed")

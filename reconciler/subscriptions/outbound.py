@@ -3,7 +3,7 @@ every renderer (share links, sing-box JSON, Clash/Mihomo YAML) formats its own w
 
 TLS verification (issue 14: no format emits an unverified TLS entry silently) is one of:
 
-- ``ca``: an operator-supplied certificate, verified as usual;
+- ``ca``: an operator-supplied certificate or one from the ACME CA (``tls.acme``), verified as usual;
 - ``pinned``: a self-signed certificate derived from the master secret (``reconciler.certificates``), verified
   by its pins, known from the first render: its public key (``spki_pin``, what sing-box takes) and the whole
   certificate's SHA-256 (``cert_sha256``, what Hysteria2 links and Mihomo take). A format that has no pin
@@ -67,7 +67,7 @@ def pins_of(record: str) -> tuple[str, str]:
 def self_signed(tls: TLS) -> bool:
     """The one place that decides whether clients of an inbound pin its certificate: it is derived from the master
     secret (no certificate of the operator's)."""
-    return tls.certificate is None
+    return tls.certificate is None and not tls.acme
 
 
 class _Address(TypedDict):
