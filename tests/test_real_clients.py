@@ -29,6 +29,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -163,16 +164,20 @@ def origin():
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory):
+def lab(tmp_path_factory, origin):
     """A cluster of one server on 127.0.0.1 with one route per protocol, its sing-box running the adapter's
     configuration, and the snapshot that knows the certificate's pins (as an apply learns them)."""
     work = tmp_path_factory.mktemp("real-clients")
     ports = {p: free_port(udp=p in UDP or p == "shadowsocks-2022") for p in PROTOCOLS}
     inbounds = [{"id": p, "name": f"Via {p}", "protocol": p, "port": ports[p], "route": p,
                  **({} if p == "shadowsocks-2022" else {"tls": {"server_name": SNI}})} for p in PROTOCOLS]
+    # Camouflage (issue 14): strangers at the Trojan port get the origin's site; Hysteria2 masquerades as a folder
+    origin_port = int(origin.split(":")[2].split("/")[0])
+    inbounds[PROTOCOLS.index("trojan")]["fallback"] = f"127.0.0.1:{origin_port}"
+    inbounds[PROTOCOLS.index("hysteria2")]["masquerade"] = f"file://{work}"
     cluster = Cluster.model_validate({
         "servers": [{"name": "local", "host": "127.0.0.1", "country": "DE", "inbounds": inbounds}],
-        "routes": [{"id": p, "name": p} for p in PROTOCOLS],
+        "routes": [{"id": p, "name": p, "block_torrent": p == "trojan"} for p in PROTOCOLS],
         "users": [{"name": "alice"}],
     })
     config = server_config(cluster, cluster.servers[0], SECRET, time.time())
@@ -193,26 +198,29 @@ def lab(tmp_path_factory):
         pins = tls_pins(cluster, SECRET)  # derived from the secret: no apply, no read-back
         assert set(pins) == {p for p in PROTOCOLS if p != "shadowsocks-2022"}
         yield {"cluster": cluster, "snapshot": Snapshot(cluster=cluster, now=time.time(), tls_pins=pins),
-               "work": work, "procs": procs}
+               "work": work, "procs": procs, "ports": ports}
     finally:
         procs.stop()
 
 
-def run_sing_box_client(lab, doc: dict, name: str) -> dict[str, int]:
+def run_sing_box_client(lab, doc: dict, name: str, routed: int | None = None) -> dict[str, int]:
     """The document as a sing-box client: its TUN inbound swapped for a mixed inbound per outbound, each routed
-    to its outbound first. Returns outbound tag → local proxy port."""
+    to its outbound first, and (``routed``) one more on that port that the profile's own rules route. Returns
+    outbound tag → local proxy port."""
     tags = [o["tag"] for o in doc["outbounds"] if o["type"] not in ("selector", "direct")]
     assert [i["type"] for i in doc["inbounds"]] == ["tun"]
     ports = {t: free_port() for t in tags}
     doc["inbounds"] = [{"type": "mixed", "tag": f"in-{i}", "listen": "127.0.0.1", "listen_port": ports[t]}
                        for i, t in enumerate(tags)]
+    if routed is not None:
+        doc["inbounds"].append({"type": "mixed", "tag": "in-routed", "listen": "127.0.0.1", "listen_port": routed})
     doc["route"]["rules"] = [{"inbound": [f"in-{i}"], "outbound": t} for i, t in enumerate(tags)] + doc["route"]["rules"]
     doc["route"]["auto_detect_interface"] = False  # binds to the default interface: loopback would be unreachable
     doc["experimental"]["cache_file"]["path"] = f"{name}.db"  # one client per cache file (it is locked)
     path = lab["work"] / f"{name}.json"
     path.write_text(json.dumps(doc))
     proc = lab["procs"].start(name, [SING_BOX, "run", "-c", str(path)])
-    wait_listening(proc, list(ports.values()), lab["procs"])
+    wait_listening(proc, list(ports.values()) + ([routed] if routed is not None else []), lab["procs"])
     return ports
 
 
@@ -419,3 +427,143 @@ def test_a_mihomo_server_carries_the_sing_box_document(mihomo_lab, origin):
                 o["default"] = o["outbounds"][0]
     ports = run_sing_box_client(mihomo_lab, doc, "m-sb")
     assert_carries(ports, origin, MIHOMO_ALL - {"Via vless-reality"})
+
+
+# --------------------------------------------------------------------------- what the seeds' panel does at the inbound
+
+BT_HANDSHAKE = b"\x13BitTorrent protocol" + bytes(8) + os.urandom(40)
+
+
+class Recorder:
+    """A TCP origin that records what each connection sent first."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.seen: list[bytes] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                try:
+                    self.seen.append(conn.recv(4096))
+                except OSError:
+                    self.seen.append(b"")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def send_through(proxy_port: int, port: int, data: bytes) -> bytes:
+    """CONNECT to 127.0.0.1:``port`` through the HTTP proxy on ``proxy_port``, send ``data``; what came back."""
+    with socket.create_connection(("127.0.0.1", proxy_port), timeout=DEADLINE) as s:
+        s.settimeout(5)
+        s.sendall(f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+        head = s.recv(4096)
+        s.sendall(data)
+        try:
+            return head + s.recv(4096)
+        except OSError:
+            return head
+
+
+@pytest.mark.timeout(120)
+def test_bittorrent_is_refused_on_a_route_that_blocks_it_and_carried_on_others(lab, origin):
+    # issue 14: routes[].block_torrent — the server sniffs the first bytes and refuses BitTorrent
+    ports = run_sing_box_client(lab, json.loads(document(lab, "sing-box")), "sb-torrent")
+    recorder = Recorder()
+    try:
+        send_through(ports["Via trojan"], recorder.port, BT_HANDSHAKE)  # its route blocks BitTorrent
+        send_through(ports["Via vless-tls"], recorder.port, BT_HANDSHAKE)  # its route does not
+        send_through(ports["Via trojan"], recorder.port, b"GET / HTTP/1.0\r\n\r\n")  # not BitTorrent: carried
+        deadline = time.monotonic() + 10
+        while len(recorder.seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        assert sorted(recorder.seen) == sorted([BT_HANDSHAKE, b"GET / HTTP/1.0\r\n\r\n"]), recorder.seen
+    finally:
+        recorder.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_stranger_at_the_trojan_port_sees_an_ordinary_web_site(lab):
+    # issue 14: camouflage — TLS to the Trojan port with no Trojan password is handed to the fallback site
+    import ssl
+
+    context = ssl.create_default_context(cadata=derived_certificate(SECRET, "trojan", SNI).cert_pem)
+    with socket.create_connection(("127.0.0.1", lab["ports"]["trojan"]), timeout=DEADLINE) as raw, \
+            context.wrap_socket(raw, server_hostname=SNI) as tls:
+        tls.sendall(f"GET /page.bin HTTP/1.1\r\nHost: {SNI}\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := tls.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") or head.startswith(b"HTTP/1.1 200"), head[:200]
+    assert body == PAYLOAD
+
+
+def rule_set_mirror(work: Path, procs: Processes) -> int:
+    """Rule sets as the formats' own files (compiled by the real tools), served on loopback: geoip-de lists
+    192.0.2.0/24, in sing-box's .srs and Mihomo's .mrs."""
+    mirror = work / "rule-sets"
+    mirror.mkdir()
+    (mirror / "de.json").write_text(json.dumps({"version": 3, "rules": [{"ip_cidr": ["192.0.2.0/24"]}]}))
+    subprocess.run([SING_BOX, "rule-set", "compile", str(mirror / "de.json"), "-o", str(mirror / "geoip-de.srs")],
+                   check=True, capture_output=True, timeout=60)
+    if MIHOMO is not None:
+        (mirror / "de.txt").write_text("192.0.2.0/24\n")
+        subprocess.run([MIHOMO, "convert-ruleset", "ipcidr", "text", str(mirror / "de.txt"), str(mirror / "de.mrs")],
+                       check=True, capture_output=True, timeout=60)
+    port = free_port()
+    proc = procs.start("rule-sets", [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
+                                     "--directory", str(mirror)])
+    wait_listening(proc, [port], procs)
+    return port
+
+
+@pytest.mark.timeout(120)
+def test_split_tunnelling_sends_the_operators_destinations_direct_in_both_app_formats(lab, origin):
+    # issue 14: settings.split — listed domains and countries' rule sets go direct, by each format's own rule sets
+    mirror = rule_set_mirror(lab["work"], lab["procs"])
+    split = {"domains": ["localhost"], "countries": ["DE"],
+             "geoip_sing_box": f"http://127.0.0.1:{mirror}/geoip-{{country}}.srs",
+             "geoip_clash": f"http://127.0.0.1:{mirror}/{{country}}.mrs"}
+    cluster = Cluster.model_validate({**lab["cluster"].model_dump(mode="json", exclude={"routes": {0: {"implicit"}}}),
+                                      "settings": {"split": split}})
+    snapshot = Snapshot(cluster=cluster, now=time.time(), tls_pins=tls_pins(cluster, SECRET))
+    page = origin.replace("127.0.0.1", "localhost")
+    dead = free_port()
+    # sing-box: every proxy entry pointed at a closed port, so only what the profile sends direct can arrive
+    doc = json.loads(document(lab, "sing-box", snapshot))
+    assert doc["route"]["rule_set"][0]["url"].endswith("/geoip-de.srs")
+    for o in doc["outbounds"]:
+        if "server_port" in o:
+            o["server_port"] = dead
+    for rs in doc["route"]["rule_set"]:
+        rs["download_detour"] = "direct"  # the VPN is closed here; a phone fetches them through it
+    split_port = free_port()
+    run_sing_box_client(lab, doc, "sb-split", routed=split_port)
+    assert fetch_through(split_port, page) == PAYLOAD  # localhost: direct
+    with pytest.raises(OSError):
+        fetch_through(split_port, origin.replace("127.0.0.1", "origin.invalid"))  # not listed: the (closed) VPN
+    # Mihomo: the same through its rule-providers
+    if MIHOMO is not None:
+        profile = YAML(typ="safe").load(document(lab, "clash", snapshot).decode())
+        assert profile["rule-providers"]["geoip-de"]["format"] == "mrs"
+        for p in profile["proxies"]:
+            p["port"] = dead
+        for provider in profile["rule-providers"].values():
+            provider["proxy"] = "DIRECT"
+        ports = run_mihomo(lab, profile, "m-split", ["PROXY"])
+        del ports  # the PROXY listener forces the group; the split is what the rules do on the mixed port
+        home = lab["work"] / "m-split"
+        mixed = int(YAML(typ="safe").load((home / "config.yaml").read_text())["mixed-port"])
+        assert fetch_through(mixed, page) == PAYLOAD
+        with pytest.raises(OSError):
+            fetch_through(mixed, origin.replace("127.0.0.1", "origin.invalid"))

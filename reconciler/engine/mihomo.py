@@ -29,10 +29,12 @@ from __future__ import annotations
 import json
 
 from reconciler.credentials import Secret, clash_api_secret, reality_keys, reality_short_id, user_credentials
-from reconciler.engine.base import CLASH_API, Layout, active_users
+from reconciler.engine.base import CLASH_API, Layout, active_users, torrent_blocked
 from reconciler.model import Cluster, Server
 
 CONFIG_DIR = "/etc/mihomo"
+TORRENT_PORTS = "6881-6889/6969/51413"  # BitTorrent's customary peer ports and its tracker port
+TORRENT_WORDS = ("announce", "torrent")
 HOME = "/var/lib/mihomo"
 LAYOUT = Layout(name="mihomo", binary="/usr/local/bin/mihomo", config_dir=CONFIG_DIR,
                 template=f"{CONFIG_DIR}/config.template.yaml", config=f"{CONFIG_DIR}/config.yaml",
@@ -106,6 +108,8 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
                 entry["up"] = ib.up_mbps
             if ib.down_mbps:
                 entry["down"] = ib.down_mbps
+            if ib.masquerade:  # camouflage: what an HTTP/3 request that is no client's gets
+                entry["masquerade"] = ib.masquerade
             listeners.append(entry)
         elif ib.protocol == "tuic":
             listeners.append({**base, "type": "tuic", **_tls(ib.id), "alpn": ["h3"],
@@ -113,6 +117,10 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
                               "users": {c.uuid: c.password for c in creds.values()}})
     names = sorted(creds)
     tuic = any(ib.protocol == "tuic" for ib in server.inbounds)
+    blocked = "/".join(torrent_blocked(cluster, server))
+    # No BitTorrent sniffer in Mihomo: its well-known ports and tracker requests are refused (validate says so).
+    torrent = [f"AND,((IN-NAME,{blocked}),(DST-PORT,{TORRENT_PORTS})),REJECT",
+               *(f"AND,((IN-NAME,{blocked}),(DOMAIN-KEYWORD,{word})),REJECT" for word in TORRENT_WORDS)] if blocked else []
     put.append(clash_api_secret(secret, server.name))
     return {
         "mode": "rule", "log-level": "warning", "ipv6": True, "allow-lan": False, "find-process-mode": "off",
@@ -123,7 +131,7 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
         "dns": {"enable": True, "ipv6": True, "use-system-hosts": True, "nameserver": ["system"]},
         "listeners": listeners,
         "proxies": [{"name": f"u-{n}", "type": "direct"} for n in names],
-        "rules": [f"IN-USER,{n}{'/' + creds[n].uuid if tuic else ''},u-{n}" for n in names] + ["MATCH,DIRECT"],
+        "rules": [*torrent, *(f"IN-USER,{n}{'/' + creds[n].uuid if tuic else ''},u-{n}" for n in names), "MATCH,DIRECT"],
     }, tuple(dict.fromkeys(put))
 
 

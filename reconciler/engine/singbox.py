@@ -20,8 +20,9 @@ from __future__ import annotations
 import json
 
 from reconciler.credentials import Secret, clash_api_secret, reality_keys, reality_short_id, ss_server_key, user_credentials
-from reconciler.engine.base import CLASH_API, Layout, active_users
+from reconciler.engine.base import CLASH_API, Layout, active_users, torrent_blocked
 from reconciler.model import Cluster, Server
+from reconciler.model.types import parse_listen
 
 CONFIG_DIR = "/etc/sing-box"
 LAYOUT = Layout(name="sing-box", binary="/usr/local/bin/sing-box", config_dir=CONFIG_DIR,
@@ -91,9 +92,13 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
                              "users": [{"name": n, "uuid": c.uuid, "flow": ib.flow} for n, c in creds.items()],
                              "tls": tls_paths(ib.tls.server_name, ib.id)})
         elif ib.protocol == "trojan":
-            inbounds.append({"type": "trojan", **base,
-                             "users": [{"name": n, "password": c.password} for n, c in creds.items()],
-                             "tls": tls_paths(ib.tls.server_name, ib.id)})
+            trojan: dict[str, object] = {"type": "trojan", **base,
+                                         "users": [{"name": n, "password": c.password} for n, c in creds.items()],
+                                         "tls": tls_paths(ib.tls.server_name, ib.id)}
+            if ib.fallback:  # camouflage: whoever is not a client is handed to a plain web site
+                host, port = parse_listen(ib.fallback)
+                trojan["fallback"] = {"server": host, "server_port": port}
+            inbounds.append(trojan)
         elif ib.protocol == "shadowsocks-2022":
             put.append(ss_server_key(secret, ib.id, ib.method))
             inbounds.append({"type": "shadowsocks", **base, "method": ib.method,
@@ -107,6 +112,8 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
                 entry["up_mbps"] = ib.up_mbps
             if ib.down_mbps:
                 entry["down_mbps"] = ib.down_mbps
+            if ib.masquerade:  # camouflage: what an HTTP/3 request that is no client's gets
+                entry["masquerade"] = ib.masquerade
             inbounds.append(entry)
         elif ib.protocol == "tuic":
             inbounds.append({"type": "tuic", **base, "congestion_control": ib.congestion_control,
@@ -114,11 +121,14 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
                              "tls": {**tls_paths(ib.tls.server_name, ib.id), "alpn": ["h3"]}})
     names = sorted(creds)
     put.append(clash_api_secret(secret, server.name))
+    blocked = torrent_blocked(cluster, server)
+    torrent = [{"inbound": blocked, "action": "sniff"},  # sniffing names the protocol of the first bytes
+               {"inbound": blocked, "protocol": ["bittorrent"], "action": "reject"}] if blocked else []
     return {
         "log": {"level": "warn", "timestamp": True},
         "inbounds": inbounds,
         "outbounds": [{"type": "direct", "tag": "direct"}] + [{"type": "direct", "tag": f"u-{n}"} for n in names],
-        "route": {"rules": [{"auth_user": [n], "outbound": f"u-{n}"} for n in names], "final": "direct"},
+        "route": {"rules": [*torrent, *({"auth_user": [n], "outbound": f"u-{n}"} for n in names)], "final": "direct"},
         "experimental": {"clash_api": {"external_controller": CLASH_API, "secret": put[-1]}},
     }, tuple(dict.fromkeys(put))
 

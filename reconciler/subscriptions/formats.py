@@ -19,6 +19,7 @@ import json
 import re
 from urllib.parse import quote, urlencode
 
+from reconciler.model.cluster import SplitSettings
 from reconciler.subscriptions.outbound import ClientOutbound
 
 FORMATS = ("links", "sing-box", "clash")
@@ -150,12 +151,37 @@ def singbox_outbound(o: ClientOutbound, tag: str) -> dict[str, object]:
 TUN_ADDRESSES = ["172.19.0.1/30", "fdfe:dcba:9876::1/126"]
 
 
-def singbox(outbounds: list[ClientOutbound]) -> bytes:
+def _singbox_split(split: SplitSettings | None) -> tuple[list[dict[str, object]], list[dict[str, object]], list[dict[str, object]]]:
+    """Split tunnelling as sing-box writes it: (route rules, DNS rules, rule sets). Remote binary rule sets, fetched
+    by the app through the VPN (a blocked network may block their host) and refreshed by it."""
+    if split is None:
+        return [], [], []
+    sets: list[dict[str, object]] = [
+        {"tag": f"geoip-{cc.lower()}", "type": "remote", "format": "binary", "download_detour": "proxy",
+         "url": split.geoip_sing_box.replace("{country}", cc.lower())} for cc in split.countries]
+    sets += [{"tag": rs.name, "type": "remote", "format": "binary", "download_detour": "proxy", "url": rs.sing_box}
+             for rs in split.rule_sets]
+    rules: list[dict[str, object]] = []
+    dns: list[dict[str, object]] = []
+    if split.domains:
+        rules.append({"domain_suffix": list(split.domains), "outbound": "direct"})
+        dns.append({"domain_suffix": list(split.domains), "server": "local"})
+    if sets:
+        rules.append({"rule_set": [str(x["tag"]) for x in sets], "outbound": "direct"})
+    domain_sets = [rs.name for rs in split.rule_sets if rs.behavior == "domain"]
+    if domain_sets:
+        dns.append({"rule_set": domain_sets, "server": "local"})  # names that go direct are resolved there too
+    return rules, dns, sets
+
+
+def singbox(outbounds: list[ClientOutbound], split: SplitSettings | None = None) -> bytes:
     """A profile a phone or desktop app (SFA, SFI, SFM, Hiddify) runs as it is: a TUN inbound that takes the
     device's traffic, DNS through the proxy, sniffing and DNS hijacking by rule actions, private addresses
-    direct, everything else to the selector of the routes' entries (sing-box 1.12+ schema, as the official
-    client examples of 1.14 write it). No local proxy port: another app on the device could use or find it."""
+    direct, the operator's split tunnelling (``settings.split``) direct, everything else to the selector of the
+    routes' entries (sing-box 1.12+ schema, as the official client examples of 1.14 write it). No local proxy
+    port: another app on the device could use or find it."""
     tags = _unique_tags(outbounds)
+    split_rules, split_dns, rule_sets = _singbox_split(split)
     config = {
         "log": {"level": "warn"},
         "dns": {
@@ -163,6 +189,7 @@ def singbox(outbounds: list[ClientOutbound]) -> bytes:
                 {"type": "https", "tag": "remote", "server": "1.1.1.1", "detour": "proxy"},
                 {"type": "local", "tag": "local"},
             ],
+            **({"rules": split_dns} if split_dns else {}),
             "final": "remote",
             "strategy": "prefer_ipv4",
         },
@@ -177,9 +204,11 @@ def singbox(outbounds: list[ClientOutbound]) -> bytes:
                 {"action": "sniff"},
                 {"protocol": "dns", "action": "hijack-dns"},
                 {"ip_is_private": True, "outbound": "direct"},
+                *split_rules,
                 # No entry the user can verify: the device's traffic is refused, never sent `direct` unprotected.
                 *([] if tags else [{"action": "reject"}]),
             ],
+            **({"rule_set": rule_sets} if rule_sets else {}),
             "final": "proxy",
             "auto_detect_interface": True,
             "default_domain_resolver": "local",
@@ -224,8 +253,22 @@ def clash_proxy(o: ClientOutbound, name: str) -> dict[str, object]:
     raise ValueError(o.protocol)
 
 
-def clash(outbounds: list[ClientOutbound]) -> bytes:
+def _clash_split(split: SplitSettings | None) -> tuple[list[str], dict[str, object]]:
+    """Split tunnelling as Mihomo writes it: (rules, rule-providers): remote .mrs rule sets fetched through PROXY."""
+    if split is None:
+        return [], {}
+    providers: dict[str, object] = {}
+    for name, behavior, url in [(f"geoip-{cc.lower()}", "ipcidr", split.geoip_clash.replace("{country}", cc.lower()))
+                                for cc in split.countries] + [(rs.name, rs.behavior, rs.clash) for rs in split.rule_sets]:
+        providers[name] = {"type": "http", "behavior": behavior, "format": "mrs", "url": url,
+                           "path": f"./rule-sets/{name}.mrs", "interval": 86400, "proxy": "PROXY"}
+    rules = [f"DOMAIN-SUFFIX,{d},DIRECT" for d in split.domains] + [f"RULE-SET,{name},DIRECT" for name in providers]
+    return rules, providers
+
+
+def clash(outbounds: list[ClientOutbound], split: SplitSettings | None = None) -> bytes:
     names = _unique_tags(outbounds)
+    split_rules, providers = _clash_split(split)
     doc = {
         "mixed-port": 7890,
         "allow-lan": False,
@@ -233,7 +276,8 @@ def clash(outbounds: list[ClientOutbound]) -> bytes:
         "log-level": "warning",
         "proxies": [clash_proxy(o, n) for o, n in zip(outbounds, names, strict=True)],
         "proxy-groups": [{"name": "PROXY", "type": "select", "proxies": names or ["REJECT"]}],  # never DIRECT unprotected
-        "rules": ["MATCH,PROXY"],
+        **({"rule-providers": providers} if providers else {}),
+        "rules": [*split_rules, "MATCH,PROXY"],
     }
     return _block_yaml(doc).encode()
 
