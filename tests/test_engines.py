@@ -281,15 +281,19 @@ def test_an_acme_inbound_is_verified_by_the_ca_never_pinned_nor_skipped(tmp_path
                                      "tls": {"server_name": "x.test", "acme": True, "insecure": True}}]}]})
 
 
-def test_an_acme_certificate_is_due_when_missing_or_near_its_end_and_the_plan_says_so(tmp_path, runner):
+def test_an_acme_certificate_is_due_when_missing_mismatched_or_near_its_end(tmp_path, runner):
     import datetime
 
     from reconciler.apply.acme import due
     from reconciler.engine.adapters import acme_dir
 
     c = acme_cluster(tmp_path)
-    [o] = plan(c, runner)  # no certificate yet: the server's plan says apply orders one
-    assert "no certificate from the ACME CA yet: apply orders one" in o.plan.error
+    from reconciler.certificates import derived_certificate
+
+    [o] = plan(c, runner)  # no certificate from the CA yet: the derived one holds the place (engine, firewall)
+    assert not o.plan.error
+    placeholder = next(f for f in o.desired.files if f.path == "/etc/sing-box/tls/a-tls.crt")
+    assert placeholder.content == derived_certificate(SECRET, "a-tls", "vpn.example.net").cert_pem.encode()
     assert [w.inbound for w in due(c, ".", NOW)] == ["a-tls"]
     made = derived_certificate_for_test(valid_days=60)
     folder = Path(acme_dir(c, "."))
@@ -299,6 +303,9 @@ def test_an_acme_certificate_is_due_when_missing_or_near_its_end_and_the_plan_sa
     now = datetime.datetime.now(datetime.UTC).timestamp()
     assert due(c, ".", now) == []  # 60 days left, renewed 30 days before
     assert [w.inbound for w in due(acme_cluster(tmp_path, "90d"), ".", now)] == ["a-tls"]
+    (folder / "a-tls.key").write_text(derived_certificate_for_test(valid_days=60)[1])  # a key that is not the cert's
+    assert [w.inbound for w in due(c, ".", now)] == ["a-tls"]
+    (folder / "a-tls.key").write_text(made[1])
     [o] = plan(c, runner)
     assert not o.plan.error and "/etc/sing-box/tls/a-tls.crt" in {a.target for a in o.plan.actions}
     rules = next(f for f in o.desired.firewall if f.path.endswith(".nft")).content.decode()
@@ -367,3 +374,22 @@ def test_a_route_that_blocks_bittorrent_on_mihomo_is_warned_about(tmp_path, cli)
                     "routes: [{id: r, name: R, block_torrent: true}]\nusers: [{name: alice}]\n")
     run = cli("validate", "-f", str(path))
     assert run.rc == 0 and "cannot recognise it: only its well-known ports and tracker names" in run.err, run.text
+
+
+def test_failed_certificate_orders_back_off_for_an_hour_doubling_to_a_day():
+    from reconciler.apply.acme import Backoff
+
+    b = Backoff()
+    assert b.ready("x", 0)
+    waits = []
+    for _ in range(7):
+        b.failed("x", 0)
+        waits.append(b.failures["x"][1])
+    assert waits == [3600, 7200, 14400, 28800, 57600, 86400, 86400] and not b.ready("x", 3599)
+    b.succeeded("x")
+    assert b.ready("x", 0)
+
+
+def test_a_downloaded_release_is_pinned_per_architecture(tmp_path):
+    with pytest.raises(ValueError, match="pinned per architecture"):
+        cluster(tmp_path, engine={"install": "download", "url": "https://example.invalid/{arch}", "sha256": "ab" * 32})

@@ -7,8 +7,10 @@ itself (``reconciler.engine.scripts.acme``, detached, on ``settings.acme.http_po
 validated); the chain and key kept in the state folder (``acme/``, mode 0600, never in git). The plan then writes
 them to the server like any certificate, and the engine reloads them: no restart, no gap.
 
-One inbound's failure is that inbound's (its server's plan then says it has no certificate yet); the others go
-on. The account key is made once and kept beside the certificates.
+One inbound's failure is that inbound's (its server keeps the certificate it has: the last one, or until the first
+arrives the one derived from the secret); the others go on. The loop waits longer after each failure (``Backoff``).
+The account key is made once and kept beside the certificates; a kept pair whose key is not the certificate's is
+ordered again.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cryptography import x509
@@ -73,17 +75,57 @@ def not_after(cert_path: str) -> float | None:
     return cert.not_valid_after_utc.timestamp()
 
 
+def _pair_matches(cert_path: str, key_path: str) -> bool:
+    """Whether the kept key is the certificate's (a crash between writing them leaves a pair that is not)."""
+    try:
+        with open(cert_path, "rb") as f:
+            cert = x509.load_pem_x509_certificate(f.read())
+        with open(key_path, "rb") as f:
+            key = serialization.load_pem_private_key(f.read(), None)
+    except (OSError, ValueError, TypeError):
+        return False
+    spki = serialization.PublicFormat.SubjectPublicKeyInfo
+    return bool(cert.public_key().public_bytes(serialization.Encoding.DER, spki)
+                == key.public_key().public_bytes(serialization.Encoding.DER, spki))
+
+
 def due(cluster: Cluster, base_dir: str, now: float) -> list[Wanted]:
-    """The ACME inbounds whose certificate is missing, or expires within ``renew_before`` of ``now``."""
+    """The ACME inbounds whose certificate is missing, not its key's, or expires within ``renew_before`` of ``now``."""
     folder = acme_dir(cluster, base_dir)
     limit = now + cluster.settings.acme.renew_before
-    return [w for w in wanted(cluster) if (end := not_after(acme_paths(folder, w.inbound)[0])) is None or end <= limit]
+    found = []
+    for w in wanted(cluster):
+        cert_path, key_path = acme_paths(folder, w.inbound)
+        end = not_after(cert_path)
+        if end is None or end <= limit or not _pair_matches(cert_path, key_path):
+            found.append(w)
+    return found
+
+
+@dataclass
+class Backoff:
+    """Failed orders per inbound, so the loop asks the CA again only after a while (1 h, doubling to a day):
+    a CA limits failed validations (Let's Encrypt: 5 an hour per name)."""
+
+    failures: dict[str, tuple[int, float]] = field(default_factory=dict)  # inbound → (failures, next try)
+
+    def ready(self, inbound: str, now: float) -> bool:
+        return self.failures.get(inbound, (0, 0.0))[1] <= now
+
+    def failed(self, inbound: str, now: float) -> None:
+        n = self.failures.get(inbound, (0, 0.0))[0] + 1
+        self.failures[inbound] = (n, now + min(3600.0 * 2 ** (n - 1), 86400.0))
+
+    def succeeded(self, inbound: str) -> None:
+        self.failures.pop(inbound, None)
 
 
 async def ensure_certificates(cluster: Cluster, runner: Runner, base_dir: str, now: float | None = None,
-                              say: Callable[[str], None] = log.info) -> dict[str, str]:
-    """Order every certificate that is due; returns inbound → why it could not be had (empty: all good)."""
-    todo = due(cluster, base_dir, time.time() if now is None else now)
+                              say: Callable[[str], None] = log.info, backoff: Backoff | None = None) -> dict[str, str]:
+    """Order every certificate that is due (and, with ``backoff``, not failing lately); returns inbound → why it
+    could not be had (empty: all good)."""
+    now = time.time() if now is None else now
+    todo = [w for w in due(cluster, base_dir, now) if backoff is None or backoff.ready(w.inbound, now)]
     if not todo:
         return {}
     folder = acme_dir(cluster, base_dir)
@@ -92,6 +134,9 @@ async def ensure_certificates(cluster: Cluster, runner: Runner, base_dir: str, n
         client = await asyncio.to_thread(_client, settings, folder)
     except Exception as exc:  # noqa: BLE001 — the CA unreachable or refusing: every due inbound says why
         why = f"the ACME CA at {settings.directory} cannot be used: {type(exc).__name__}: {str(exc)[:300]}"
+        for w in todo:
+            if backoff is not None:
+                backoff.failed(w.inbound, now)
         return {w.inbound: why for w in todo}
     errors: dict[str, str] = {}
 
@@ -100,8 +145,12 @@ async def ensure_certificates(cluster: Cluster, runner: Runner, base_dir: str, n
         try:
             await _order(client, runner, Target.from_server(w.server), w, settings, folder)
             say(f"{w.server.name}: certificate for {w.name} issued")
+            if backoff is not None:
+                backoff.succeeded(w.inbound)
         except Exception as exc:  # noqa: BLE001 — this inbound's failure, not the others'
             errors[w.inbound] = f"{type(exc).__name__}: {str(exc)[:400]}"
+            if backoff is not None:
+                backoff.failed(w.inbound, now)
             log.warning("%s: no certificate for %s: %s", w.server.name, w.name, errors[w.inbound])
 
     by_server: dict[str, list[Wanted]] = {}

@@ -27,6 +27,7 @@ import base64
 import logging
 import os
 import posixpath
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -183,9 +184,9 @@ async def _transaction(runner: Runner, o: Observed, phase: Callable[[str], None]
     if not any(a.kind in COMMIT_KINDS for a in o.plan.actions):
         for a in _of(o, "stop"):  # a retired engine, when nothing else changes
             await runner.script(o.target, remote.FILES, {"op": "remove", "stop": a.target, "paths": []})
-    removals = [a.target for a in _of(o, "remove-file")]
+    removals = _removal_paths(o)
     if removals:
-        await runner.script(o.target, remote.FILES, {"op": "remove", "paths": removals})
+        await runner.script(o.target, remote.FILES, {"op": "remove", "paths": removals, "daemon_reload": bool(_of(o, "stop"))})
     if _of(o, "harden"):
         phase("harden")
         await _harden(runner, o, verify_timeout)  # as long to prove a new connection gets in
@@ -223,7 +224,8 @@ async def _commit(runner: Runner, o: Observed, phase: Callable[[str], None], res
         "check": list(engine.check), "dir": engine.config_dir, "retire": retire,
         "action": action, "listeners": [list(x) for x in d.listeners], "verify_timeout": verify_timeout,
         "lock": lock.LOCK_DIR if release else None,
-        "running": o.facts.active == "active",
+        # A server changing engines is serving with the old one: the new configuration is checked before anything moves.
+        "running": o.facts.active == "active" or bool(retire),
     }
     if release:
         await held.hand_over()
@@ -314,10 +316,10 @@ async def _stage_engine(runner: Runner, o: Observed) -> list[list[str]]:
     if local:
         # Shipped compressed (a Go binary shrinks to ~40%) and unpacked as it streams in. gzip's CRC and
         # SSH's MAC vouch for the bytes; the sha256 was taken here, once, from the source.
-        data, digest = _gzipped(local)
+        data, digest = await asyncio.to_thread(_gzipped, local)  # tens of MB: never on the event loop
         # The same bytes report the same version: no 44 MB binary to start on every server.
-        res = await runner.script(o.target, remote.ENGINE, {**req, "mode": "upload", "sha256": digest,
-                                                            "version": _local_version(local, engine.version_args)},
+        version = await asyncio.to_thread(_local_version, local, engine.version_args)
+        res = await runner.script(o.target, remote.ENGINE, {**req, "mode": "upload", "sha256": digest, "version": version},
                                   input=data, timeout=ENGINE_UPLOAD_SECONDS)
         staged = answer(res, o.target, remote.ENGINE, {"ok": bool})
         if not staged["ok"]:
@@ -339,6 +341,7 @@ async def _stage_engine(runner: Runner, o: Observed) -> list[list[str]]:
 
 
 _PACKED: dict[str, tuple[bytes, str]] = {}
+_PACKING = threading.Lock()  # servers stage in threads: one packs, the others wait for its bytes
 _VERSIONS: dict[tuple[str, int, int], str | None] = {}
 
 
@@ -359,6 +362,11 @@ PACK_LEVEL = 6  # inflates ~35% faster than level 1 on the servers (and is 10% s
 def _gzipped(path: str) -> tuple[bytes, str]:
     """(gzip bytes, sha256 of the original) of a local file: compressed once per file version (cached on
     disk across runs, the three newest versions kept) and held once in memory for every server of this run."""
+    with _PACKING:
+        return _pack(path)
+
+
+def _pack(path: str) -> tuple[bytes, str]:
     import glob
     import gzip
     import hashlib
@@ -387,13 +395,15 @@ def _gzipped(path: str) -> tuple[bytes, str]:
     return _PACKED[key]
 
 
+def _removal_paths(o: Observed) -> list[str]:
+    """The files the plan's remove-file actions name, and what the commit made beside them (a binary's sidecars)."""
+    return [p for a in _of(o, "remove-file") for p in (a.target, f"{a.target}.sha256", f"{a.target}.version")]
+
+
 async def _remove_server(runner: Runner, o: Observed) -> None:
     """A server that left the file: stop and disable the engine, remove what the plan names (and the
     files the commit made beside them: the rendered configuration, the binary's sidecars)."""
-    paths = []
-    for a in _of(o, "remove-file"):
-        paths += [a.target, f"{a.target}.sha256"]
-    paths += [f"{a.target}.version" for a in _of(o, "remove-file")]
+    paths = _removal_paths(o)
     for a in _of(o, "stop"):
         await runner.script(o.target, remote.FILES, {"op": "remove", "stop": a.target, "paths": [], "daemon_reload": False})
     await runner.script(o.target, remote.FILES, {"op": "remove", "stop": None, "paths": paths, "daemon_reload": True})

@@ -48,8 +48,10 @@ def cmd_pin(args: argparse.Namespace) -> int:
         if not pinned.sha256:
             raise ReleaseError(f"no release of {settings.name} {settings.version} could be fetched; nothing was written",
                                temporary=True)
-        pin_engine(path, settings.name, pinned.sha256, pinned.capabilities)
-        shown = ", ".join(f"{arch} sha256:{digest[:16]}…" for arch, digest in sorted(pinned.sha256.items()))
+        kept: dict[str, str] = {str(a): d for a, d in settings.sha256.items()} if isinstance(settings.sha256, dict) else {}
+        merged = {**{a: d for a, d in kept.items() if a in pinned.missing}, **pinned.sha256}  # a failed fetch keeps its pin
+        pin_engine(path, settings.name, merged, pinned.capabilities)
+        shown = ", ".join(f"{arch} sha256:{digest[:16]}…" for arch, digest in sorted(merged.items()))
         caps = ", ".join(pinned.capabilities) if pinned.capabilities is not None else "unknown (no release runs here)"
         print(f"pinned {settings.name} {settings.version} in {path}: {shown}; capabilities: {caps}")
     return 0

@@ -161,8 +161,10 @@ def tls_files(server: Server, secret: Secret, layout: Layout, base_dir: str, acm
             try:
                 cert, key = read_regular_file(cert_path), read_regular_file(key_path)
             except FileNotFoundError:
-                raise FileNotFoundError(f"inbound {ib.id!r} has no certificate from the ACME CA yet: apply orders one "
-                                        f"(HTTP-01 on port 80 of {server.host}; {tls.server_name} must resolve to it)") from None
+                # Until the CA's certificate is had (apply orders it first), the derived one holds the place: the
+                # engine and the firewall (which opens the CA's HTTP-01 port) are in place for the next order.
+                made = derived_certificate(secret, ib.id, tls.server_name, tls.rotate)
+                cert, key = made.cert_pem.encode(), made.key_pem.encode()
         else:
             made = derived_certificate(secret, ib.id, tls.server_name, tls.rotate)
             cert, key = made.cert_pem.encode(), made.key_pem.encode()

@@ -12,9 +12,10 @@ implementation on both sides of the wire.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
+import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,38 +34,57 @@ def cache_dir() -> str:
     return path
 
 
+_LOCKS: dict[str, threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def _temp(folder: str, prefix: str) -> str:
+    fd, path = tempfile.mkstemp(prefix=prefix, dir=folder)  # unique: several servers may fall back at once
+    os.close(fd)
+    return path
+
+
 def _fetch(url: str) -> tuple[str, str]:
-    """(path, sha256) of the file at ``url``, fetched into the cache."""
-    path = os.path.join(cache_dir(), "fetch-" + hashlib.sha256(url.encode()).hexdigest()[:16] + f".{os.getpid()}")
+    """(path, sha256) of the file at ``url``, fetched into a file of its own in the cache."""
+    path = _temp(cache_dir(), "fetch-")
     try:
         script.fetch(url, path)
+        return path, script.sha256_of(path)
     except script.Failed as exc:
-        if os.path.exists(path):
-            os.remove(path)
+        os.remove(path)
         raise ReleaseError(str(exc), temporary=True) from None
-    return path, script.sha256_of(path)
+    except OSError as exc:  # the cache's disk, not the release
+        os.remove(path)
+        raise ReleaseError(f"cannot keep {url} in {cache_dir()}: {exc}", temporary=True) from None
 
 
 def fetch_binary(url: str, pin: str, name: str) -> str:
-    """The local path of binary ``name`` from the release at ``url``, whose sha256 must be ``pin``."""
+    """The local path of binary ``name`` from the release at ``url``, whose sha256 must be ``pin``; fetched once
+    for every server of an apply that needs it (one fetch per pin at a time)."""
     out = os.path.join(cache_dir(), f"{name}-{pin[:24]}")
-    if os.path.exists(out):
-        return out
-    path, got = _fetch(url)
-    try:
-        if got != pin:
-            raise ReleaseError(f"the file at {url} has sha256 {got}, not the pinned {pin}: refused")
+    with _LOCKS_GUARD:
+        lock = _LOCKS.setdefault(pin, threading.Lock())
+    with lock:
+        if os.path.exists(out):
+            return out
+        path, got = _fetch(url)
+        unpacked = _temp(cache_dir(), f"{name}-")
         try:
-            script.unpack(path, out + ".tmp", name)
-        except script.Failed as exc:
-            raise ReleaseError(f"{url}: {exc}") from None
-        os.chmod(out + ".tmp", stat.S_IRWXU)
-        os.replace(out + ".tmp", out)
-    finally:
-        for leftover in (path, out + ".tmp"):
-            if os.path.exists(leftover):
-                os.remove(leftover)
-    return out
+            if got != pin:
+                raise ReleaseError(f"the file at {url} has sha256 {got}, not the pinned {pin}: refused")
+            try:
+                script.unpack(path, unpacked, name)
+            except script.Failed as exc:
+                raise ReleaseError(f"{url}: {exc}") from None
+            except OSError as exc:
+                raise ReleaseError(f"{url}: cannot unpack it in {cache_dir()}: {exc}", temporary=True) from None
+            os.chmod(unpacked, stat.S_IRWXU)
+            os.replace(unpacked, out)
+        finally:
+            for leftover in (path, unpacked):
+                if os.path.exists(leftover):
+                    os.remove(leftover)
+        return out
 
 
 @dataclass(frozen=True)

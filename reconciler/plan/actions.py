@@ -126,7 +126,7 @@ def plan_server(desired: DesiredServer, facts: Facts, current_files: dict[str, b
     # Another engine an earlier apply installed (the server changed engines): stopped before the new one starts,
     # its files removed once the new one serves.
     for old in desired.retire:
-        found = [p for p in old.paths() if facts.files.get(p)]
+        found = engine_leftovers(facts, old)
         if found:
             actions.append(Action("-", "stop", old.service, f"the server runs {name} now"))
             actions += [Action("-", "remove-file", p, f"{old.name} is retired") for p in found]
@@ -183,12 +183,18 @@ def plan_server(desired: DesiredServer, facts: Facts, current_files: dict[str, b
     return actions
 
 
+def engine_leftovers(facts: Facts, engine: Layout) -> list[str]:
+    """What of ``engine`` a server holds: its binary, configuration and unit, and its keys and certificates (the one
+    list both a retired engine and a removed server lose)."""
+    found = [p for p in engine.paths() if facts.files.get(p)]
+    return found + [p for p in facts.extra if p.startswith(f"{engine.config_dir}/") and p not in found]
+
+
 def plan_removal(facts: Facts, layouts: tuple[Layout, ...]) -> list[Action]:
     """A server that left the cluster file: stop every engine found and remove what we installed (prune)."""
     actions = []
     for engine in layouts:
-        found = [p for p in engine.paths() if facts.files.get(p)]
-        found += [p for p in facts.extra if p.startswith(f"{engine.config_dir}/")]  # its keys and certificates
+        found = engine_leftovers(facts, engine)
         if found:
             actions.append(Action("-", "stop", engine.service, "the server left the cluster file (prune)"))
             actions += [Action("-", "remove-file", p, "the server left the cluster file (prune)") for p in found]

@@ -262,7 +262,10 @@ def _clash_split(split: SplitSettings | None) -> tuple[list[str], dict[str, obje
                                 for cc in split.countries] + [(rs.name, rs.behavior, rs.clash) for rs in split.rule_sets]:
         providers[name] = {"type": "http", "behavior": behavior, "format": "mrs", "url": url,
                            "path": f"./rule-sets/{name}.mrs", "interval": 86400, "proxy": "PROXY"}
-    rules = [f"DOMAIN-SUFFIX,{d},DIRECT" for d in split.domains] + [f"RULE-SET,{name},DIRECT" for name in providers]
+    # IP rule sets match addresses only (no-resolve): a name is never resolved locally just to test it (a DNS leak)
+    rules = [f"DOMAIN-SUFFIX,{d},DIRECT" for d in split.domains] + [
+        f"RULE-SET,{name},DIRECT" + (",no-resolve" if p["behavior"] == "ipcidr" else "")  # type: ignore[index]
+        for name, p in providers.items()]
     return rules, providers
 
 

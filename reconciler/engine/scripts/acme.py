@@ -34,6 +34,8 @@ def main(req: dict[str, Any]) -> None:
     path, validation = "/.well-known/acme-challenge/" + req["token"], req["validation"].encode()
 
     class Answer(BaseHTTPRequestHandler):
+        timeout = 10  # an idle connection never holds the responder (and port 80) past its time
+
         def do_GET(self) -> None:  # noqa: N802 — the name http.server calls
             body = validation if self.path == path else b"not found\n"
             self.send_response(200 if self.path == path else 404)

@@ -193,15 +193,19 @@ class Commit:
                 except (OSError, subprocess.SubprocessError):
                     pass
             if result["stage"] in ("restart", "verify", "swap"):
+                if req.get("retire"):  # a changed engine that failed: it frees the ports (its unit still there)
+                    sh(["systemctl", "disable", "--now", req["service"]])
                 for _new, path in self.moves:
                     if path in self.backups:
                         os.replace(path + ".reconciler-old", path)
-                    elif os.path.exists(path) and (path != config or not self.running):
+                    elif os.path.exists(path) and (path != config or not self.running or req.get("retire")):
                         os.remove(path)
                 result["rolled_back"] = True
-                for old in req.get("retire", []):
-                    sh(["systemctl", "enable", "--now", old])
-                if self.running:
+                if req.get("retire"):  # ... and the old one serves again
+                    for old in req["retire"]:
+                        sh(["systemctl", "enable", "--now", old])
+                    result["rollback_verified"] = all(sh(["systemctl", "is-active", old])[0] == 0 for old in req["retire"])
+                elif self.running:
                     self.restart("restart")
                     result["rollback_verified"] = self.verify()
                 else:  # it was not running before: back to not running

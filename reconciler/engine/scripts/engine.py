@@ -61,21 +61,32 @@ def sha256_of(path: str) -> str:
 
 
 def fetch(url: str, path: str) -> None:
+    """The file at ``url`` into ``path``; ``Failed("fetch", …)`` when it cannot be had whole from there (the
+    controller may then fetch it), never for this machine's own disk (that error is raised as it is)."""
+    import http.client
+    import socket
     import urllib.error
     import urllib.request
 
-    try:
-        with urllib.request.urlopen(url, timeout=60) as resp, open(path, "wb") as out:
-            size = 0
-            for block in iter(lambda: resp.read(1 << 20), b""):
-                size += len(block)
-                if size > MAX_DOWNLOAD:
-                    raise Failed("fetch", "more than %d MB: not a release" % (MAX_DOWNLOAD >> 20))
-                out.write(block)
-    except urllib.error.HTTPError as e:
-        raise Failed("fetch", "%s answered HTTP %d" % (url, e.code)) from None
-    except (OSError, ValueError) as e:  # no route, refused, timed out, DNS; a malformed URL
-        raise Failed("fetch", "cannot fetch %s: %s" % (url, e)) from None
+    with open(path, "wb") as out:  # outside the try: a full disk here is not the release's fault
+        try:
+            with urllib.request.urlopen(url, timeout=60) as resp:
+                expected = resp.headers.get("Content-Length")
+                size = 0
+                while True:
+                    block = resp.read(1 << 20)
+                    if not block:
+                        break
+                    size += len(block)
+                    if size > MAX_DOWNLOAD:
+                        raise Failed("fetch", "more than %d MB: not a release" % (MAX_DOWNLOAD >> 20))
+                    out.write(block)
+        except urllib.error.HTTPError as e:
+            raise Failed("fetch", "%s answered HTTP %d" % (url, e.code)) from None
+        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, socket.timeout, ValueError) as e:
+            raise Failed("fetch", "cannot fetch %s: %s" % (url, e)) from None
+    if expected is not None and expected.isdigit() and int(expected) != size:
+        raise Failed("fetch", "%s ended after %d of %s bytes" % (url, size, expected))
 
 
 def unpack(archive: str, dest: str, name: str) -> None:
