@@ -250,9 +250,9 @@ def test_a_saved_plan_is_refused_once_a_server_changed(tmp_path, runner):
     c = cluster(tmp_path, servers=("a", "b"), users=("alice", "bob"))
     observed = plan(c, runner)
     saved_path = tmp_path / "plan.json"
-    save_plan(saved_path, [o.plan for o in observed], fingerprint(observed), tmp_path / "c.yaml", prune=False)
+    save_plan(saved_path, [o.plan for o in observed], fingerprint(observed), tmp_path / "c.yaml")
     saved = load_plan(saved_path)
-    assert saved.cluster_file == str((tmp_path / "c.yaml").resolve()) and saved.prune is False
+    assert saved.cluster_file == str((tmp_path / "c.yaml").resolve()) and saved.prune and saved.keep == ()
     check_fresh(saved, plan(c, runner))  # nothing changed: it holds
 
     runner.host("b").write(UNIT, b"[Service]\nExecStart=/bin/true\n")  # drift on b since the plan
@@ -389,3 +389,50 @@ def test_renewing_never_recreates_a_released_lock_nor_touches_anothers(tmp_path,
     assert asyncio.run(lock.renew(runner, t, now=200.0)) is True and json.loads(host.read(LOCK_FILE))["since"] == 200
     host.write(LOCK_FILE, json.dumps({"by": "ci@elsewhere", "pid": 1, "since": 5}).encode())
     assert asyncio.run(lock.renew(runner, t, now=300.0)) is False and json.loads(host.read(LOCK_FILE))["since"] == 5
+
+
+def _two_server_file(tmp_path: Path, servers=("a", "b"), retired=()) -> str:
+    engine = tmp_path / "engine" / "sing-box"
+    if not engine.exists():
+        engine.parent.mkdir(parents=True, exist_ok=True)
+        engine.write_bytes(fake_engine("1.14.4"))
+        engine.chmod(0o755)
+    lines = [f"settings: {{harden: false, engine: {{binary: {engine}, capabilities: [clash-api]}}}}", "servers:"]
+    for i, s in enumerate(servers):
+        lines.append(f"  - {{name: {s}, host: 192.0.2.{i + 1}, country: DE, inbounds: [{{id: {s}-ss, name: S, "
+                     "protocol: shadowsocks-2022, port: 8388, route: r}]}")
+    lines += ["routes: [{id: r, name: R}]", "users: [{name: alice}]"]
+    if retired:
+        lines.append(f"retired: [{', '.join(retired)}]")
+    path = tmp_path / "cluster.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_a_server_that_left_the_file_is_removed_by_default_unless_kept(tmp_path, runner, monkeypatch, cli):
+    # spec: GITOPS-7 (issue 15): Terraform's way — what leaves the file is `-` in every plan and removed on apply
+    monkeypatch.setenv("RECONCILER_SECRET", "fakehost-cli-secret-0123456789abcdef")
+    monkeypatch.setattr("reconciler.apply.session.pool_for", lambda state, **kw: runner)
+    path = _two_server_file(tmp_path)
+    assert cli("apply", "-f", path).rc == 0
+    b = runner.host("b")
+    assert b.unit(SERVICE)["active"] == "active"
+    path = _two_server_file(tmp_path, servers=("a",))
+    run = cli("plan", "-f", path)
+    assert run.rc == 2 and "server b (192.0.2.2) — left the cluster file" in run.out, run.text
+    assert "- stop sing-box.service" in run.out and "Plan: 0 to add, 0 to change, 5 to destroy." in run.out
+    assert "left the cluster file" not in cli("plan", "-f", path, "--keep", "b").out  # kept this time
+    kept = _two_server_file(tmp_path, servers=("a",), retired=("b",))
+    assert cli("plan", "-f", kept).rc == 0  # kept on purpose
+    # Unreachable: the removal stays pending, never forgotten
+    b.reachable = False
+    path = _two_server_file(tmp_path, servers=("a",))
+    failed = cli("apply", "-f", path)
+    assert failed.rc == 1 and "FAIL b" in failed.out
+    assert "b" in json.loads((tmp_path / ".reconciler" / "managed.json").read_text())
+    b.reachable = True
+    done = cli("apply", "-f", path)
+    assert done.rc == 0, done.text
+    assert b.unit(SERVICE)["active"] == "inactive" and b.read(TEMPLATE) is None and b.read(BINARY) is None
+    assert "b" not in json.loads((tmp_path / ".reconciler" / "managed.json").read_text())
+    assert cli("plan", "-f", path).rc == 0

@@ -155,10 +155,19 @@ def test_a_lone_server_in_a_blocking_country_without_prober_only_marks():
 
 
 def test_a_broken_prober_blocks_no_one():
-    # spec: HEALTH-9 with HEALTH-6
+    # spec: HEALTH-9 with HEALTH-6: a prober whose every probe fails is unreliable, and its word counts for nothing
     scenario, topology, settings = load("prober.yaml", events=[{"at": 2, "isolate": "msk-1"}])
     for _, v in run(scenario, topology, settings):
         assert all(s.status == "ok" for s in v.servers().values())
+
+
+def test_a_prober_blocked_from_every_server_leaves_rotation():
+    # spec: HEALTH-9 (issue 15): the prober is not immune to the mesh: a quorum that cannot reach it convicts it
+    scenario, topology, settings = load("prober.yaml", events=[{"at": 3, "block": {"from": "*", "to": "msk-1"}}])
+    verdicts = list(run(scenario, topology, settings))
+    end = verdicts[-1][1]
+    assert end.server("msk-1").status == "unreachable" and not end.server("msk-1").in_rotation
+    assert all(s.status == "ok" for name, s in end.servers().items() if name != "msk-1")
 
 
 def test_flapping_target_is_damped_and_heals_after_it_settles():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from reconciler.balance import RTTProfile, decide, rebalance
 from tests.balance_helpers import cluster, snapshot, verdicts
 
@@ -120,3 +122,100 @@ def test_geo_region_of_a_live_request_comes_from_a_maxmind_database(tmp_path):
     assert decide(snapshot(c), "u3", region=geo.region("203.0.113.7"))[0].pool == "us"
     assert decide(snapshot(c), "u3", region=geo.region("192.0.2.1"))[0].pool == "eu"  # unknown → failover order
     geo.close()
+
+
+def _geo_cluster(users: int = 3000):
+    from reconciler.model import Cluster
+
+    servers = [{"name": f"de{i}", "host": f"192.0.2.{i}", "country": "DE", "inbounds": [
+        {"id": f"de{i}-in", "name": f"DE {i}", "protocol": "shadowsocks-2022", "port": 8388, "route": "r", "pool": "eu"}]}
+        for i in range(1, 4)]
+    servers.append({"name": "us1", "host": "192.0.2.9", "country": "US", "inbounds": [
+        {"id": "us1-in", "name": "US", "protocol": "shadowsocks-2022", "port": 8388, "route": "r", "pool": "us"}]})
+    return Cluster.model_validate({
+        "servers": servers,
+        "routes": [{"id": "r", "name": "R", "pools": ["us", "eu"], "steering": "geo", "geo": {"WEU": ["eu"], "ENAM": ["us"]}}],
+        "users": [{"name": f"u{i}", **({"region": "WEU"} if i % 3 == 0 else {})} for i in range(users)]})
+
+
+def test_live_answers_steered_by_address_spread_by_policy_and_stick():
+    # spec: LB-9, LB-6, STEER-4 (issue 15): the address chooses the pool; the server within it comes from the same
+    # sticky, policy-weighted placement as the files — no herding onto one server, the same server next time.
+    from collections import Counter
+
+    from reconciler.balance import Snapshot
+    from reconciler.balance.decide import decide, rebalance
+
+    c = _geo_cluster()
+    first = Snapshot(cluster=c, now=1.8e9, assignments=rebalance(Snapshot(cluster=c, now=1.8e9)))
+    live = {f"u{i}": decide(first, f"u{i}", "WEU")[0].ref.inbound.id for i in range(3000)}
+    counts = Counter(live.values())
+    assert set(counts) == {"de1-in", "de2-in", "de3-in"} and min(counts.values()) >= 900, counts  # thirds, not 2039/961/0
+    assert all(decide(first, u, "WEU")[0].ref.inbound.id == i for u, i in list(live.items())[:300])  # per request
+    later = Snapshot(cluster=c, now=1.8e9 + 60, assignments=rebalance(first))
+    moved = sum(decide(later, u, "WEU")[0].ref.inbound.id != i for u, i in live.items())
+    assert moved == 0  # kept across batches (LB-6)
+    # Where the address changes nothing, live and files give the same answer
+    for i in range(0, 3000, 7):
+        home = "WEU" if i % 3 == 0 else "ENAM"
+        assert decide(first, f"u{i}", home)[0].ref.inbound.id == decide(first, f"u{i}")[0].ref.inbound.id
+
+
+TRUSTED = ("10.0.0.0/8", "2001:db8::/32")
+
+
+@pytest.mark.parametrize("peer,headers,expected", [
+    ("203.0.113.7", {"X-Forwarded-For": "198.51.100.1"}, "203.0.113.7"),  # an untrusted peer's headers mean nothing
+    ("10.0.0.2", {}, "10.0.0.2"),
+    ("10.0.0.2", {"X-Forwarded-For": "198.51.100.1"}, "198.51.100.1"),
+    ("10.0.0.2", {"X-Forwarded-For": "1.2.3.4, 198.51.100.1, 10.0.0.9"}, "198.51.100.1"),  # the left is the client's word
+    ("10.0.0.2", {"X-Forwarded-For": "10.0.0.8, 10.0.0.9"}, "10.0.0.8"),  # all trusted: the farthest known
+    ("10.0.0.2", {"X-Forwarded-For": "198.51.100.1, garbage"}, "10.0.0.2"),  # a garbled nearest hop: stop there
+    ("10.0.0.2", {"Forwarded": 'for=192.0.2.60;proto=http, for="[2001:db8:cafe::17]:4711"'}, "192.0.2.60"),
+    ("10.0.0.2", {"Forwarded": "for=unknown"}, "10.0.0.2"),
+    ("10.0.0.2", {"CF-Connecting-IP": "198.51.100.7", "X-Forwarded-For": "1.1.1.1"}, "198.51.100.7"),
+    ("10.0.0.2", {"CF-Connecting-IP": "not-an-ip"}, "10.0.0.2"),
+    ("2001:db8::1", {"X-Forwarded-For": "198.51.100.1"}, "198.51.100.1"),
+    ("not an address", {"X-Forwarded-For": "198.51.100.1"}, "not an address"),
+])
+def test_the_client_address_is_read_from_forwarding_headers_only_behind_trusted_proxies(peer, headers, expected):
+    # spec: STEER-4 (issue 15): behind a proxy every request looked local; now only trusted proxies are believed
+    from reconciler.loop.client_address import client_address, networks
+
+    assert client_address(peer, headers, networks(TRUSTED)) == expected
+    assert client_address(peer, headers, ()) == peer  # none configured: the peer, always
+
+
+def test_the_live_endpoint_steers_by_the_forwarded_address(tmp_path):
+    # The outlet passes the forwarded address (not the proxy's) to the region lookup, and only from a trusted peer.
+    import asyncio
+
+    from aiohttp.test_utils import make_mocked_request
+    from prometheus_client import CollectorRegistry
+
+    from reconciler.loop.client_address import networks
+    from reconciler.loop.http import HttpOutlet
+
+    asked: list[str] = []
+
+    class Answers:
+        def user_of(self, token):
+            return "u1"
+
+        def answer(self, user, fmt, region):
+            from aiohttp import web
+            raise web.HTTPNoContent()
+
+    outlet = HttpOutlet(Answers(), CollectorRegistry(), lambda: None, lambda: (True, "ok"),
+                        lambda address: asked.append(address) or None, networks(TRUSTED))
+
+    def sub(peer: str) -> None:
+        request = make_mocked_request("GET", "/sub/t", headers={"X-Forwarded-For": "198.51.100.1"},
+                                      transport=type("T", (), {"get_extra_info": lambda self, k, d=None:
+                                                               (peer, 1234) if k == "peername" else d})())
+        with pytest.raises(Exception):  # noqa: B017 — the stand-in answer ends the request
+            asyncio.run(outlet.sub(request, "t", "links"))
+
+    sub("10.0.0.2")
+    sub("203.0.113.7")
+    assert asked == ["198.51.100.1", "203.0.113.7"]

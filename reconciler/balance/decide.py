@@ -24,6 +24,13 @@ Two entry points over one immutable ``Snapshot``:
   so files written from the batch and live answers always agree; a user without
   one is placed by the same hashing on the snapshot's deficits.
 
+Where a live request's client address can choose another pool than the user's
+record (``geo`` and ``dynamic`` steering, STEER-3/4), the batch also places every
+user in every pool of the route, remembered per user and pool under
+``pool_key(route, pool)``: the server within the pool the address chooses comes
+from the same sticky, policy-weighted placement as the files (LB-6, LB-9), never
+from one snapshot's deficits for every request alike (which herds).
+
 Pair-marked inbounds (HEALTH-8) count at ``PAIR_PENALTY`` of their weight. When no
 pool is healthy, the route balances over all its inbounds in rotation; with none
 in rotation, the best available inbound is served (LB-8, HEALTH-11).
@@ -41,6 +48,12 @@ from reconciler.balance.steer import choose_pool, healthy_pools
 from reconciler.model import InboundRef, Route
 
 PAIR_PENALTY = 0.5
+ADDRESS_STEERED = ("geo", "dynamic")  # steering modes where a live request's address can choose the pool
+
+
+def pool_key(route_id: str, pool: str) -> str:
+    """The assignment key of a user's place in ``pool`` of a route (an ``@`` never appears in an id)."""
+    return f"{route_id}@{pool}"
 SATURATED = 0.95  # traffic at this share of capacity: the server takes no new users (LB-2)
 
 
@@ -189,6 +202,9 @@ def decide(snapshot: Snapshot, user_name: str, region: str | None = None) -> lis
             continue
         prev = snapshot.assignments.get((user.name, route.id))
         kept = next((r for r in cands if r.inbound.id == prev), None)
+        if kept is None and pool is not None:  # the address chose another pool than the record: its placement there
+            prev = snapshot.assignments.get((user.name, pool_key(route.id, pool)))
+            kept = next((r for r in cands if r.inbound.id == prev), None)
         if kept is not None:
             entries.append(_entry(snapshot, route, kept, pool, _join(pool_why, "kept from the last assignment")))
             continue
@@ -278,6 +294,15 @@ def rebalance(snapshot: Snapshot, chunk: int | None = None) -> dict[tuple[str, s
             chosen = _batch(snapshot, route, cands, ukeys[idx], [names[i] for i in idx], stick, chunk)
             for i, c in zip(idx, chosen, strict=True):
                 out[(names[i], route.id)] = cands[c].inbound.id
+        if route.pools and route.steering in ADDRESS_STEERED:  # every user's place in every pool an address may choose
+            for pool in dict.fromkeys([*route.pools, *([route.fallback_pool] if route.fallback_pool else [])]):
+                cands = _candidates(snapshot, members, pool)
+                if not cands:
+                    continue
+                key = pool_key(route.id, pool)
+                chosen = _batch(snapshot, route, cands, ukeys, names, stick, chunk, key)
+                for name, c in zip(names, chosen, strict=True):
+                    out[(name, key)] = cands[c].inbound.id
     return out
 
 
@@ -301,11 +326,12 @@ def _pool_groups(snapshot: Snapshot, route: Route, ukeys: np.ndarray, regions: n
 
 
 def _batch(snapshot: Snapshot, route: Route, cands: tuple[InboundRef, ...], ukeys: np.ndarray, names: list[str],
-           stick: float, chunk: int | None) -> np.ndarray:
+           stick: float, chunk: int | None, key: str | None = None) -> np.ndarray:
     n, k = len(ukeys), len(cands)
     cand_keys = np.array([snapshot.inbound_keys[r.inbound.id] for r in cands], dtype=np.uint64)
     position = {r.inbound.id: i for i, r in enumerate(cands)}
-    prev = np.array([position.get(snapshot.assignments.get((u, route.id), ""), -1) for u in names], dtype=np.int64)
+    key = key or route.id
+    prev = np.array([position.get(snapshot.assignments.get((u, key), ""), -1) for u in names], dtype=np.int64)
     sticky = prev >= 0
     held = np.bincount(prev[sticky], minlength=k).astype(np.float64)
     w = weights(snapshot, route, cands, n, held)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # imported when a command runs: asyncssh and friends cost ~0.
     from reconciler.state.folder import StateFolder
 
 T = TypeVar("T")
+KEEP = "a server that left the file but stays as it is this time (repeat; for good: `retired:`)"
 STRICT = "never connect to a server whose host key is neither pinned (ssh.host_key) nor remembered: its plan says why"
 
 
@@ -32,14 +33,16 @@ def register(sub: Any) -> None:
     add_file(pl)
     pl.add_argument("--json", action="store_true", help="the plan as JSON")
     pl.add_argument("--out", help="save the plan, to apply exactly it with `apply PLAN`")
-    pl.add_argument("--prune", action="store_true", help="also remove what left the cluster file (GITOPS-7)")
+    pl.add_argument("--keep", action="append", default=[], metavar="SERVER", help=KEEP)
+    pl.add_argument("--prune", action="store_true", help=argparse.SUPPRESS)  # the default since issue 15
     pl.add_argument("--strict-host-keys", action="store_true", help=STRICT)
     pl.set_defaults(run=cmd_plan)
 
     ap = add_command(sub, "apply", "make the servers match the file (GITOPS-4)", "reconciler apply plan.json")
     ap.add_argument("plan", nargs="?", help="a plan saved with `plan --out`; refused when stale")
     add_file(ap)
-    ap.add_argument("--prune", action="store_true", help="remove what left the cluster file (GITOPS-7)")
+    ap.add_argument("--keep", action="append", default=[], metavar="SERVER", help=KEEP)
+    ap.add_argument("--prune", action="store_true", help=argparse.SUPPRESS)  # the default since issue 15
     ap.add_argument("--json", action="store_true", help="the results as JSON")
     ap.add_argument("--strict-host-keys", action="store_true", help=STRICT)
     ap.set_defaults(run=cmd_apply)
@@ -56,12 +59,11 @@ def _servable(path: str) -> Cluster:
     return result.cluster
 
 
-def _observe(path: str, prune: bool, strict: bool,
+def _observe(path: str, keep: list[str], strict: bool,
              then: Callable[[Cluster, list[Observed], SSHPool, StateFolder], Awaitable[T]] | None = None
              ) -> tuple[Cluster, StateFolder, list[Observed], T | None]:
-    """Observe every server; ``then`` runs on the same SSH connections right after (apply: one handshake per server;
-    before observing, it orders the ACME certificates that are due). Warns (stderr) of every first contact ahead,
-    or, ``strict``, refuses it."""
+    """Observe every server and those that left the file but ``keep`` (GITOPS-7); ``then`` runs on the same SSH
+    connections after (apply; due ACME certificates are ordered first). First contacts: warned or refused."""
     from reconciler.apply.session import certificates, first_contact_warnings, pool_for
     from reconciler.plan.observe import observe
     from reconciler.ssh import KnownHosts
@@ -69,7 +71,7 @@ def _observe(path: str, prune: bool, strict: bool,
     cluster = _servable(path)
     secret = secret_of(cluster)
     state = state_of(path, cluster)
-    for note in [] if strict else first_contact_warnings(cluster, state, prune):
+    for note in [] if strict else first_contact_warnings(cluster, state, prune=True):
         warn(note)
     known = KnownHosts(state.known_hosts) if strict else None
 
@@ -77,8 +79,8 @@ def _observe(path: str, prune: bool, strict: bool,
         async with pool_for(state, strict_host_keys=strict) as pool:
             if then is not None:
                 await certificates(cluster, pool, str(base_dir(path)))
-            observed = await observe(cluster, secret, pool, str(base_dir(path)), prune, state.managed(),
-                                     strict_host_keys=known)
+            managed = {n: v for n, v in state.managed().items() if n not in keep}  # GITOPS-7: what left is removed
+            observed = await observe(cluster, secret, pool, str(base_dir(path)), True, managed, strict_host_keys=known)
             return observed, (await then(cluster, observed, pool, state) if then is not None else None)
 
     try:
@@ -93,19 +95,18 @@ def _warnings(cluster: Cluster) -> list[str]:
     unassigned = ", ".join(r.inbound.id for r in cluster.unassigned)
     return [f"{len(cluster.unassigned)} inbound(s) are not in any route — clients cannot see them yet: {unassigned}"] if unassigned else []
 
-
 def cmd_plan(args: argparse.Namespace) -> int:
     from reconciler.plan.actions import render_human, render_json
     from reconciler.plan.observe import fingerprint
     from reconciler.plan.saved import save_plan
 
     path = cluster_file(args)
-    cluster, _, observed, _ = _observe(path, args.prune, args.strict_host_keys)
+    cluster, _, observed, _ = _observe(path, args.keep, args.strict_host_keys)
     plans = [o.plan for o in observed]
     fp = fingerprint(observed)
     sys.stdout.write(render_json(plans, fp) if args.json else render_human(plans, _warnings(cluster)))
     if args.out:
-        save_plan(args.out, plans, fp, path, args.prune)
+        save_plan(args.out, plans, fp, path, args.keep)
         print(f"saved the plan to {args.out}; apply exactly it with `reconciler apply {args.out}`", file=sys.stderr)
     if any(p.error or p.problems for p in plans):
         return 1
@@ -117,10 +118,10 @@ def cmd_apply(args: argparse.Namespace) -> int:
     from reconciler.apply.session import Progress, remember
     from reconciler.plan.saved import check_fresh, load_plan
 
-    path, prune = cluster_file(args), args.prune
+    path, keep = cluster_file(args), list(args.keep)
     saved = load_plan(args.plan) if args.plan else None
     if saved is not None:
-        path, prune = saved.cluster_file, saved.prune
+        path, keep = saved.cluster_file, list(saved.keep)
 
     async def then(cluster: Cluster, observed: list[Observed], pool: SSHPool, state: StateFolder) -> list[ServerResult]:
         if saved is not None:
@@ -136,7 +137,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
             remember(state, cluster, observed, results)
         return results
 
-    cluster, state, observed, results = _observe(path, prune, args.strict_host_keys, then)
+    cluster, state, observed, results = _observe(path, keep, args.strict_host_keys, then)
     assert results is not None
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=2, default=str))

@@ -55,6 +55,11 @@ def _host_keys(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
 
 def _errors(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
     yield from _host_keys(cluster, source)
+    names = {s.name for s in cluster.servers}
+    for i, name in enumerate(cluster.retired):
+        if name in names:
+            yield at("error", source.value(("retired", i)), f"server {name!r} is both in `servers` and `retired`",
+                     "remove it from `retired` to keep serving it, or from `servers` to retire it", "retired-active")
     yield from _duplicates([s.name for s in cluster.servers], "server name", "servers", "name", source)
     yield from _duplicates([r.id for r in cluster.routes], "route id", "routes", "id", source)
     yield from _duplicates([u.name for u in cluster.users], "user name", "users", "name", source)

@@ -41,9 +41,11 @@ The rules, in the order they are applied:
    never convicts (``min_witnesses``) — that is what a prober is for.
 5. **Prober** (HEALTH-9). A reliable designated prober whose streak against a
    target reaches ``prober_streak`` — and is less likely than ``evidence`` by
-   chance under its background loss — marks it **blocked**. Ordinary servers
-   failing to reach a prober mean nothing: a prober's own inbounds are judged
-   by its self-report alone (no votes, no pair marks against them).
+   chance under its background loss — marks it **blocked**. A prober's own
+   inbounds are judged like anyone's: a quorum of witnesses that cannot reach
+   it makes it unreachable (a prober blocked from everyone leaves rotation),
+   while one ordinary server failing to reach it means nothing (no pair mark).
+   A prober that is itself failing (unreliable, HEALTH-6) blocks no one.
 6. **Pair marks** (HEALTH-8). A reliable ordinary witness whose streak against
    a target reaches ``prober_streak`` (one witness's word always needs the long
    streak, and on a lossy network also ``evidence``) without any quorum marks the target's inbound ``pair-unreachable``,
@@ -209,9 +211,10 @@ class HealthEngine:
         st.last_listener_ok = np.where(reported_t, obs.listener_ok, st.last_listener_ok)
         fresh = (obs.now - st.last_report) <= cfg.staleness
 
-        # 2-3. Votes of fresh witnesses; unreliable ones discarded (HEALTH-6). Probes of a prober's own
-        # inbounds are not votes: failing to reach the prober means nothing (HEALTH-9).
-        vote = (fail >= F) & fresh[:, None] & ~own & ~topo.prober_target[None, :]
+        # 2-3. Votes of fresh witnesses; unreliable ones discarded (HEALTH-6). A prober's own inbounds are judged
+        # like anyone's (HEALTH-9): one server failing to reach it means nothing (no pair mark, below), but a
+        # quorum that cannot reach it takes it out of rotation like any other server.
+        vote = (fail >= F) & fresh[:, None] & ~own
         share = vote.sum(axis=1) / topo.targets_per_witness
         median = float(np.median(share[fresh])) if fresh.any() else 0.0
         unreliable = fresh & (share >= cfg.unreliable_ratio) & (share >= median + cfg.unreliable_margin)

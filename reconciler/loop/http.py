@@ -32,6 +32,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from reconciler.loop.client_address import Network, client_address
 from reconciler.loop.listener import Credential, Limits, Listener
 from reconciler.loop.outlets import LiveAnswers
 from reconciler.metrics import FleetView
@@ -44,8 +45,10 @@ _FORMAT_ALIASES = {"links.txt": "links", "sing-box.json": "sing-box", "clash.yam
 
 class HttpOutlet:
     def __init__(self, answers: LiveAnswers, registry: CollectorRegistry, view: Callable[[], FleetView | None],
-                 health: Callable[[], tuple[bool, str]], region_of: Callable[[str], str | None] | None = None):
+                 health: Callable[[], tuple[bool, str]], region_of: Callable[[str], str | None] | None = None,
+                 trusted_proxies: tuple[Network, ...] = ()):
         self.answers = answers
+        self.trusted_proxies = trusted_proxies  # STEER-4: only their forwarding headers are believed
         self.registry = registry
         self.view = view
         self.health = health
@@ -124,7 +127,9 @@ class HttpOutlet:
             fmt = choose_format(requested, request.headers.get("User-Agent"))
         except ValueError:
             raise web.HTTPNotFound(text=f"unknown format; use one of {', '.join(FORMATS)}\n") from None
-        region = self.region_of(request.remote or "") if self.region_of else None
+        region = None
+        if self.region_of:
+            region = self.region_of(client_address(request.remote or "", request.headers, self.trusted_proxies))
         doc = self.answers.answer(user, fmt, region)
         if doc.refused:  # a disabled or expired user: the renderer's status and its one line, never a 304
             return web.Response(status=doc.status, body=doc.body, headers=doc.headers)

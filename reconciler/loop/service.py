@@ -37,6 +37,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from reconciler.apply.acme import Backoff as CertificateBackoff
 from reconciler.apply.acme import ensure_certificates
 from reconciler.apply.run import apply_all
 from reconciler.apply.session import Progress, pool_for, remember
@@ -49,6 +50,7 @@ from reconciler.fleet import snapshot
 from reconciler.fleet.reality import with_reality_keys
 from reconciler.fleet.reports import Report, agent_request, parse_report
 from reconciler.health.verdicts import ServerVerdict, Verdicts
+from reconciler.loop.client_address import networks
 from reconciler.loop.http import HttpOutlet
 from reconciler.loop.listener import load_credential
 from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens, cluster_digest
@@ -112,6 +114,7 @@ class Loop:
         self.drift: dict[str, int] = {}
         self.facts = self.state.facts()  # public keys and pins: they change only when an apply changes them
         self.learned = self.state.load_learned(cluster)
+        self.acme_backoff = CertificateBackoff()  # failed certificate orders wait longer each time
         for note in self.state.notes:
             log.warning("%s", note)
         self.state.notes.clear()
@@ -120,7 +123,8 @@ class Loop:
                      time.strftime("%H:%M:%S", time.localtime(self.learned.last_tick)))
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ReconcilerCollector(lambda: self.view, self.stats))
-        self.http = HttpOutlet(self.answers, self.registry, lambda: self.view, self._healthy, self._region_lookup())
+        self.http = HttpOutlet(self.answers, self.registry, lambda: self.view, self._healthy, self._region_lookup(),
+                               networks(cluster.settings.outputs.trusted_proxies))
         self._digest = cluster_digest(cluster)
         self._last_status: dict[str, str] = {}
         self._tick_index = 0
@@ -355,8 +359,8 @@ class Loop:
         loads = snap.loads
         assigned: dict[str, int] = {}
         server_of = {r.inbound.id: r.server.name for r in cluster.inbounds}
-        for inbound in snap.assignments.values():
-            s = server_of.get(inbound)
+        for (_, route), inbound in snap.assignments.items():
+            s = server_of.get(inbound) if "@" not in route else None  # a user's place in another pool: not held now
             if s:
                 assigned[s] = assigned.get(s, 0) + 1
         rtt = self.learned.rtt_by_region(cluster)
@@ -407,9 +411,12 @@ class Loop:
             started = time.perf_counter()
             try:
                 if cluster.settings.self_heal:  # ACME certificates due for renewal are renewed before the plan
-                    for inbound, why in (await ensure_certificates(cluster, self.pool, self.base_dir)).items():
+                    failed = await ensure_certificates(cluster, self.pool, self.base_dir, backoff=self.acme_backoff)
+                    for inbound, why in failed.items():
                         log.warning("no certificate for inbound %s: %s", inbound, why)
-                observed = await observe(cluster, self.secret, self.pool, self.base_dir, False)
+                # GITOPS-7: a server that left the file is removed like in `apply` (`retired:` keeps one)
+                managed = await asyncio.to_thread(self.state.managed) if cluster.settings.self_heal else {}
+                observed = await observe(cluster, self.secret, self.pool, self.base_dir, True, managed)
             except Exception:  # noqa: BLE001 — logged with traceback; the next plan tries again
                 log.exception("plan failed")
                 self.stats.record("plan", False, time.perf_counter() - started, time.time())
@@ -472,6 +479,7 @@ class Loop:
         if digest == self._digest:
             return False
         self.cluster = result.cluster
+        self.http.trusted_proxies = networks(result.cluster.settings.outputs.trusted_proxies)
         self._digest = digest
         self.learned = self.learned.adopt(result.cluster)
         self.files.directory = self._out_dir(result.cluster)

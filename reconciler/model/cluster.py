@@ -97,11 +97,10 @@ class EngineSettings(_Model):
     def _download_needs_url(self) -> EngineSettings:
         if self.install == "download" and not self.url:
             raise ValueError("install: download needs a `url` to download the engine from")
+        if self.install == "download" and isinstance(self.sha256, str):
+            raise ValueError("a downloaded release is pinned per architecture: sha256: {amd64: …, arm64: …} "
+                             "(`reconciler engine pin` writes it)")
         return self
-
-    def sha256_for(self, arch: str) -> str | None:
-        """The pinned sha256 for a server of ``arch`` (amd64, arm64), when one is pinned."""
-        return self.sha256.get(arch) if isinstance(self.sha256, dict) else self.sha256  # type: ignore[call-overload]
 
 
 class ACMESettings(_Model):
@@ -139,6 +138,16 @@ class SplitSettings(_Model):
     geoip_clash: str = Field(
         "https://github.com/MetaCubeX/meta-rules-dat/raw/meta/geo/geoip/{country}.mrs", pattern=r"^https?://\S+$",
         description="Where Mihomo apps fetch a country's rule set; {country} is the lower-case code.")
+
+    @field_validator("rule_sets")
+    @classmethod
+    def _rule_set_names(cls, value: list[RuleSet]) -> list[RuleSet]:
+        names = [rs.name for rs in value]
+        if len(set(names)) != len(names):
+            raise ValueError("rule set names must be unique (the apps refuse two of one name)")
+        if any(n.startswith("geoip-") for n in names):
+            raise ValueError("rule set names starting with `geoip-` are the countries' own; choose another name")
+        return value
 
     @field_validator("countries", mode="before")
     @classmethod
@@ -236,6 +245,22 @@ class OperationsAuth(_Model):
 
 class OutputSettings(_Model):
     """Where the reconciler writes and serves what it computes."""
+
+    trusted_proxies: list[str] = Field(
+        [], description="Addresses or networks (CIDR) of the reverse proxies or CDN in front of `listen`: only from "
+                        "them is the client's address read from Forwarded, X-Forwarded-For or CF-Connecting-IP (STEER-4).")
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        import ipaddress
+
+        for item in value:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError:
+                raise ValueError(f"{item!r} is not an IP address or network (e.g. 10.0.0.0/8, 2001:db8::/32)") from None
+        return value
 
     subscriptions_dir: str = Field("subscriptions", description="Subscription files, one set per user.")
     state_dir: str = Field(".reconciler", description="Learned state, known host keys and locks of the controller.")
@@ -554,6 +579,9 @@ class Cluster(_Model):
     routes: list[Route] = []
     users: list[User] = []
     includes: list[str] = Field([], description="Further files whose servers, routes and users are appended.")
+    retired: list[Name] = Field(
+        [], description="Servers that left `servers` but are kept as they are on purpose: never removed (GITOPS-7). "
+                        "Any other server an apply managed and the file no longer names is removed.")
 
     def engine_of(self, server: Server) -> EngineSettings:
         """The engine ``server`` runs, with its settings: the one place that decides it."""

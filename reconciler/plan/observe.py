@@ -141,7 +141,7 @@ async def observe(cluster: Cluster, secret: Secret, runner: Runner, base_dir: st
 
     tasks = [isolated(s.name, s.host, Target.from_server(s), False, one(s)) for s in cluster.servers]
     if prune and previous:
-        names = {s.name for s in cluster.servers}
+        names = {s.name for s in cluster.servers} | set(cluster.retired)  # retired: kept on purpose (GITOPS-7)
         for n, info in previous.items():
             if n not in names:
                 target = Target.from_record(info)

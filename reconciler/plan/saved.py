@@ -2,14 +2,14 @@
 
 A saved plan is the JSON of ``render_json`` (``fingerprint``, ``summary``, ``servers``: each server's
 actions and the digests of the desired state and the facts it was computed from) plus the cluster
-file it was computed for (``file``, absolute) and whether it prunes (``prune``).
+file it was computed for (``file``, absolute) and the removed servers it keeps (``keep``; ``prune`` is always true).
 
 Applying one observes the servers again and carries out the fresh plan only if nothing changed since
 (pyinfra's v3 lesson: check facts at execution time): ``check_fresh`` raises ``StalePlan`` naming every
 server whose desired or facts digest differs, or that appeared or left. Unreadable or invalid files
 raise ``ConfigError`` with the reason (never a traceback).
 
-    save_plan(path, plans, fingerprint, cluster_file, prune)   written through state.files.write_atomic
+    save_plan(path, plans, fingerprint, cluster_file, keep)    written through state.files.write_atomic
     load_plan(path) -> SavedPlan
     check_fresh(saved, observed)                                 raises StalePlan(servers)
 """
@@ -17,6 +17,7 @@ raise ``ConfigError`` with the reason (never a traceback).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,22 +34,25 @@ class SavedPlan:
 
     fingerprint: str
     cluster_file: str  # absolute path of the cluster file it was computed from
-    prune: bool
+    prune: bool  # always true since issue 15 (GITOPS-7: what left the file is removed)
+    keep: tuple[str, ...]  # servers that left the file and were kept this time (`--keep`)
     digests: dict[str, tuple[str, str]]  # server → (desired digest, facts digest)
     document: dict[str, Any]  # the whole file, as saved (actions, summary, ...)
 
 
-def plan_document(plans: list[ServerPlan], fp: str, cluster_file: str | Path, prune: bool) -> dict[str, Any]:
+def plan_document(plans: list[ServerPlan], fp: str, cluster_file: str | Path, keep: Sequence[str] = ()) -> dict[str, Any]:
     doc: dict[str, Any] = json.loads(render_json(plans, fp))
     doc["file"] = str(Path(cluster_file).resolve())
-    doc["prune"] = bool(prune)
+    doc["prune"] = True
+    doc["keep"] = sorted(set(keep))
     return doc
 
 
-def save_plan(path: str | Path, plans: list[ServerPlan], fingerprint: str, cluster_file: str | Path, prune: bool) -> None:
+def save_plan(path: str | Path, plans: list[ServerPlan], fingerprint: str, cluster_file: str | Path,
+              keep: Sequence[str] = ()) -> None:
     """Write the plan to ``path`` atomically (0644: it holds no secrets — its diffs show fingerprints in their
     place, ``reconciler.plan.actions``; tests/test_leaks.py checks)."""
-    doc = plan_document(plans, fingerprint, cluster_file, prune)
+    doc = plan_document(plans, fingerprint, cluster_file, keep)
     write_atomic(path, (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode(), 0o644)
 
 
@@ -65,6 +69,7 @@ def load_plan(path: str | Path) -> SavedPlan:
     if problem:
         raise ConfigError(f"{where} is not a saved plan: {problem}; save it again with `reconciler plan --out`")
     return SavedPlan(fingerprint=doc["fingerprint"], cluster_file=doc["file"], prune=doc["prune"],
+                     keep=tuple(doc.get("keep") or ()),
                      digests={s["server"]: (s["desired_digest"], s["facts_digest"]) for s in doc["servers"]}, document=doc)
 
 
@@ -74,6 +79,9 @@ def _problem(doc: object) -> str:
     for key, kind in (("fingerprint", str), ("file", str), ("prune", bool), ("servers", list)):
         if not isinstance(doc.get(key), kind):
             return f"`{key}` is missing or not a {kind.__name__}"
+    keep = doc.get("keep", [])
+    if not isinstance(keep, list) or not all(isinstance(k, str) for k in keep):
+        return "`keep` is not a list of server names"
     for i, s in enumerate(doc["servers"]):
         if not isinstance(s, dict) or not all(isinstance(s.get(k), str) for k in ("server", "desired_digest", "facts_digest")):
             return f"servers[{i}] lacks its server name or digests"
