@@ -436,3 +436,33 @@ def test_a_server_that_left_the_file_is_removed_by_default_unless_kept(tmp_path,
     assert b.unit(SERVICE)["active"] == "inactive" and b.read(TEMPLATE) is None and b.read(BINARY) is None
     assert "b" not in json.loads((tmp_path / ".reconciler" / "managed.json").read_text())
     assert cli("plan", "-f", path).rc == 0
+
+
+def test_plan_console_like_terraform(tmp_path, runner, monkeypatch, cli):
+    # issue 15: --server limits, a plan with errors is not saved, `show` prints a saved plan, apply asks on a terminal
+    import sys
+
+    monkeypatch.setenv("RECONCILER_SECRET", "fakehost-cli-secret-0123456789abcdef")
+    monkeypatch.setattr("reconciler.apply.session.pool_for", lambda state, **kw: runner)
+    path = _two_server_file(tmp_path, servers=("fra-1", "fra-2", "nyc-1"))
+    limited = cli("plan", "-f", path, "--server", "fra-*")
+    assert "server fra-1" in limited.out and "server fra-2" in limited.out and "nyc-1" not in limited.out
+    runner.host("nyc-1").reachable = False
+    out = tmp_path / "plan.json"
+    broken = cli("plan", "-f", path, "--out", str(out))
+    assert broken.rc == 1 and not out.exists() and "not saved" in broken.err
+    assert "Incomplete: 1 server(s) could not be planned (nyc-1)" in broken.out
+    good = cli("plan", "-f", path, "--server", "fra-1", "--out", str(out))
+    assert good.rc == 2 and out.exists()
+    shown = cli("show", str(out))
+    assert shown.rc == 0 and "server fra-1" in shown.out and "+ install-engine" in shown.out
+    # On a terminal, apply shows the plan and asks; anything but `yes` changes nothing
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr("builtins.input", lambda prompt="": "no")
+    refused = cli("apply", "-f", path, "--server", "fra-1")
+    assert refused.rc == 1 and "apply cancelled" in refused.err and "+ install-engine" in refused.out
+    assert runner.host("fra-1").read(TEMPLATE) is None
+    monkeypatch.setattr("builtins.input", lambda prompt="": "yes")
+    assert cli("apply", "-f", path, "--server", "fra-1").rc == 0
+    assert runner.host("fra-1").read(TEMPLATE) is not None and runner.host("fra-2").read(TEMPLATE) is None

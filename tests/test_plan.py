@@ -243,9 +243,18 @@ def test_prune_removes_keys_of_inbounds_that_left_and_whole_servers():
 
 def test_human_output_ends_like_terraform():
     p = ServerPlan("a", "192.0.2.1", actions=plan_server(desired(cluster(), cluster().servers[0], SECRET, 1.8e9), facts()))
+    text = render_human([p])
+    assert text.strip().endswith("Plan: 7 to add, 1 to change, 0 to destroy.") and "\033[" not in text
+    # issue 15: a server that could not be planned is never summarised away
     text = render_human([p, ServerPlan("b", "192.0.2.2", error="cannot connect")])
-    assert text.strip().endswith("Plan: 7 to add, 1 to change, 0 to destroy.")
+    assert "Plan: 7 to add, 1 to change, 0 to destroy." in text
+    assert text.strip().endswith("Incomplete: 1 server(s) could not be planned (b); what they need is not counted above.")
     assert "! server b (192.0.2.2): cannot observe: cannot connect" in text
+    painted = render_human([p], color=True)
+    assert "\033[32m    + install-engine" in painted and "\033[33m    ~ restart" in painted
+    # the agent's source is one line in a plan, not its diff
+    agent = next(a for a in p.actions if a.target == AGENT)
+    assert agent.diff.startswith("new version: sha256:") and "\n" not in agent.diff
     assert summary_line([]) == "Plan: 0 to add, 0 to change, 0 to destroy."
 
 

@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from reconciler import __version__
+from reconciler.cli import apply as apply
 from reconciler.cli import engine as engine
 from reconciler.cli import fleet as fleet
 from reconciler.cli import hostkeys as hostkeys
@@ -29,7 +30,7 @@ from reconciler.cli import validate as validate
 from reconciler.cli.common import print_diagnostics
 from reconciler.errors import ConfigError, ReconcilerError
 
-MODULES = (validate, init, routes, plan, fleet, run, lab, secret, hostkeys, engine)
+MODULES = (validate, init, routes, plan, apply, fleet, run, lab, secret, hostkeys, engine)
 
 
 def parser() -> argparse.ArgumentParser:

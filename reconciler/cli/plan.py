@@ -1,13 +1,12 @@
-"""``plan`` and ``apply``: what would change on each server, and making it so (GITOPS-3, GITOPS-4, GITOPS-7)."""
+"""``plan`` and ``show``: what would change on each server (GITOPS-3, GITOPS-7); the observation ``apply`` shares."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict
+from fnmatch import fnmatch
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from reconciler.cli.common import add_command, add_file, base_dir, cluster_file, plural, secret_of, state_of, warn
@@ -17,13 +16,13 @@ from reconciler.errors import ConfigError
 from reconciler.model import Cluster
 
 if TYPE_CHECKING:  # imported when a command runs: asyncssh and friends cost ~0.3 s of every other command's start
-    from reconciler.apply.run import ServerResult
     from reconciler.plan.observe import Observed
     from reconciler.ssh import SSHPool
     from reconciler.state.folder import StateFolder
 
 T = TypeVar("T")
 KEEP = "a server that left the file but stays as it is this time (repeat; for good: `retired:`)"
+SERVER = "only this server (repeat; shell globs such as 'fra-*'), like Terraform's -target"
 STRICT = "never connect to a server whose host key is neither pinned (ssh.host_key) nor remembered: its plan says why"
 
 
@@ -36,16 +35,12 @@ def register(sub: Any) -> None:
     pl.add_argument("--keep", action="append", default=[], metavar="SERVER", help=KEEP)
     pl.add_argument("--prune", action="store_true", help=argparse.SUPPRESS)  # the default since issue 15
     pl.add_argument("--strict-host-keys", action="store_true", help=STRICT)
+    pl.add_argument("--server", action="append", default=[], metavar="NAME", help=SERVER)
     pl.set_defaults(run=cmd_plan)
 
-    ap = add_command(sub, "apply", "make the servers match the file (GITOPS-4)", "reconciler apply plan.json")
-    ap.add_argument("plan", nargs="?", help="a plan saved with `plan --out`; refused when stale")
-    add_file(ap)
-    ap.add_argument("--keep", action="append", default=[], metavar="SERVER", help=KEEP)
-    ap.add_argument("--prune", action="store_true", help=argparse.SUPPRESS)  # the default since issue 15
-    ap.add_argument("--json", action="store_true", help="the results as JSON")
-    ap.add_argument("--strict-host-keys", action="store_true", help=STRICT)
-    ap.set_defaults(run=cmd_apply)
+    sh = add_command(sub, "show", "print a plan saved with `plan --out`", "reconciler show plan.json")
+    sh.add_argument("plan", help="the saved plan")
+    sh.set_defaults(run=cmd_show)
 
 
 def _servable(path: str) -> Cluster:
@@ -59,7 +54,7 @@ def _servable(path: str) -> Cluster:
     return result.cluster
 
 
-def _observe(path: str, keep: list[str], strict: bool,
+def _observe(path: str, keep: list[str], strict: bool, only: list[str],
              then: Callable[[Cluster, list[Observed], SSHPool, StateFolder], Awaitable[T]] | None = None
              ) -> tuple[Cluster, StateFolder, list[Observed], T | None]:
     """Observe every server and those that left the file but ``keep`` (GITOPS-7); ``then`` runs on the same SSH
@@ -80,7 +75,8 @@ def _observe(path: str, keep: list[str], strict: bool,
             if then is not None:
                 await certificates(cluster, pool, str(base_dir(path)))
             managed = {n: v for n, v in state.managed().items() if n not in keep}  # GITOPS-7: what left is removed
-            observed = await observe(cluster, secret, pool, str(base_dir(path)), True, managed, strict_host_keys=known)
+            observed = await observe(cluster, secret, pool, str(base_dir(path)), True, managed, strict_host_keys=known,
+                                     only=(lambda name: any(fnmatch(name, g) for g in only)) if only else None)
             return observed, (await then(cluster, observed, pool, state) if then is not None else None)
 
     try:
@@ -101,50 +97,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from reconciler.plan.saved import save_plan
 
     path = cluster_file(args)
-    cluster, _, observed, _ = _observe(path, args.keep, args.strict_host_keys)
+    cluster, _, observed, _ = _observe(path, args.keep, args.strict_host_keys, args.server)
     plans = [o.plan for o in observed]
     fp = fingerprint(observed)
-    sys.stdout.write(render_json(plans, fp) if args.json else render_human(plans, _warnings(cluster)))
-    if args.out:
+    sys.stdout.write(render_json(plans, fp) if args.json else render_human(plans, _warnings(cluster), color=color()))
+    incomplete = any(p.error or p.problems for p in plans)
+    if args.out and incomplete:  # a plan that could not see every server is not one to apply later
+        warn(f"not saved to {args.out}: some servers could not be planned (above); plan again once they can")
+    elif args.out:
         save_plan(args.out, plans, fp, path, args.keep)
         print(f"saved the plan to {args.out}; apply exactly it with `reconciler apply {args.out}`", file=sys.stderr)
-    if any(p.error or p.problems for p in plans):
+    if incomplete:
         return 1
     return 2 if any(p.changes for p in plans) else 0
 
 
-def cmd_apply(args: argparse.Namespace) -> int:
-    from reconciler.apply.run import apply_all
-    from reconciler.apply.session import Progress, remember
-    from reconciler.plan.saved import check_fresh, load_plan
+def cmd_show(args: argparse.Namespace) -> int:
+    from reconciler.plan.actions import render_human
+    from reconciler.plan.saved import load_plan, plans_of
 
-    path, keep = cluster_file(args), list(args.keep)
-    saved = load_plan(args.plan) if args.plan else None
-    if saved is not None:
-        path, keep = saved.cluster_file, list(saved.keep)
+    saved = load_plan(args.plan)
+    print(f"# {args.plan}: for {saved.cluster_file}, fingerprint {saved.fingerprint[:12]}", file=sys.stderr)
+    sys.stdout.write(render_human(plans_of(saved), color=color()))
+    return 0
 
-    async def then(cluster: Cluster, observed: list[Observed], pool: SSHPool, state: StateFolder) -> list[ServerResult]:
-        if saved is not None:
-            check_fresh(saved, observed)  # StalePlan: nothing is applied
-        progress = Progress([o.plan.server for o in observed])
-        # One apply per state folder at a time (LockHeld names the other); held until it is remembered.
-        with state.lock("apply"):
-            try:
-                # The commit returns the public material the servers generated: `observed` then holds it.
-                results = await apply_all(observed, pool, progress)
-            finally:
-                progress.close()
-            remember(state, cluster, observed, results)
-        return results
 
-    cluster, state, observed, results = _observe(path, keep, args.strict_host_keys, then)
-    assert results is not None
-    if args.json:
-        print(json.dumps([asdict(r) for r in results], indent=2, default=str))
-    else:
-        for r in results:
-            print(f"{'ok  ' if r.ok else 'FAIL'} {r.server:16s} {r.seconds:6.1f}s  {r.message}")
-        failed = sum(not r.ok for r in results)
-        print(f"Apply: {sum(r.ok for r in results)} ok, {failed} failed, {sum(r.changed for r in results)} changed.")
-    return 0 if all(r.ok for r in results) else 1
+def color() -> bool:
+    """Colour only for a person at a terminal, and never with NO_COLOR set (https://no-color.org)."""
+    import os
 
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")

@@ -73,7 +73,7 @@ def desired(cluster: Cluster, server: Server, secret: Secret, now: float, base_d
     config, put = adapter.render(cluster, server, secret, now)
     files = [ManagedFile(layout.template, config, 0o600, secret=True, secrets=put),
              ManagedFile(layout.unit, adapter.unit_text.encode(), 0o644),
-             ManagedFile(AGENT, AGENT_SOURCE, 0o755, engine=False),
+             ManagedFile(AGENT, AGENT_SOURCE, 0o755, engine=False, summary=True),
              *tls_files(server, secret, layout, base_dir, acme_dir(cluster, base_dir))]
     listeners = sorted({(ib.port, t) for ib in server.inbounds for t in ib.transports})
     return DesiredServer(server=server.name, engine=layout, files=tuple(files),

@@ -12,7 +12,7 @@ import base64
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,11 +83,11 @@ class Observed:
 
 async def observe(cluster: Cluster, secret: Secret, runner: Runner, base_dir: str, prune: bool,
                   previous: dict[str, dict[str, Any]] | None = None, now: float | None = None,
-                  strict_host_keys: KnownHosts | None = None) -> list[Observed]:
+                  strict_host_keys: KnownHosts | None = None, only: Callable[[str], bool] | None = None) -> list[Observed]:
     """Facts and plans for every server in parallel; one server's failure never stops the others.
 
     ``strict_host_keys``: the known keys; a server with none (neither pinned nor remembered) is not contacted
-    and its plan's error says why (``--strict-host-keys``)."""
+    and its plan's error says why (``--strict-host-keys``). ``only``: the servers (by name) to look at (``--server``)."""
     now = time.time() if now is None else now
 
     def refused(target: Target, plan: ServerPlan) -> bool:
@@ -139,11 +139,12 @@ async def observe(cluster: Cluster, secret: Secret, runner: Runner, base_dir: st
                           "(rerun with RECONCILER_DEBUG=1 and report it); the other servers were observed")
             return Observed(plan, None, None, target)
 
-    tasks = [isolated(s.name, s.host, Target.from_server(s), False, one(s)) for s in cluster.servers]
+    wanted = only or (lambda name: True)
+    tasks = [isolated(s.name, s.host, Target.from_server(s), False, one(s)) for s in cluster.servers if wanted(s.name)]
     if prune and previous:
         names = {s.name for s in cluster.servers} | set(cluster.retired)  # retired: kept on purpose (GITOPS-7)
         for n, info in previous.items():
-            if n not in names:
+            if n not in names and wanted(n):
                 target = Target.from_record(info)
                 if target is None:
                     log.warning("the state folder's record of %s is not usable; it cannot be pruned", n)

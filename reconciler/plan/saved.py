@@ -101,3 +101,16 @@ def check_fresh(saved: SavedPlan, observed: list[Observed]) -> None:
     """Nothing when the plan still holds; else ``StalePlan`` naming the servers that changed."""
     if saved.fingerprint != fingerprint(observed):
         raise StalePlan(stale_servers(saved, observed))
+
+
+def plans_of(saved: SavedPlan) -> list[ServerPlan]:
+    """A saved plan's server plans, as ``render_human`` prints them (``reconciler show``)."""
+    from reconciler.plan.actions import Action
+
+    out = []
+    for doc in saved.document["servers"]:
+        actions = [Action(str(a.get("sign", "")), str(a.get("kind", "")), str(a.get("target", "")), str(a.get("reason", "")),
+                          str(a.get("diff", ""))) for a in doc.get("actions") or [] if isinstance(a, dict)]
+        out.append(ServerPlan(doc["server"], str(doc.get("host", "")), actions, [str(x) for x in doc.get("problems") or []],
+                              str(doc.get("error", "")), removed=bool(doc.get("removed"))))
+    return out

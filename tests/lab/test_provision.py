@@ -280,19 +280,23 @@ def test_saved_plans_apply_exactly_and_stale_ones_are_refused(lab, env):
     assert reconciler("apply", "p.json").returncode == 1  # the servers changed since: stale now
 
 
-def test_prune_removes_what_left_the_file(lab, env):
-    # spec: GITOPS-7
+def test_a_server_that_left_the_file_is_removed_by_default(lab, env):
+    # spec: GITOPS-7 (issue 15): Terraform's way, no flag: `-` in the plan, then the engine stopped and credentials gone
     reset_hosts(lab)
     Path("c.yaml").write_text(lab_cluster_yaml(lab, lab.state.hosts[:2], ["DE"]))
     assert reconciler("apply", "-f", "c.yaml").returncode == 0
+    gone = lab.state.hosts[1]
+    assert ssh(lab, gone, "test -e /etc/sing-box/tls/vps2-in.key && echo yes").stdout.strip() == "yes"
     Path("c.yaml").write_text(lab_cluster_yaml(lab, lab.state.hosts[:1], ["DE"]))
-    plan = reconciler("plan", "-f", "c.yaml", "--prune")
+    plan = reconciler("plan", "-f", "c.yaml")
     assert plan.returncode == 2 and "left the cluster file" in plan.stdout and "to destroy" in plan.stdout
     assert "- stop sing-box.service" in plan.stdout
-    assert reconciler("apply", "-f", "c.yaml", "--prune").returncode == 0
-    gone = lab.state.hosts[1]
+    assert "left the cluster file" not in reconciler("plan", "-f", "c.yaml", "--keep", "vps2").stdout
+    assert reconciler("apply", "-f", "c.yaml").returncode == 0
     assert ssh(lab, gone, "systemctl is-active sing-box").stdout.strip() != "active"
-    assert ssh(lab, gone, "test -e /usr/local/bin/sing-box && echo yes || echo no").stdout.strip() == "no"
+    left = ssh(lab, gone, "ls /usr/local/bin /etc/sing-box 2>/dev/null; cat /etc/sing-box/config.json 2>/dev/null").stdout
+    assert "sing-box" not in left and "uuid" not in left, left  # engine, configuration, keys: gone
+    assert json.loads(reconciler("plan", "-f", "c.yaml", "--json").stdout)["summary"] == {"add": 0, "change": 0, "destroy": 0}
 
 
 def test_harden_allows_ssh_and_inbounds_only_and_never_locks_us_out(lab, env):
