@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -113,3 +114,66 @@ def test_validate_warns_where_a_first_contact_would_trust_any_host_key(cli, tmp_
     (state / "known_hosts.json").write_text(_json.dumps({"198.18.0.11:22": key}))
     run = cli("validate", "-f", str(path), "--json")
     assert not [w for w in _json.loads(run.out)["warnings"] if "first contact" in w["message"]]
+
+
+def test_shell_completion_completes_commands_options_and_choices(tmp_path):
+    # issue 15: completion for bash, zsh and fish, from the parser the commands use (argcomplete's protocol)
+    exe = os.path.join(os.path.dirname(sys.executable), "reconciler")
+
+    def complete(line: str) -> set[str]:
+        out = tmp_path / "completions"
+        env = {**os.environ, "_ARGCOMPLETE": "1", "COMP_LINE": line, "COMP_POINT": str(len(line)),
+               "_ARGCOMPLETE_IFS": "\n", "_ARGCOMPLETE_STDOUT_FILENAME": str(out)}
+        subprocess.run([exe], env=env, capture_output=True, timeout=60)
+        return {c.strip() for c in out.read_text().split("\n")} - {""}
+
+    assert {"plan", "apply", "show"} <= complete("reconciler ")
+    assert complete("reconciler pl") == {"plan"}
+    assert {"--server", "--keep", "--out"} <= complete("reconciler plan --")
+    assert complete("reconciler status -o ") == {"table", "json", "yaml"}
+    for shell in ("bash", "zsh", "fish"):
+        code = subprocess.run([exe, "completion", shell], capture_output=True, text=True, timeout=60)
+        assert code.returncode == 0 and "_ARGCOMPLETE" in code.stdout
+    bash = subprocess.run(["bash", "-c", f"source <({exe} completion bash) && complete -p reconciler"], capture_output=True,
+                          text=True, timeout=60)
+    assert bash.returncode == 0 and "reconciler" in bash.stdout, bash.stderr
+
+
+def test_status_lists_the_fleet_describes_a_server_in_every_output_format(cli, tmp_path, monkeypatch):
+    # issue 15: `status` like kubectl get, `status SERVER` like describe, -o table|json|yaml, warnings included
+    from ruamel.yaml import YAML
+
+    monkeypatch.setenv("RECONCILER_SECRET", "status-test-secret-0123456789abcdef")
+    fleet = json.loads(cli("status", "-f", str(EXAMPLE), "-o", "json").out)
+    assert [r["server"] for r in fleet["servers"]][:2] == ["fra-1", "fra-2"]
+    assert fleet["servers"][0]["engine"] == "sing-box 1.14.4" and fleet["servers"][0]["status"] == "no_data"
+    assert any("ber-1-ss" in w for w in fleet["warnings"]) and any("japan" in w for w in fleet["warnings"])
+    described = YAML(typ="safe").load(cli("status", "fra-1", "-o", "yaml", "-f", str(EXAMPLE)).out)
+    assert described["server"] == "fra-1" and [i["inbound"] for i in described["inbounds"]] == ["fra-1-reality", "fra-1-hy2"]
+    assert "never reported" in described["reason"]
+    table = cli("status", "-f", str(EXAMPLE))
+    assert table.rc == 0 and "fra-1" in table.out and "warning: route 'japan' is empty" in table.err
+    user = json.loads(cli("status", "bob", "--json", "-f", str(EXAMPLE)).out)
+    assert user["user"] == "bob" and user["entries"]
+
+
+def test_connection_failures_are_said_in_the_operators_words():
+    # issue 15: "cannot reach fra-1 at 203.0.113.11:22: connection refused", never a raw [Errno 111]
+    import socket
+
+    from reconciler.ssh.pool import in_words
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5)
+    except OSError as exc:
+        refused = exc
+    assert in_words(refused).startswith("connection refused") and "Errno" not in in_words(refused)
+    try:
+        socket.getaddrinfo("name.invalid", 22)
+    except OSError as exc:
+        assert in_words(exc) == "the name does not resolve (check `host:`)"
+    assert in_words(TimeoutError()).startswith("timed out")
+    assert in_words(None).startswith("timed out")

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 from reconciler import __version__
 from reconciler.cli import apply as apply
+from reconciler.cli import completion as completion
 from reconciler.cli import engine as engine
 from reconciler.cli import fleet as fleet
 from reconciler.cli import hostkeys as hostkeys
@@ -26,11 +27,12 @@ from reconciler.cli import plan as plan
 from reconciler.cli import routes as routes
 from reconciler.cli import run as run
 from reconciler.cli import secret as secret
+from reconciler.cli import status as status
 from reconciler.cli import validate as validate
 from reconciler.cli.common import print_diagnostics
 from reconciler.errors import ConfigError, ReconcilerError
 
-MODULES = (validate, init, routes, plan, apply, fleet, run, lab, secret, hostkeys, engine)
+MODULES = (validate, init, routes, plan, apply, fleet, status, run, lab, secret, hostkeys, engine, completion)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -47,6 +49,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser()
+    if "_ARGCOMPLETE" in os.environ:  # a shell asks for completions (`reconciler completion SHELL` installs that)
+        import argcomplete
+
+        argcomplete.autocomplete(p)
     args = p.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] | None = getattr(args, "run", None)
     if handler is None:  # no command, or a command group without its action

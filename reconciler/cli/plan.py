@@ -88,8 +88,11 @@ def _observe(path: str, keep: list[str], strict: bool, only: list[str],
 
 
 def _warnings(cluster: Cluster) -> list[str]:
+    """What clients cannot see yet (ROUTE-4, ROUTE-5): said in every plan, as validate says it."""
     unassigned = ", ".join(r.inbound.id for r in cluster.unassigned)
-    return [f"{len(cluster.unassigned)} inbound(s) are not in any route — clients cannot see them yet: {unassigned}"] if unassigned else []
+    empty = [r.id for r in cluster.routes if not cluster.members[r.id]]
+    return ([f"{len(cluster.unassigned)} inbound(s) are not in any route — clients cannot see them yet: {unassigned}"]
+            if unassigned else []) + [f"route {r!r} is empty — hidden from subscriptions until an inbound joins it" for r in empty]
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from reconciler.plan.actions import render_human, render_json
@@ -100,7 +103,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cluster, _, observed, _ = _observe(path, args.keep, args.strict_host_keys, args.server)
     plans = [o.plan for o in observed]
     fp = fingerprint(observed)
-    sys.stdout.write(render_json(plans, fp) if args.json else render_human(plans, _warnings(cluster), color=color()))
+    notes = _warnings(cluster)
+    sys.stdout.write(render_json(plans, fp, notes) if args.json else render_human(plans, notes, color=color()))
     incomplete = any(p.error or p.problems for p in plans)
     if args.out and incomplete:  # a plan that could not see every server is not one to apply later
         warn(f"not saved to {args.out}: some servers could not be planned (above); plan again once they can")

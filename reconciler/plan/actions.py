@@ -251,7 +251,8 @@ def render_human(plans: list[ServerPlan], warnings: list[str] | None = None, col
     return "\n".join(out) + "\n"
 
 
-def render_json(plans: list[ServerPlan], fingerprint: str) -> str:
+def render_json(plans: list[ServerPlan], fingerprint: str, warnings: list[str] | None = None) -> str:
     add, change, destroy = (sum(p.counts()[i] for p in plans) for i in range(3))
     return json.dumps({"fingerprint": fingerprint, "summary": {"add": add, "change": change, "destroy": destroy},
+                       "complete": not any(p.error or p.problems for p in plans), "warnings": list(warnings or []),
                        "servers": [p.as_json() for p in plans]}, indent=2, ensure_ascii=False) + "\n"

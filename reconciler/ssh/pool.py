@@ -113,6 +113,30 @@ CIPHERS = ["aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "chacha20-poly130
 _RETRYABLE = (OSError, asyncio.TimeoutError, asyncssh.ConnectionLost, asyncssh.DisconnectError)
 
 
+def in_words(exc: BaseException | None) -> str:
+    """Why a connection failed, as an operator says it (never a raw ``[Errno 111] Connect call failed``)."""
+    import errno
+    import socket
+
+    if exc is None or isinstance(exc, asyncio.TimeoutError | TimeoutError):
+        return "timed out (the host is down, or a firewall drops the port)"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused (is sshd running, and is ssh.port right?)"
+    if isinstance(exc, socket.gaierror):
+        return "the name does not resolve (check `host:`)"
+    if isinstance(exc, ConnectionResetError):
+        return "the connection was reset (sshd or a firewall closed it)"
+    if isinstance(exc, OSError) and exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+        return "no route to the host (check `host:` and this machine's network)"
+    if isinstance(exc, asyncssh.DisconnectError):
+        return f"the server closed the connection: {exc.reason}"
+    if isinstance(exc, asyncssh.ConnectionLost):
+        return "the connection was lost"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror[:1].lower() + exc.strerror[1:]
+    return str(exc) or type(exc).__name__
+
+
 def first_contact_warning(target: Target) -> str:
     return (f"first contact with {target.name} ({target.host}:{target.port}) will trust whatever key it presents; "
             f"pin it first with `reconciler hostkeys pin --server {target.name}` (or refuse with --strict-host-keys)")
@@ -216,7 +240,7 @@ class SSHPool:
                 last = exc
                 if attempt < self.retries:
                     await asyncio.sleep(self.backoff * (2 ** attempt) * (1 + random.random() / 2))
-        raise ConnectError(f"{target.name} ({target.host}:{target.port}): cannot connect: {last or 'timed out'}")
+        raise ConnectError(f"cannot reach {target.name} at {target.host}:{target.port}: {in_words(last)}")
 
     async def fresh(self, target: Target) -> asyncssh.SSHClientConnection:
         """A new connection outside the pool (to prove a new session still gets through); caller closes it."""

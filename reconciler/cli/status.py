@@ -1,0 +1,129 @@
+"""``status``: the fleet like ``kubectl get``, one server like ``describe``, one user's entries (HEALTH-13).
+
+``status`` lists every server: its verdict and whether it is in rotation, why, its users and traffic, its
+engine; ``status SERVER`` describes one: each inbound's verdict with its reason and marks, the witnesses'
+current streaks against it, how long since it reported; ``status USER`` shows the user's entries and why.
+Verdicts come from the state the loop keeps (the state folder), evaluated as of now. ``-o table|json|yaml``
+(``--json`` is ``-o json``); the file's warnings (ROUTE-4/5) come with the fleet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from reconciler.cli.common import add_command, add_file, cluster_file, load, state_of, user_named, warn
+
+
+def register(sub: Any) -> None:
+    st = add_command(sub, "status", "the fleet (like kubectl get), a server (like describe) or a user's entries",
+                     "reconciler status fra-1 -o yaml")
+    st.add_argument("name", nargs="?", help="a server or a user (default: the whole fleet)")
+    st.add_argument("--user", dest="user_option", metavar="USER", help="a user's entries (older spelling of NAME)")
+    add_file(st)
+    st.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table", help="the output format")
+    st.add_argument("--json", action="store_true", help="the same as -o json")
+    st.set_defaults(run=cmd_status)
+
+
+def emit(fmt: str, data: dict[str, Any], title: str, columns: list[str], rows: list[dict[str, Any]]) -> None:
+    if fmt == "json":
+        print(json.dumps(data, indent=2, ensure_ascii=False, default=str))
+    elif fmt == "yaml":
+        from ruamel.yaml import YAML
+
+        yaml = YAML(typ="safe", pure=True)
+        yaml.default_flow_style = False
+        yaml.dump(json.loads(json.dumps(data, default=str)), sys.stdout)
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=title)
+        for col in columns:
+            table.add_column(col)
+        for r in rows:
+            table.add_row(*(str(r.get(c, "")) for c in columns))
+        Console().print(table)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from reconciler.config import load_cluster
+
+    path = cluster_file(args)
+    cluster = load(path)
+    fmt = "json" if args.json else args.output
+    name = args.name or args.user_option
+    state = state_of(path, cluster)
+    learned = state.load_learned(cluster)
+    for note in state.notes:
+        warn(note)
+    now = time.time()
+    verdicts = learned.current_verdicts(cluster, now)
+    if args.user_option or (name and not any(s.name == name for s in cluster.servers)):
+        return _user(args, path, cluster, user_named(cluster, str(name)).name, fmt)
+    if name:
+        server = next(s for s in cluster.servers if s.name == name)
+        sv = verdicts.server(name)
+        idx = {s: i for i, s in enumerate(verdicts.topology.servers)}
+        inbounds = []
+        for ib in server.inbounds:
+            v = verdicts.inbound(ib.id)
+            t = verdicts.topology.inbounds.index(ib.id)
+            streaks = {w: int(verdicts.fail[i, t]) for w, i in idx.items() if w != name and int(verdicts.fail[i, t]) > 0}
+            inbounds.append({"inbound": ib.id, "protocol": ib.protocol, "port": ib.port, "status": v.status,
+                             "in_rotation": v.in_rotation, "reason": v.reason, "marks": [m.text for m in v.marks],
+                             "failing_witnesses": streaks})
+        eng = cluster.engine_of(server)
+        data = {"server": name, "host": server.host, "engine": f"{eng.name} {eng.version}", "status": sv.status,
+                "in_rotation": sv.in_rotation, "reason": sv.reason, "marks": [m.text for m in sv.marks],
+                "unreliable_witness": sv.unreliable_witness, "seconds_since_report": sv.seconds_since_report,
+                "traffic_mbps": learned.traffic_mbps.get(name, 0.0), "connected": len(learned.connected.get(name, ())),
+                "inbounds": inbounds}
+        emit(fmt, data, f"{name} ({server.host}): {sv.status} — {sv.reason}",
+             ["inbound", "protocol", "port", "status", "in_rotation", "reason", "marks", "failing_witnesses"], inbounds)
+        return 0
+    assigned: dict[str, int] = {}
+    server_of = {r.inbound.id: r.server.name for r in cluster.inbounds}
+    for (_, route), inbound in learned.assignments.items():
+        if "@" not in route and inbound in server_of:
+            assigned[server_of[inbound]] = assigned.get(server_of[inbound], 0) + 1
+    rows = []
+    for s in cluster.servers:
+        sv = verdicts.server(s.name)
+        eng = cluster.engine_of(s)
+        rows.append({"server": s.name, "host": s.host, "status": sv.status, "in_rotation": sv.in_rotation,
+                     "why": sv.reason, "users": assigned.get(s.name, 0), "connected": len(learned.connected.get(s.name, ())),
+                     "mbps": round(learned.traffic_mbps.get(s.name, 0.0), 1), "engine": f"{eng.name} {eng.version}"})
+    warnings = [d.message for d in load_cluster(path).warnings if d.code in ("unassigned", "empty-route", "empty-pool")]
+    emit(fmt, {"servers": rows, "warnings": warnings, "as_of": now}, f"{len(rows)} server(s)",
+         ["server", "host", "status", "in_rotation", "why", "users", "connected", "mbps", "engine"], rows)
+    if fmt == "table":
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr)
+    return 0
+
+
+def _user(args: argparse.Namespace, path: str, cluster: Any, name: str, fmt: str) -> int:
+    from reconciler.balance import decide
+    from reconciler.cli.common import fleet_snapshot
+
+    snap = fleet_snapshot(path, cluster)
+    user = cluster.user(name)
+    entries = decide(snap, name)
+    rows = [{"route": e.route.id, "entry": e.name, "server": e.ref.server.name, "inbound": e.ref.inbound.id,
+             "pool": e.pool, "status": e.status, "in_rotation": e.in_rotation, "why": e.why, "health": e.health}
+            for e in entries]
+    shown = {e.route.id for e in entries}
+    hidden = [r.id for r in cluster.effective_routes if r.id not in shown]
+    active = user.active(snap.now)
+    n = len(rows)
+    emit(fmt, {"user": name, "active": active, "entries": rows, "hidden_routes": hidden},
+         f"{name}: {n} entr{'y' if n == 1 else 'ies'}" + ("" if active else " (disabled or expired)"),
+         ["route", "entry", "server", "status", "why", "health"], rows)
+    if hidden and fmt == "table":
+        print(f"hidden routes (empty or nothing usable yet): {', '.join(hidden)}")
+    return 0
