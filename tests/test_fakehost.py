@@ -466,3 +466,48 @@ def test_plan_console_like_terraform(tmp_path, runner, monkeypatch, cli):
     monkeypatch.setattr("builtins.input", lambda prompt="": "yes")
     assert cli("apply", "-f", path, "--server", "fra-1").rc == 0
     assert runner.host("fra-1").read(TEMPLATE) is not None and runner.host("fra-2").read(TEMPLATE) is None
+
+
+def test_a_wave_that_fails_is_rolled_back_whole_and_later_waves_are_untouched(tmp_path, runner):
+    # issue 15: `apply --wave 2,rest`: wave 1's failing server rolls back by itself, its healthy neighbour is rolled
+    # back with it (the wave is judged as one), and wave 2 never sees the change
+    from reconciler.apply.waves import apply_in_waves, parse, partition
+
+    four = ("a", "b", "c", "d")
+    converge(tmp_path, runner, cluster(tmp_path, servers=four))
+    before = {s: runner.host(s).read(TEMPLATE) for s in four}
+    runner.host("b").script(fail_start_if='"bob"')
+    observed = plan(cluster(tmp_path, users=("alice", "bob"), servers=four), runner)
+    assert [[o.plan.server for o in w] for w in partition(observed, parse("2,rest"))] == [["a", "b"], ["c", "d"]]
+
+    async def go():
+        try:
+            return await apply_in_waves(observed, runner, lambda s, p: None, "2,rest", settle=0.1, verify_timeout=5.0)
+        finally:
+            await runner.close()
+
+    results = {r.server: r for r in asyncio.run(go())}
+    assert not results["b"].ok and results["b"].rolled_back  # its own commit failed and rolled back
+    assert not results["a"].ok and results["a"].rolled_back and "wave 1 rolled back" in results["a"].message
+    assert all("not applied: wave 1 failed" in results[s].message for s in ("c", "d"))
+    for s in four:  # every server serves the old configuration
+        assert runner.host(s).read(TEMPLATE) == before[s], s
+        assert runner.host(s).unit(SERVICE)["active"] == "active", s
+        assert not list(runner.host(s).path("/etc/sing-box").glob("*.reconciler-old")), s
+    # without the fault every wave passes, one after the other
+    runner.host("b").script(fail_start_if=None)
+    observed = plan(cluster(tmp_path, users=("alice", "bob"), servers=four), runner)
+    results = {r.server: r for r in asyncio.run(go())}
+    assert all(r.ok for r in results.values()), {s: r.message for s, r in results.items()}
+    assert all(b'"bob"' in (runner.host(s).read(TEMPLATE) or b"") for s in four)
+    assert not list(runner.host("a").path("/etc/sing-box").glob("*.reconciler-old"))
+
+
+def test_wave_specs_are_checked():
+    from reconciler.apply.waves import parse
+    from reconciler.errors import InvalidInput
+
+    assert parse("1,25%,rest") == ["1", "25%", "rest"] and parse("all") == ["rest"]
+    for bad in ("0,rest", "rest,1", "150%", "one"):
+        with pytest.raises(InvalidInput):
+            parse(bad)

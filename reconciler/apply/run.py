@@ -71,8 +71,10 @@ async def apply_all(observed: list[Observed], runner: Runner, progress: Callable
     return list(await asyncio.gather(*(apply_one(o, runner, progress, verify_timeout) for o in observed)))
 
 
-async def apply_one(o: Observed, runner: Runner, progress: Callable[[str, str], None], verify_timeout: float) -> ServerResult:
-    result = await _apply_one(o, runner, progress, verify_timeout)
+async def apply_one(o: Observed, runner: Runner, progress: Callable[[str, str], None], verify_timeout: float,
+                    keep_backups: bool = False) -> ServerResult:
+    """One server's plan; ``keep_backups``: its replaced files are kept until its wave is judged (``apply.waves``)."""
+    result = await _apply_one(o, runner, progress, verify_timeout, keep_backups)
     redactor = o.desired.redactor() if o.desired is not None else Redactor()
     result.message = redactor(result.message, structural=True)
     result.details = _scrubbed(result.details, redactor)
@@ -89,7 +91,8 @@ def _scrubbed(value: Any, redactor: Redactor) -> Any:
     return value
 
 
-async def _apply_one(o: Observed, runner: Runner, progress: Callable[[str, str], None], verify_timeout: float) -> ServerResult:
+async def _apply_one(o: Observed, runner: Runner, progress: Callable[[str, str], None], verify_timeout: float,
+                     keep_backups: bool) -> ServerResult:
     start = time.monotonic()
     result = ServerResult(o.plan.server, ok=False)
 
@@ -123,7 +126,7 @@ async def _apply_one(o: Observed, runner: Runner, progress: Callable[[str, str],
                 if o.plan.removed:
                     await _remove_server(runner, o)
                 else:
-                    await _transaction(runner, o, phase, result, verify_timeout, held)
+                    await _transaction(runner, o, phase, result, verify_timeout, held, keep_backups)
         finally:
             if held.ours:
                 try:
@@ -175,12 +178,12 @@ class _Held:
 
 
 async def _transaction(runner: Runner, o: Observed, phase: Callable[[str], None], result: ServerResult,
-                       verify_timeout: float, held: _Held) -> None:
+                       verify_timeout: float, held: _Held, keep_backups: bool = False) -> None:
     """The plan's actions under the lock: the commit (engine, files, service; stopping a retired engine), then
     removals and the firewall. The commit releases the lock itself when nothing follows it."""
     after = [a for a in o.plan.actions if a.kind in ("remove-file", "harden")]
     if any(a.kind in COMMIT_KINDS for a in o.plan.actions):
-        await _commit(runner, o, phase, result, verify_timeout, held, release=not after)
+        await _commit(runner, o, phase, result, verify_timeout, held, release=not after, keep_backups=keep_backups)
     if not any(a.kind in COMMIT_KINDS for a in o.plan.actions):
         for a in _of(o, "stop"):  # a retired engine, when nothing else changes
             await runner.script(o.target, remote.FILES, {"op": "remove", "stop": a.target, "paths": []})
@@ -193,7 +196,7 @@ async def _transaction(runner: Runner, o: Observed, phase: Callable[[str], None]
 
 
 async def _commit(runner: Runner, o: Observed, phase: Callable[[str], None], result: ServerResult, verify_timeout: float,
-                  held: _Held, release: bool) -> None:
+                  held: _Held, release: bool, keep_backups: bool = False) -> None:
     """Stage what the plan changes, then one commit round trip: render, check, swap, restart, verify."""
     d = o.desired
     assert d is not None and o.facts is not None
@@ -223,7 +226,7 @@ async def _commit(runner: Runner, o: Observed, phase: Callable[[str], None], res
         "config_new": f"{engine.config}.reconciler-new", "binary": engine.binary, "service": engine.service,
         "check": list(engine.check), "dir": engine.config_dir, "retire": retire,
         "action": action, "listeners": [list(x) for x in d.listeners], "verify_timeout": verify_timeout,
-        "lock": lock.LOCK_DIR if release else None,
+        "lock": lock.LOCK_DIR if release else None, "keep_backups": keep_backups,
         # A server changing engines is serving with the old one: the new configuration is checked before anything moves.
         "running": o.facts.active == "active" or bool(retire),
     }

@@ -31,6 +31,8 @@ def register(sub: Any) -> None:
     ap.add_argument("--prune", action="store_true", help=argparse.SUPPRESS)  # the default since issue 15
     ap.add_argument("--server", action="append", default=[], metavar="NAME", help=SERVER)
     ap.add_argument("--auto-approve", action="store_true", help="apply without showing the plan and asking (CI)")
+    ap.add_argument("--wave", metavar="SPEC", help="apply in waves, e.g. 1,25%%,rest; `all` at once (default: "
+                                                   "settings.rollout; engine upgrades 1,25%%,rest)")
     ap.add_argument("--json", action="store_true", help="the results as JSON")
     ap.add_argument("--strict-host-keys", action="store_true", help=STRICT)
     ap.set_defaults(run=cmd_apply)
@@ -53,10 +55,15 @@ def _approved(cluster: Cluster, observed: list[Observed]) -> bool:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
+    from reconciler.apply import waves
     from reconciler.apply.run import apply_all
     from reconciler.apply.session import Progress, remember
     from reconciler.plan.saved import check_fresh, load_plan
 
+    if args.wave:
+        from reconciler.apply.waves import parse
+
+        parse(args.wave)  # a wrong spec is refused before any server is touched
     path, keep, only = cluster_file(args), list(args.keep), list(args.server)
     saved = load_plan(args.plan) if args.plan else None
     if saved is not None:
@@ -68,10 +75,15 @@ def cmd_apply(args: argparse.Namespace) -> int:
         elif not args.auto_approve and not _approved(cluster, observed):
             raise InvalidInput("apply cancelled: nothing was changed")
         progress = Progress([o.plan.server for o in observed])
+        spec = args.wave or cluster.settings.rollout or (waves.DEFAULT if waves.upgrades_engine(observed) else "all")
         # One apply per state folder at a time (LockHeld names the other); held until it is remembered.
         with state.lock("apply"):
             try:
-                results = await apply_all(observed, pool, progress)
+                if spec == "all":
+                    results = await apply_all(observed, pool, progress)
+                else:
+                    results = await waves.apply_in_waves(observed, pool, progress, spec,
+                                                         say=lambda line: print(line, file=sys.stderr, flush=True))
             finally:
                 progress.close()
             remember(state, cluster, observed, results)

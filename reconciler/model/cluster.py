@@ -289,6 +289,10 @@ class Settings(_Model):
     steering: SteeringSettings = SteeringSettings()
     outputs: OutputSettings = OutputSettings()
     self_heal: bool = Field(True, description="Correct drift automatically in `run`; when off, only report it.")
+    rollout: str | None = Field(
+        None, pattern=r"^(all|(\d+%?\s*,\s*)*(\d+%?|rest))$",
+        description="Apply in waves, e.g. `1,25%,rest`: each judged healthy before the next, a failed one rolled back "
+                    "(engine upgrades always go 1,25%,rest unless this says `all`).")
     harden: bool = Field(True, description="Install a firewall that allows SSH and the inbound ports only.")
     plan_interval: Duration = Field(300.0, description="How often `run` re-plans even without a file change.")
     git_pull_interval: Duration | None = Field(None, description="Pull the file's git checkout this often in `run`.")

@@ -215,16 +215,41 @@ class Commit:
             for new, _ in self.moves:
                 if os.path.exists(new):
                     os.remove(new)
-            for path in self.backups:
-                if os.path.exists(path + ".reconciler-old"):
-                    os.remove(path + ".reconciler-old")
+            if result["ok"] and req.get("keep_backups"):  # a wave: kept until the wave is judged (restore/forget)
+                paths = [p for _n, p in req["moves"]] + [req["config"]]  # as the server names them (not under root)
+                result["swapped"] = [[p, self.at(p) in self.backups] for p in paths]
+            else:
+                for path in self.backups:
+                    if os.path.exists(path + ".reconciler-old"):
+                        os.remove(path + ".reconciler-old")
             if req.get("lock"):
                 shutil.rmtree(self.at(req["lock"]), ignore_errors=True)
         return result
 
 
+def settle(req: dict[str, Any]) -> dict[str, Any]:
+    """After a wave (``mode``): ``forget`` drops the kept old files; ``restore`` puts them back (and removes the
+    files that were new), restarts the engine and verifies its listeners: the wave is rolled back."""
+    root = str(req.get("root", "/"))
+    restore = req["mode"] == "restore"
+    for path, had_old in req["swapped"]:
+        path = at(root, path)
+        if restore and had_old and os.path.exists(path + ".reconciler-old"):
+            os.replace(path + ".reconciler-old", path)
+        elif restore and not had_old and os.path.exists(path):
+            os.remove(path)
+        elif os.path.exists(path + ".reconciler-old"):
+            os.remove(path + ".reconciler-old")
+    if not restore:
+        return {"ok": True}
+    commit = Commit({**req, "moves": [], "config_new": req["config"], "files": [], "binary_new": None})
+    commit.restart("restart")
+    return {"ok": commit.verify()}
+
+
 def main() -> None:
-    print(json.dumps(Commit(json.load(sys.stdin)).run()))
+    req = json.load(sys.stdin)
+    print(json.dumps(settle(req) if req.get("mode") in ("restore", "forget") else Commit(req).run()))
 
 
 if __name__ == "__main__":
