@@ -6,9 +6,10 @@ BIN := $(VENV)/bin
 # Debian packages the tests, the demo and the benchmarks use (installed only when missing).
 # prometheus: the real server and promtool for the metrics, alert-rule and dashboard tests;
 # wrk and nginx-light: the subscription endpoint's load benchmark and its static-file anchor;
+# git and rsync: gitlab-ci-local runs the CI example in a repository (node and npm, which install it, come with this machine);
 # pebble: Let's Encrypt's test ACME server (and its DNS stand-in) for the certificate lab test; openssl: the
 # TLS 1.3 site REALITY presents in the tests.
-APT_PACKAGES := graphviz openssh-client curl iproute2 nftables systemd-container debootstrap prometheus wrk nginx-light pebble openssl
+APT_PACKAGES := graphviz openssh-client curl iproute2 nftables systemd-container debootstrap prometheus wrk nginx-light pebble openssl git rsync
 
 .PHONY: setup apt test demo bench schema clean
 
@@ -16,7 +17,12 @@ setup: apt $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@# The distribution was called `reconciler` before issue 15 (a name PyPI gives another project): replace it.
+	@$(BIN)/pip uninstall -q -y reconciler >/dev/null 2>&1 || true
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	@# action-validator and gitlab-ci-local check and run the CI examples (tests/test_ci_examples.py).
+	@if command -v npm >/dev/null; then npm install -q --no-audit --no-fund --prefix .tools \
+	  @action-validator/cli@0.6.0 gitlab-ci-local@4.60.1 >/dev/null; fi
 	@touch $@
 
 apt:
@@ -43,4 +49,4 @@ schema: setup
 	$(BIN)/reconciler schema
 
 clean:
-	rm -rf $(VENV) demo-output .pytest_cache .hypothesis
+	rm -rf $(VENV) .tools demo-output .pytest_cache .hypothesis

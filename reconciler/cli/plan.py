@@ -7,6 +7,7 @@ import asyncio
 import sys
 from collections.abc import Awaitable, Callable
 from fnmatch import fnmatch
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from reconciler.cli.common import add_command, add_file, base_dir, cluster_file, plural, secret_of, state_of, warn
@@ -32,6 +33,7 @@ def register(sub: Any) -> None:
     add_file(pl)
     pl.add_argument("--json", action="store_true", help="the plan as JSON")
     pl.add_argument("--out", help="save the plan, to apply exactly it with `apply PLAN`")
+    pl.add_argument("--comment", metavar="FILE", help="also write counts per server for a PR/MR comment (no address, no diff)")
     pl.add_argument("--keep", action="append", default=[], metavar="SERVER", help=KEEP)
     pl.add_argument("--prune", action="store_true", help=argparse.SUPPRESS)  # the default since issue 15
     pl.add_argument("--strict-host-keys", action="store_true", help=STRICT)
@@ -40,6 +42,7 @@ def register(sub: Any) -> None:
 
     sh = add_command(sub, "show", "print a plan saved with `plan --out`", "reconciler show plan.json")
     sh.add_argument("plan", help="the saved plan")
+    sh.add_argument("--markdown", action="store_true", help="counts per server for a PR/MR comment: no address, no diff")
     sh.set_defaults(run=cmd_show)
 
 
@@ -95,7 +98,7 @@ def _warnings(cluster: Cluster) -> list[str]:
             if unassigned else []) + [f"route {r!r} is empty — hidden from subscriptions until an inbound joins it" for r in empty]
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from reconciler.plan.actions import render_human, render_json
+    from reconciler.plan.actions import render_human, render_json, render_markdown
     from reconciler.plan.observe import fingerprint
     from reconciler.plan.saved import save_plan
 
@@ -106,6 +109,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     notes = _warnings(cluster)
     sys.stdout.write(render_json(plans, fp, notes) if args.json else render_human(plans, notes, color=color()))
     incomplete = any(p.error or p.problems for p in plans)
+    if args.comment:
+        Path(args.comment).write_text(render_markdown(plans), encoding="utf-8")
     if args.out and incomplete:  # a plan that could not see every server is not one to apply later
         warn(f"not saved to {args.out}: some servers could not be planned (above); plan again once they can")
     elif args.out:
@@ -117,10 +122,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from reconciler.plan.actions import render_human
+    from reconciler.plan.actions import render_human, render_markdown
     from reconciler.plan.saved import load_plan, plans_of
 
     saved = load_plan(args.plan)
+    if args.markdown:
+        sys.stdout.write(render_markdown(plans_of(saved)))
+        return 0
     print(f"# {args.plan}: for {saved.cluster_file}, fingerprint {saved.fingerprint[:12]}", file=sys.stderr)
     sys.stdout.write(render_human(plans_of(saved), color=color()))
     return 0

@@ -251,6 +251,26 @@ def render_human(plans: list[ServerPlan], warnings: list[str] | None = None, col
     return "\n".join(out) + "\n"
 
 
+MARKDOWN_MARK = "<!-- reconciler-plan -->"
+
+
+def render_markdown(plans: list[ServerPlan]) -> str:
+    """The plan for a pull or merge request's comment: counts per server by name, nothing else — no address, no
+    diff, no error text (those can name hosts; the job's log has them). Starts with ``MARKDOWN_MARK``, which CI
+    looks for to update its one comment instead of adding another."""
+    lines = [MARKDOWN_MARK, f"### reconciler plan — {summary_line(plans)[len('Plan: '):]}", "",
+             "| server | add | change | destroy | |", "|---|---:|---:|---:|---|"]
+    for p in plans:
+        if p.error or p.problems:
+            lines.append(f"| {p.server} | | | | could not be planned (see the job's log) |")
+        else:
+            a, c, d = p.counts()
+            lines.append(f"| {p.server} | {a} | {c} | {d} | {'leaves the file' if p.removed else ''} |")
+    if any(p.error or p.problems for p in plans):
+        lines += ["", "**Incomplete**: some servers could not be planned; this plan was not saved."]
+    return "\n".join(lines) + "\n"
+
+
 def render_json(plans: list[ServerPlan], fingerprint: str, warnings: list[str] | None = None) -> str:
     add, change, destroy = (sum(p.counts()[i] for p in plans) for i in range(3))
     return json.dumps({"fingerprint": fingerprint, "summary": {"add": add, "change": change, "destroy": destroy},
