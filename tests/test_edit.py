@@ -73,7 +73,7 @@ def test_unassign_removes_the_line(cli, cluster_file):
     run = cli("route", "unassign", "fra-2-hy2", "-f", str(cluster_file))
     assert run.rc == 0
     assert _changed_lines(before, cluster_file.read_text()) == (["        route: fast"], [])
-    assert "2 inbound(s) are not in any route" in run.err
+    assert "2 inbounds are not in any route" in run.err
 
 
 def test_flow_style_inbounds_are_edited_in_place(cli, tmp_path):

@@ -451,7 +451,7 @@ def test_plan_console_like_terraform(tmp_path, runner, monkeypatch, cli):
     out = tmp_path / "plan.json"
     broken = cli("plan", "-f", path, "--out", str(out))
     assert broken.rc == 1 and not out.exists() and "not saved" in broken.err
-    assert "Incomplete: 1 server(s) could not be planned (nyc-1)" in broken.out
+    assert "Incomplete: 1 server could not be planned (nyc-1)" in broken.out
     good = cli("plan", "-f", path, "--server", "fra-1", "--out", str(out))
     assert good.rc == 2 and out.exists()
     shown = cli("show", str(out))

@@ -248,7 +248,7 @@ def test_human_output_ends_like_terraform():
     # issue 15: a server that could not be planned is never summarised away
     text = render_human([p, ServerPlan("b", "192.0.2.2", error="cannot connect")])
     assert "Plan: 7 to add, 1 to change, 0 to destroy." in text
-    assert text.strip().endswith("Incomplete: 1 server(s) could not be planned (b); what they need is not counted above.")
+    assert text.strip().endswith("Incomplete: 1 server could not be planned (b); what they need is not counted above.")
     assert "! server b (192.0.2.2): cannot observe: cannot connect" in text
     painted = render_human([p], color=True)
     assert "\033[32m    + install-engine" in painted and "\033[33m    ~ restart" in painted

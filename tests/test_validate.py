@@ -68,7 +68,7 @@ def test_example_is_valid_with_the_expected_warnings(cli):
     run = cli("validate", str(EXAMPLE))
     assert run.rc == 0, run.text
     assert "not pinned by sha256: apply refuses to install it" in run.err and "reconciler engine pin" in run.err
-    assert "1 inbound(s) are not in any route — clients cannot see them yet: ber-1-ss" in run.err
+    assert "1 inbound is not in any route — clients cannot see them yet: ber-1-ss" in run.err
     assert "route 'japan' is empty" in run.err
 
 

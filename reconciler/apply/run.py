@@ -43,6 +43,7 @@ from reconciler.plan.facts import parse_version
 from reconciler.plan.observe import Observed
 from reconciler.ssh import Result, Runner
 from reconciler.ssh.runner import answer
+from reconciler.text import plural
 
 log = logging.getLogger("reconciler.apply")
 
@@ -134,7 +135,7 @@ async def _apply_one(o: Observed, runner: Runner, progress: Callable[[str, str],
                 except RemoteError:
                     pass  # the lease ends it
         result.ok = result.changed = True
-        result.message = result.message or f"{len(o.plan.actions)} change(s) applied"
+        result.message = result.message or f"{plural(len(o.plan.actions), 'change')} applied"
         phase("done")
     except (LockHeld, CommitFailed, RemoteCommandError) as exc:
         result.ok = False

@@ -77,7 +77,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     s = summary(cluster)
     console.print(
         f"[green]valid[/green]: {s['servers']} servers in {len({x.country for x in cluster.servers})} countries, "
-        f"{s['inbounds']} inbounds, {s['routes']} routes, {s['users']} users, {len(result.warnings)} warning(s)"
+        f"{s['inbounds']} inbounds, {s['routes']} routes, {s['users']} users, {plural(len(result.warnings), 'warning')}"
     )
     if refused:
         console.print(f"[yellow]{plural(len(refused), 'engine error')} (above): validate, plan and apply refuse this file "

@@ -15,6 +15,7 @@ from reconciler.cli.validate import engine_errors
 from reconciler.config import load_cluster
 from reconciler.errors import ConfigError
 from reconciler.model import Cluster
+from reconciler.text import verb
 
 if TYPE_CHECKING:  # imported when a command runs: asyncssh and friends cost ~0.3 s of every other command's start
     from reconciler.plan.observe import Observed
@@ -94,7 +95,8 @@ def _warnings(cluster: Cluster) -> list[str]:
     """What clients cannot see yet (ROUTE-4, ROUTE-5): said in every plan, as validate says it."""
     unassigned = ", ".join(r.inbound.id for r in cluster.unassigned)
     empty = [r.id for r in cluster.routes if not cluster.members[r.id]]
-    return ([f"{len(cluster.unassigned)} inbound(s) are not in any route — clients cannot see them yet: {unassigned}"]
+    n = len(cluster.unassigned)
+    return ([f"{plural(n, 'inbound')} {verb(n, 'is', 'are')} not in any route — clients cannot see them yet: {unassigned}"]
             if unassigned else []) + [f"route {r!r} is empty — hidden from subscriptions until an inbound joins it" for r in empty]
 
 def cmd_plan(args: argparse.Namespace) -> int:

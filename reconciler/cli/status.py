@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from reconciler.cli.common import add_command, add_file, cluster_file, load, state_of, user_named, warn
+from reconciler.text import plural
 
 
 def register(sub: Any) -> None:
@@ -99,7 +100,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                      "why": sv.reason, "users": assigned.get(s.name, 0), "connected": len(learned.connected.get(s.name, ())),
                      "mbps": round(learned.traffic_mbps.get(s.name, 0.0), 1), "engine": f"{eng.name} {eng.version}"})
     warnings = [d.message for d in load_cluster(path).warnings if d.code in ("unassigned", "empty-route", "empty-pool")]
-    emit(fmt, {"servers": rows, "warnings": warnings, "as_of": now}, f"{len(rows)} server(s)",
+    emit(fmt, {"servers": rows, "warnings": warnings, "as_of": now}, plural(len(rows), "server"),
          ["server", "host", "status", "in_rotation", "why", "users", "connected", "mbps", "engine"], rows)
     if fmt == "table":
         for w in warnings:

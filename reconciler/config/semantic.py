@@ -14,6 +14,7 @@ import asyncssh
 
 from reconciler.config.diagnostics import Diagnostic, SourceMap, at
 from reconciler.model import Cluster
+from reconciler.text import plural, verb
 
 
 def _did_you_mean(value: str, options: list[str]) -> str | None:
@@ -161,7 +162,7 @@ def _warnings(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
         names = ", ".join(ref.inbound.id for ref in cluster.unassigned)
         n = len(cluster.unassigned)
         yield at("warning", source.key(inbound_pos(cluster.unassigned[0].inbound.id)),
-                 f"{n} inbound(s) are not in any route — clients cannot see them yet: {names}",
+                 f"{plural(n, 'inbound')} {verb(n, 'is', 'are')} not in any route — clients cannot see them yet: {names}",
                  "set `route:` on them, or run `reconciler route assign INBOUND ROUTE`", "unassigned")
 
     for si, server in enumerate(cluster.servers):  # issue 14: no unverified TLS entry that nobody was told of
@@ -189,7 +190,8 @@ def _warnings(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
                          if route.block_torrent and cluster.engine_of(ref.server).name == "mihomo"})
         if mihomo:
             yield at("warning", source.value(("routes", ri, "block_torrent")),
-                     f"route {route.id!r} blocks BitTorrent, but {', '.join(mihomo)} run(s) Mihomo, which cannot recognise "
+                     f"route {route.id!r} blocks BitTorrent, but {', '.join(mihomo)} {verb(len(mihomo), 'runs', 'run')} Mihomo, "
+                     "which cannot recognise "
                      "it: only its well-known ports and tracker names are refused there, which a client can evade",
                      "serve this route from sing-box servers, which sniff BitTorrent and refuse it", "torrent-heuristic")
 
@@ -208,7 +210,7 @@ def _warnings(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
                              f"pool {pool!r} of route {route.id!r} has no inbounds — it is never healthy", None, "empty-pool")
                 elif size < route.minimum_healthy:
                     yield at("warning", source.value(("routes", ri, "minimum_healthy")),
-                             f"pool {pool!r} of route {route.id!r} has {size} inbound(s), fewer than minimum_healthy "
+                             f"pool {pool!r} of route {route.id!r} has {plural(size, 'inbound')}, fewer than minimum_healthy "
                              f"{route.minimum_healthy} — it is never healthy", None, "pool-size")
         elif "steering" in route.model_fields_set or "fallback_pool" in route.model_fields_set:
             yield at("warning", source.key(("routes", ri, "steering")),

@@ -29,6 +29,7 @@ from typing import Any
 
 from reconciler.errors import LabError
 from reconciler.state.files import write_atomic
+from reconciler.text import plural
 
 BRIDGE = "rlabbr0"
 SUBNET = "198.18.0"
@@ -157,7 +158,7 @@ class Lab:
 
     def up(self, count: int, timeout: float = 120.0) -> list[Host]:
         if self.state.hosts:
-            raise LabError(f"a lab with {len(self.state.hosts)} host(s) is already up; run `reconciler lab down` first")
+            raise LabError(f"a lab with {plural(len(self.state.hosts), 'host')} is already up; run `reconciler lab down` first")
         if not 1 <= count <= 99:
             raise LabError("between 1 and 99 hosts")
         self.check_requirements()

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from reconciler.credentials import Redactor, fingerprint_digest
 from reconciler.engine.base import DesiredServer, Layout, ManagedFile
 from reconciler.plan.facts import Facts
+from reconciler.text import plural
 
 SUPPORTED_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 DIFF_LINES = 200
@@ -246,7 +247,7 @@ def render_human(plans: list[ServerPlan], warnings: list[str] | None = None, col
     out.append(summary_line(plans))
     unplanned = [p.server for p in plans if p.error or p.problems]
     if unplanned:  # never "Plan: 0 to add…" as if nothing were pending
-        out.append(_paint(f"Incomplete: {len(unplanned)} server(s) could not be planned ({', '.join(unplanned)}); "
+        out.append(_paint(f"Incomplete: {plural(len(unplanned), 'server')} could not be planned ({', '.join(unplanned)}); "
                           "what they need is not counted above.", "!", color))
     return "\n".join(out) + "\n"
 
