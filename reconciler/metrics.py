@@ -12,10 +12,12 @@ kinds; every label set that can exist is emitted from the start (zeros), so
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -44,6 +46,7 @@ class FleetView:
     assigned: Mapping[str, int] = field(default_factory=dict)  # server → users assigned to its inbounds
     rtt_ms: Mapping[tuple[str, str], float] = field(default_factory=dict)  # (witness region, inbound) → EWMA
     drift: Mapping[str, int] = field(default_factory=dict)  # server → pending changes seen by the last plan
+    traffic_bytes: Mapping[str, int] = field(default_factory=dict)  # server → bytes carried (a counter)
     cluster_digest: str = ""
 
 
@@ -200,6 +203,26 @@ def _fleet_metrics(view: FleetView) -> Iterator[Metric]:
     for s in servers:
         g.add_metric([s.name], 1.0 if unreliable[s.name] else 0.0)
     yield g
+    # HEALTH-14: the evidence behind the verdicts. Streaks are sparse (only the failing pairs have a sample).
+    streak = GaugeMetricFamily("reconciler_probe_failure_streak",
+                               "Consecutive failed probes of a witness against an inbound (HEALTH-5); failing pairs only.",
+                               labels=["witness", "inbound"])
+    marks = GaugeMetricFamily("reconciler_inbound_pair_marks", "Pair marks on the inbound: witnesses alone in failing "
+                              "to reach it (HEALTH-8).", labels=["inbound", "server"])
+    if v is not None:
+        ours = {r.inbound.id for r in refs}
+        for wi, ti in zip(*np.nonzero(v.fail > 0), strict=True):
+            inbound = v.topology.inbounds[int(ti)]
+            if inbound in ours:
+                streak.add_metric([v.topology.servers[int(wi)], inbound], float(v.fail[wi, ti]))
+    count: dict[int, int] = {}
+    for _w, target, _both in v.pair_marks if v is not None else []:
+        count[target] = count.get(target, 0) + 1
+    for r in refs:
+        j = v.topology.inbounds.index(r.inbound.id) if v is not None and r.inbound.id in v.topology.inbounds else -1
+        marks.add_metric([r.inbound.id, r.server.name], float(count.get(j, 0)) if v is not None else 0.0)
+    yield streak
+    yield marks
 
     active = GaugeMetricFamily("reconciler_route_active_inbounds", "Inbounds of the route in rotation (ROUTE, HEALTH-10).",
                                labels=["route"])
@@ -228,8 +251,13 @@ def _fleet_metrics(view: FleetView) -> Iterator[Metric]:
                                  labels=["server"])
     drift = GaugeMetricFamily("reconciler_server_drift_changes", "Changes the last plan found pending (drift), by server.",
                               labels=["server"])
-    age = GaugeMetricFamily("reconciler_server_report_age_seconds", "Seconds since the server's last report (-1: never).",
-                            labels=["server"])
+    carried = CounterMetricFamily("reconciler_server_traffic_bytes",
+                                  "Bytes the engine carried (both directions), across engine restarts: rate() it.",
+                                  labels=["server"])
+    reported = GaugeMetricFamily("reconciler_server_last_report_timestamp_seconds",
+                                 "When the server last reported (no sample until it has).", labels=["server"])
+    interval = GaugeMetricFamily("reconciler_report_interval_seconds", "How often every server reports (HEALTH-1).")
+    interval.add_metric([], float(view.cluster.settings.health.report_interval))
     report_index = {name: i for i, name in enumerate(v.topology.servers)} if v is not None else {}
     for s in servers:
         traffic.add_metric([s.name], view.traffic_mbps.get(s.name, 0.0) * 1e6 / 8)
@@ -239,10 +267,12 @@ def _fleet_metrics(view: FleetView) -> Iterator[Metric]:
         users.add_metric([s.name], float(view.connected.get(s.name, 0)))
         assigned.add_metric([s.name], float(view.assigned.get(s.name, 0)))
         drift.add_metric([s.name], float(view.drift.get(s.name, 0)))
+        carried.add_metric([s.name], float(view.traffic_bytes.get(s.name, 0)))
         at = report_index.get(s.name)
         last = float(v.last_report[at]) if (v is not None and at is not None) else float("-inf")
-        age.add_metric([s.name], (v.now - last) if (v is not None and last != float("-inf")) else -1.0)
-    yield from (traffic, cap, known, users, assigned, drift, age)
+        if math.isfinite(last):
+            reported.add_metric([s.name], last)
+    yield from (traffic, cap, known, users, assigned, drift, carried, reported, interval)
 
     rtt = GaugeMetricFamily("reconciler_rtt_ewma_seconds", "EWMA of probe RTTs from the witnesses of a region to an inbound (STEER-3).",
                             labels=["region", "inbound"])

@@ -140,37 +140,58 @@ def dot(cluster: Cluster, health: Mapping[str, str] | None = None) -> str:
 _ROW = 22
 _HEAD = 26
 _GAP = 14
-_SERVER_W = 300
+_SERVER_W = 300  # at least; wider when a label needs it
 _ROUTE_W = 220
 
 
+def text_width(text: str, size: float = 13, bold: bool = False) -> float:
+    """About how wide ``text`` is in a sans-serif font of ``size`` px: wide glyphs (CJK, emoji) count double."""
+    units = sum(2.0 if ord(ch) > 0x2E80 else 1.0 for ch in text)
+    return units * size * (0.62 if bold else 0.58)
+
+
 def svg(cluster: Cluster, health: Mapping[str, str] | None = None) -> str:
-    """A self-contained SVG: servers left, routes middle, distribution node right."""
+    """A self-contained SVG: servers left (each inbound with its own health), routes middle, distribution right.
+
+    ``health``: status by server name and by inbound id (the loop's verdicts); the boxes are as wide as their
+    longest label, so no label runs out of its box."""
     health = health or {}
     parts: list[str] = []
     anchors: dict[str, tuple[float, float]] = {}  # inbound id → right-edge point
+    heads = {s.name: f"{s.name} · {s.country}/{s.region or ''}{' · prober' if s.prober else ''} · "
+                     f"{health.get(s.name, 'unknown')}" for s in cluster.servers}
+    server_w = max([_SERVER_W] + [text_width(h, bold=True) + 20 for h in heads.values()]
+                   + [text_width(f"{ib.name} {ib.protocol}:{ib.port} · {health.get(ib.id, 'unknown')}") + 40
+                      for s in cluster.servers for ib in s.inbounds])
+    routes = [(r, _route_label(r.name, r.flag) + ("" if cluster.members[r.id] else " (empty)"),
+               f"{r.balance}" + (f" · pools: {', '.join(r.pools)}" if r.pools else "")) for r in cluster.effective_routes]
+    route_w = max([_ROUTE_W] + [max(text_width(label, bold=True), text_width(detail, 11)) + 32 for _, label, detail in routes])
     y = 40.0
-    x_srv, x_route, x_dist = 20.0, 440.0, 760.0
+    x_srv = 20.0
+    x_route = x_srv + server_w + 120
+    x_dist = x_route + route_w + 100
     for server in cluster.servers:
         status = health.get(server.name, "unknown")
         colour = STATUS_COLOURS.get(status, STATUS_COLOURS["unknown"])
         rows = max(1, len(server.inbounds))
         box = _HEAD + rows * _ROW + 6
-        badge = " · prober" if server.prober else ""
         parts.append(
             f'<g class="server" data-server="{escape(server.name)}" data-status="{escape(status)}">'
-            f'<rect x="{x_srv}" y="{y}" width="{_SERVER_W}" height="{box}" rx="6" fill="#fafafa" stroke="{colour}" stroke-width="2"/>'
-            f'<rect x="{x_srv}" y="{y}" width="{_SERVER_W}" height="{_HEAD - 4}" rx="6" fill="{colour}"/>'
-            f'<text x="{x_srv + 8}" y="{y + 16}" fill="#fff" font-weight="bold">{escape(server.name)}'
-            f' · {escape(server.country)}/{escape(server.region or "")}{escape(badge)} · {escape(status)}</text>'
+            f'<rect x="{x_srv}" y="{y}" width="{server_w:.0f}" height="{box}" rx="6" fill="#fafafa" stroke="{colour}" stroke-width="2"/>'
+            f'<rect x="{x_srv}" y="{y}" width="{server_w:.0f}" height="{_HEAD - 4}" rx="6" fill="{colour}"/>'
+            f'<text x="{x_srv + 8}" y="{y + 16}" fill="#fff" font-weight="bold">{escape(heads[server.name])}</text>'
         )
         for i, inbound in enumerate(server.inbounds):
             ry = y + _HEAD + i * _ROW
+            ib_status = health.get(inbound.id, "unknown")
+            ib_colour = STATUS_COLOURS.get(ib_status, STATUS_COLOURS["unknown"])
             parts.append(
-                f'<text x="{x_srv + 10}" y="{ry + 15}" data-inbound="{escape(inbound.id)}">{escape(inbound.name)}'
-                f'<tspan fill="#666"> {escape(inbound.protocol)}:{inbound.port}</tspan></text>'
+                f'<circle cx="{x_srv + 14}" cy="{ry + 11}" r="5" fill="{ib_colour}" data-inbound="{escape(inbound.id)}"'
+                f' data-status="{escape(ib_status)}"><title>{escape(inbound.id)}: {escape(ib_status)}</title></circle>'
+                f'<text x="{x_srv + 26}" y="{ry + 15}" data-inbound="{escape(inbound.id)}">{escape(inbound.name)}'
+                f'<tspan fill="#666"> {escape(inbound.protocol)}:{inbound.port} · {escape(ib_status)}</tspan></text>'
             )
-            anchors[inbound.id] = (x_srv + _SERVER_W, ry + 11)
+            anchors[inbound.id] = (x_srv + server_w, ry + 11)
         if not server.inbounds:
             parts.append(f'<text x="{x_srv + 10}" y="{y + _HEAD + 15}" fill="#999">(no inbounds)</text>')
         parts.append("</g>")
@@ -178,41 +199,37 @@ def svg(cluster: Cluster, health: Mapping[str, str] | None = None) -> str:
     left_bottom = y
 
     y = 40.0
-    route_mid: dict[str, tuple[float, float]] = {}
-    for route in cluster.effective_routes:
+    for route, label, detail in routes:
         members = cluster.members[route.id]
         empty = not members
         dash = ' stroke-dasharray="6 4"' if empty else ""
-        label = _route_label(route.name, route.flag) + (" (empty)" if empty else "")
-        detail = f"{route.balance}" + (f" · pools: {', '.join(route.pools)}" if route.pools else "")
         parts.append(
             f'<g class="route{" empty" if empty else ""}" data-route="{escape(route.id)}">'
-            f'<rect x="{x_route}" y="{y}" width="{_ROUTE_W}" height="44" rx="22" fill="#e3f2fd" stroke="#1565c0" stroke-width="2"{dash}/>'
-            f'<text x="{x_route + 16}" y="{y + 19}" font-weight="bold">{escape(label)}</text>'
-            f'<text x="{x_route + 16}" y="{y + 35}" fill="#555" font-size="11">{escape(detail)}</text></g>'
+            f'<rect x="{x_route:.0f}" y="{y}" width="{route_w:.0f}" height="44" rx="22" fill="#e3f2fd" stroke="#1565c0" stroke-width="2"{dash}/>'
+            f'<text x="{x_route + 16:.0f}" y="{y + 19}" font-weight="bold">{escape(label)}</text>'
+            f'<text x="{x_route + 16:.0f}" y="{y + 35}" fill="#555" font-size="11">{escape(detail)}</text></g>'
         )
-        route_mid[route.id] = (x_route, y + 22)
         for ref in members:
             sx, sy = anchors[ref.inbound.id]
             parts.append(_curve(sx, sy, x_route, y + 22, "#1565c0", dashed=False))
         if not empty:
-            parts.append(_curve(x_route + _ROUTE_W, y + 22, x_dist, 62, "#1565c0", dashed=False, cls="to-dist"))
+            parts.append(_curve(x_route + route_w, y + 22, x_dist, 62, "#1565c0", dashed=False, cls="to-dist"))
         y += 44 + _GAP
     if cluster.unassigned:
         y += _GAP
         parts.append(
-            f'<g class="unassigned"><rect x="{x_route}" y="{y}" width="{_ROUTE_W}" height="44" rx="4" fill="#fff8e1" '
+            f'<g class="unassigned"><rect x="{x_route:.0f}" y="{y}" width="{route_w:.0f}" height="44" rx="4" fill="#fff8e1" '
             f'stroke="#f9a825" stroke-width="2" stroke-dasharray="3 3"/>'
-            f'<text x="{x_route + 12}" y="{y + 19}" font-weight="bold">unassigned</text>'
-            f'<text x="{x_route + 12}" y="{y + 35}" fill="#555" font-size="11">clients cannot see these</text></g>'
+            f'<text x="{x_route + 12:.0f}" y="{y + 19}" font-weight="bold">unassigned</text>'
+            f'<text x="{x_route + 12:.0f}" y="{y + 35}" fill="#555" font-size="11">clients cannot see these</text></g>'
         )
         for ref in cluster.unassigned:
             sx, sy = anchors[ref.inbound.id]
             parts.append(_curve(sx, sy, x_route, y + 22, "#f9a825", dashed=True))
         y += 44
     parts.append(
-        f'<g class="dist"><rect x="{x_dist}" y="40" width="150" height="44" rx="4" fill="#ede7f6" stroke="#4527a0" stroke-width="2"/>'
-        f'<text x="{x_dist + 18}" y="67" font-weight="bold">subscriptions</text></g>'
+        f'<g class="dist"><rect x="{x_dist:.0f}" y="40" width="150" height="44" rx="4" fill="#ede7f6" stroke="#4527a0" stroke-width="2"/>'
+        f'<text x="{x_dist + 18:.0f}" y="67" font-weight="bold">subscriptions</text></g>'
     )
     height = max(left_bottom, y) + 20
     width = x_dist + 170

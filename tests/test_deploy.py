@@ -57,7 +57,8 @@ def emitted_metric_names() -> set[str]:
     learned = Learned.fresh(c)
     snap = snapshot_after(c, learned)
     text = collector_text(FleetView(cluster=c, verdicts=snap.verdicts, snapshot=snap, rtt_ms={("WEU", "s0-in"): 3.0}), LoopStats())
-    return {m.group(1) for m in re.finditer(r"^([a-z_]+)(?:\{| )", text, re.M)}
+    # samples, and families without one yet (sparse ones, such as failure streaks, when nothing fails)
+    return {m.group(1) for m in re.finditer(r"^(?:# HELP )?([a-z_]+)(?:\{| )", text, re.M)}
 
 
 def test_rules_and_dashboard_only_use_metrics_the_collector_emits():
@@ -67,12 +68,22 @@ def test_rules_and_dashboard_only_use_metrics_the_collector_emits():
     panels = [p for p in dash["panels"] if p["type"] != "row"]
     assert {"Fleet overview", "Verdict timeline", "Routes and pools", "Traffic and capacity", "Reconcile health"} <= {
         p["title"] for p in dash["panels"] if p["type"] == "row"}
+    # issue 15: a datasource variable (provisioning-friendly), a description and a unit on every panel
+    [variable] = dash["templating"]["list"]
+    assert variable["type"] == "datasource" and variable["query"] == "prometheus" and "__inputs" not in dash
+    for p in dash["panels"]:
+        assert p.get("description"), p["title"]
     for p in panels:
-        assert p["targets"] and p["datasource"]["uid"] == "${DS_PROMETHEUS}", p["title"]
+        assert p["targets"] and p["datasource"]["uid"] == "${datasource}", p["title"]
+        assert p["fieldConfig"]["defaults"].get("unit"), p["title"]
         exprs += [t["expr"] for t in p["targets"]]
     used = {m for e in exprs for m in re.findall(r"\breconciler_[a-z_]+", e)}
     unknown = {u for u in used if u not in names}
     assert not unknown, unknown
+    # traffic is a counter that panels rate(); no gauge holds a -1 sentinel
+    assert "reconciler_server_traffic_bytes_total" in used and "reconciler_server_report_age_seconds" not in used
+    for alert in ("ReconcilerDown", "ReconcilerAbsent", "ReconcilerIntervalsStalled"):
+        assert alert in (DEPLOY / "prometheus/alerts.yml").read_text()
 
 
 def _yaml(path: Path) -> dict:

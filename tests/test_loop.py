@@ -456,3 +456,27 @@ def test_agent_probes_tcp_and_reports_failures_locally(tmp_path):
     assert rep.probes["open"].ok and rep.probes["open"].rtt_ms is not None
     assert not rep.probes["closed"].ok and not rep.probes["quic"].ok
     assert rep.traffic_bytes is None and rep.service != "active"
+
+
+def test_traffic_is_a_counter_across_engine_restarts_and_streaks_are_exported():
+    # issue 15 / HEALTH-14: bytes as a _total counter (engine restarts add nothing, never go back), the failure
+    # streaks and pair marks behind the verdicts, and no -1 sentinel for a server that never reported
+    from reconciler.fleet.learned import Learned
+
+    c = cluster(3)
+    learned = Learned.fresh(c)
+    totals = []
+    for tick, engine_bytes in enumerate([1000, 5000, 200, 900]):  # the engine restarted before the third report
+        at = 1000.0 + 60 * tick
+        reports = {s.name: report(s.name, c, at, failing={"s2-in"} if s.name == "s0" else set(), traffic=engine_bytes)
+                   for s in c.servers}
+        verdicts = learned.fold(c, reports, at)
+        totals.append(learned.bytes_total.get("s0", 0))
+    assert totals == [0, 4000, 4000, 4700]
+    text = collector_text(FleetView(cluster=c, verdicts=verdicts, traffic_bytes=dict(learned.bytes_total)), LoopStats())
+    assert 'reconciler_server_traffic_bytes_total{server="s0"} 4700.0' in text
+    assert 'reconciler_probe_failure_streak{inbound="s2-in",witness="s0"} 4.0' in text
+    assert f"reconciler_report_interval_seconds {c.settings.health.report_interval}" in text
+    assert not [line for line in text.splitlines() if not line.startswith("#") and line.endswith(" -1.0")]
+    fresh = collector_text(FleetView(cluster=c), LoopStats())
+    assert "reconciler_server_last_report_timestamp_seconds{" not in fresh  # never reported: no sample, no sentinel

@@ -64,3 +64,26 @@ def test_topology_command_writes_each_format(cli, tmp_path):
         run = cli("topology", "-f", str(EXAMPLE), "--format", fmt, "-o", str(out))
         assert run.rc == 0, run.text
         assert out.read_text()
+
+
+def test_the_svg_shows_each_inbounds_health_and_its_labels_fit_their_boxes():
+    # issue 15 / ROUTE-8: per inbound, not only per server; boxes as wide as their longest label
+    import re
+
+    from reconciler.model import Cluster
+    from reconciler.topology import svg, text_width
+
+    long = "🇯🇵 東京 — a very long display name for an inbound that users see"
+    c = Cluster.model_validate({
+        "servers": [{"name": "tokyo-primary-datacenter-01", "host": "192.0.2.1", "country": "JP", "prober": True,
+                     "inbounds": [{"id": "t1", "name": long, "protocol": "trojan", "port": 443, "route": "r",
+                                   "tls": {"server_name": "x.test"}},
+                                  {"id": "t2", "name": "short", "protocol": "shadowsocks-2022", "port": 8388, "route": "r"}]}],
+        "routes": [{"id": "r", "name": "A route whose name is much longer than the old fixed box", "flag": "🇯🇵"}]})
+    drawn = svg(c, {"tokyo-primary-datacenter-01": "ok", "t1": "unreachable", "t2": "ok"})
+    assert re.search(r'<circle[^>]*data-inbound="t1" data-status="unreachable"', drawn)
+    assert re.search(r'<circle[^>]*data-inbound="t2" data-status="ok"', drawn)
+    server_w = float(re.search(r'<g class="server"[^>]*><rect x="20.0" y="40.0" width="(\d+)"', drawn).group(1))
+    assert text_width(f"{long} trojan:443 · unreachable") + 26 <= server_w
+    route_w = float(re.search(r'<g class="route"[^>]*><rect x="[\d.]+" y="[\d.]+" width="(\d+)"', drawn).group(1))
+    assert text_width("🇯🇵 A route whose name is much longer than the old fixed box", bold=True) + 16 <= route_w

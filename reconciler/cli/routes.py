@@ -80,7 +80,18 @@ def cmd_routes(args: argparse.Namespace) -> int:
 
 
 def cmd_topology(args: argparse.Namespace) -> int:
-    text = RENDERERS[args.format](load(cluster_file(args)))
+    import time
+
+    from reconciler.cli.common import state_of
+
+    path = cluster_file(args)
+    cluster = load(path)
+    health: dict[str, str] = {}
+    if args.format == "svg":  # the verdicts the loop keeps, as of now: per server and per inbound
+        verdicts = state_of(path, cluster).load_learned(cluster).current_verdicts(cluster, time.time())
+        health = {**{n: v.status for n, v in verdicts.servers().items()},
+                  **{t: verdicts.inbound(t).status for t in verdicts.topology.inbounds}}
+    text = RENDERERS[args.format](cluster, health) if health else RENDERERS[args.format](cluster)
     if args.out == "-":
         sys.stdout.write(text)
     else:

@@ -48,6 +48,7 @@ class Learned:
     traffic_mbps: dict[str, float] = field(default_factory=dict)
     connected: dict[str, list[str]] = field(default_factory=dict)  # server → users with open connections
     assignments: dict[tuple[str, str], str] = field(default_factory=dict)
+    bytes_total: dict[str, int] = field(default_factory=dict)  # server → bytes the engine carried, across restarts
     last_tick: float = 0.0
     ticks: int = 0
 
@@ -73,7 +74,10 @@ class Learned:
             rep = reports.get(name)
             if rep is None:
                 continue
-            rate, counter = traffic_rate(self.counters.get(name), rep.traffic_bytes, rep.received)
+            previous = self.counters.get(name)
+            rate, counter = traffic_rate(previous, rep.traffic_bytes, rep.received)
+            if rate is not None and previous is not None and counter is not None:  # an engine restart adds nothing
+                self.bytes_total[name] = self.bytes_total.get(name, 0) + counter.value - previous.value
             if counter is not None:  # an engine whose API did not answer has no counter (yet): keep none
                 self.counters[name] = counter
             if rate is not None:
@@ -186,6 +190,7 @@ class Learned:
             carry(getattr(new, name), getattr(self, name), "sm")
         keep = set(topo.servers)
         new.counters = {k: v for k, v in self.counters.items() if k in keep}
+        new.bytes_total = {k: v for k, v in self.bytes_total.items() if k in keep}
         new.traffic_mbps = {k: v for k, v in self.traffic_mbps.items() if k in keep}
         new.connected = {k: v for k, v in self.connected.items() if k in keep}
         inbounds = set(topo.inbounds)
@@ -201,7 +206,7 @@ class Learned:
             "countries": list(self.topology.countries), "probers": list(self.topology.probers),
             "inbound_server": list(self.topology.inbound_server),
             "counters": {k: [c.value, c.at] for k, c in self.counters.items()}, "traffic_mbps": self.traffic_mbps,
-            "connected": self.connected, "assignments": [[u, r, i] for (u, r), i in self.assignments.items()],
+            "connected": self.connected, "bytes_total": self.bytes_total, "assignments": [[u, r, i] for (u, r), i in self.assignments.items()],
             "last_tick": self.last_tick, "ticks": self.ticks, "capacity_half_life": self.capacity.half_life,
         }
         arrays: dict[str, Any] = {f"h_{k}": v for k, v in vars(self.health).items() if isinstance(v, np.ndarray)}
@@ -229,6 +234,7 @@ class Learned:
                    rtt_ewma=values["rtt_ewma"], rtt_first=values["rtt_first"], rtt_last=values["rtt_last"],
                    counters={k: Counter(int(v[0]), float(v[1])) for k, v in meta["counters"].items()},
                    traffic_mbps=meta["traffic_mbps"], connected=meta["connected"],
+                   bytes_total={str(k): int(v) for k, v in (meta.get("bytes_total") or {}).items()},
                    assignments={(u, r): i for u, r, i in meta["assignments"]}, last_tick=meta["last_tick"], ticks=meta["ticks"])
 
     @classmethod

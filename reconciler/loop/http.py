@@ -190,6 +190,8 @@ def status_html(view: FleetView | None) -> str:
         return "<!doctype html><title>reconciler</title><p>Starting: no interval has finished yet.</p>"
     doc = status_document(view)
     health = {name: s["status"] for name, s in doc["servers"].items()}
+    if view.verdicts is not None:  # each inbound's own verdict too (ROUTE-8)
+        health.update({t: view.verdicts.inbound(t).status for t in view.verdicts.topology.inbounds})
     rows = []
     for name, s in doc["servers"].items():
         colour = STATUS_COLOURS.get(s["status"], STATUS_COLOURS["unknown"])

@@ -368,7 +368,7 @@ class Loop:
                          traffic_mbps={k: v.traffic_mbps for k, v in loads.items()},
                          connected={k: v.users for k, v in loads.items()},
                          capacity_mbps={k: v.capacity_mbps for k, v in loads.items()}, assigned=assigned, rtt_ms=rtt,
-                         drift=dict(self.drift), cluster_digest=self._digest)
+                         drift=dict(self.drift), cluster_digest=self._digest, traffic_bytes=dict(self.learned.bytes_total))
 
     def _report_changes(self, verdicts: Verdicts) -> None:
         counts: dict[str, int] = {}
