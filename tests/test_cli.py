@@ -177,3 +177,12 @@ def test_connection_failures_are_said_in_the_operators_words():
         assert in_words(exc) == "the name does not resolve (check `host:`)"
     assert in_words(TimeoutError()).startswith("timed out")
     assert in_words(None).startswith("timed out")
+
+
+def test_read_commands_share_one_output_option(cli):
+    # issue 15: -o table|json|yaml on the read commands (routes, status)
+    from ruamel.yaml import YAML
+
+    doc = json.loads(cli("routes", "-o", "json", "-f", str(EXAMPLE)).out)
+    assert [r["id"] for r in doc["routes"]][:1] == ["europe"] and doc["unassigned"] == ["ber-1-ss"]
+    assert YAML(typ="safe").load(cli("routes", "-o", "yaml", "-f", str(EXAMPLE)).out) == doc

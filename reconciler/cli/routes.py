@@ -34,6 +34,7 @@ def register(sub: Any) -> None:
 
     rl = add_command(sub, "routes", "list routes, their inbounds and warnings (ROUTE-4, ROUTE-5)", "reconciler routes -f cluster.yaml")
     add_file(rl)
+    rl.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table", help="the output format")
     rl.set_defaults(run=cmd_routes)
 
     t = add_command(sub, "topology", "draw servers, inbounds and routes (ROUTE-8)", "reconciler topology --format svg -o topology.svg")
@@ -75,7 +76,17 @@ def routes_table(cluster: Cluster) -> Table:
 
 
 def cmd_routes(args: argparse.Namespace) -> int:
-    Console().print(routes_table(load(cluster_file(args))))
+    cluster = load(cluster_file(args))
+    if args.output == "table":
+        Console().print(routes_table(cluster))
+        return 0
+    from reconciler.cli.status import emit
+
+    routes = [{"id": r.id, "name": r.name, "flag": r.flag, "balance": r.balance, "steering": r.steering,
+               "pools": r.pools or [], "implicit": r.implicit,
+               "inbounds": [{"inbound": m.inbound.id, "server": m.server.name, "pool": m.inbound.pool}
+                            for m in cluster.members[r.id]]} for r in cluster.effective_routes]
+    emit(args.output, {"routes": routes, "unassigned": [r.inbound.id for r in cluster.unassigned]}, "", [], [])
     return 0
 
 

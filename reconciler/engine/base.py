@@ -68,6 +68,18 @@ class Layout:
         return (self.template, self.config, self.unit, self.binary)
 
 
+def unit_text(description: str, *service: str) -> str:
+    """An engine's systemd unit: ``service`` lines (how it starts) and what every engine shares (reload by SIGHUP,
+    restart on failure, file limit)."""
+    lines = [
+        "# Managed by reconciler: edits here are drift and will be corrected.", "[Unit]",
+        f"Description={description} (managed by reconciler)", "After=network-online.target",
+        "Wants=network-online.target", "", "[Service]", *service, "ExecReload=/bin/kill -HUP $MAINPID",
+        "Restart=on-failure", "RestartSec=2s", "LimitNOFILE=1048576", "", "[Install]", "WantedBy=multi-user.target",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 @dataclass(frozen=True)
 class ManagedFile:
     """A file the server must hold. ``repr`` shows neither its content nor its secrets."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 
 from reconciler.credentials import Secret, clash_api_secret, reality_keys, reality_short_id, user_credentials
-from reconciler.engine.base import CLASH_API, Layout, active_users, torrent_blocked
+from reconciler.engine.base import CLASH_API, Layout, active_users, torrent_blocked, unit_text
 from reconciler.model import Cluster, Server
 
 CONFIG_DIR = "/etc/mihomo"
@@ -41,25 +41,8 @@ LAYOUT = Layout(name="mihomo", binary="/usr/local/bin/mihomo", config_dir=CONFIG
                 unit="/etc/systemd/system/mihomo.service",
                 check=("{binary}", "-t", "-d", "{dir}", "-f", "{config}"), version_args=("-v",), reloads=True)
 
-UNIT_TEXT = f"""\
-# Managed by reconciler: edits here are drift and will be corrected.
-[Unit]
-Description=Mihomo proxy (managed by reconciler)
-After=network-online.target
-Wants=network-online.target
-
-[Service]
-StateDirectory=mihomo
-Environment=SAFE_PATHS={CONFIG_DIR}
-ExecStart={LAYOUT.binary} -d {HOME} -f {LAYOUT.config}
-ExecReload=/bin/kill -HUP $MAINPID
-Restart=on-failure
-RestartSec=2s
-LimitNOFILE=1048576
-
-[Install]
-WantedBy=multi-user.target
-"""
+UNIT_TEXT = unit_text("Mihomo proxy", "StateDirectory=mihomo", f"Environment=SAFE_PATHS={CONFIG_DIR}",
+                      f"ExecStart={LAYOUT.binary} -d {HOME} -f {LAYOUT.config}")
 
 
 def wheel_binary() -> str | None:

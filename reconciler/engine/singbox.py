@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 
 from reconciler.credentials import Secret, clash_api_secret, reality_keys, reality_short_id, ss_server_key, user_credentials
-from reconciler.engine.base import CLASH_API, Layout, active_users, torrent_blocked
+from reconciler.engine.base import CLASH_API, Layout, active_users, torrent_blocked, unit_text
 from reconciler.model import Cluster, Server
 from reconciler.model.types import parse_listen
 
@@ -30,23 +30,7 @@ LAYOUT = Layout(name="sing-box", binary="/usr/local/bin/sing-box", config_dir=CO
                 unit="/etc/systemd/system/sing-box.service", check=("{binary}", "check", "-c", "{config}"),
                 version_args=("version",), reloads=True)
 
-UNIT_TEXT = """\
-# Managed by reconciler: edits here are drift and will be corrected.
-[Unit]
-Description=sing-box proxy (managed by reconciler)
-After=network-online.target
-Wants=network-online.target
-
-[Service]
-ExecStart=/usr/local/bin/sing-box run -c /etc/sing-box/config.json
-ExecReload=/bin/kill -HUP $MAINPID
-Restart=on-failure
-RestartSec=2s
-LimitNOFILE=1048576
-
-[Install]
-WantedBy=multi-user.target
-"""
+UNIT_TEXT = unit_text("sing-box proxy", f"ExecStart={LAYOUT.binary} run -c {LAYOUT.config}")
 
 
 def wheel_binary() -> str | None:
