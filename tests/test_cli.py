@@ -186,3 +186,31 @@ def test_read_commands_share_one_output_option(cli):
     doc = json.loads(cli("routes", "-o", "json", "-f", str(EXAMPLE)).out)
     assert [r["id"] for r in doc["routes"]][:1] == ["europe"] and doc["unassigned"] == ["ber-1-ss"]
     assert YAML(typ="safe").load(cli("routes", "-o", "yaml", "-f", str(EXAMPLE)).out) == doc
+
+
+def test_user_url_hands_out_the_subscription_url_and_its_qr_code(cli, tmp_path, monkeypatch):
+    # issue 16 (item 4, first part): the URL under settings.outputs.public_url, the token derived from the secret
+    import io
+
+    import segno
+
+    from reconciler.credentials import Secret, user_token
+
+    secret = "user-url-test-secret-0123456789abcdef"
+    monkeypatch.setenv("RECONCILER_SECRET", secret)
+    path = tmp_path / "cluster.yaml"
+    path.write_text("settings: {outputs: {public_url: \"https://vpn.example.net/\"}}\nservers: []\n"
+                    "users: [{name: alice}, {name: bob, enabled: false}]\n")
+    run = cli("user", "url", "alice", "-f", str(path))
+    assert run.rc == 0 and run.out == f"https://vpn.example.net/sub/{user_token(Secret(secret.encode()), 'alice')}\n"
+    clash = cli("user", "url", "alice", "--format", "clash", "--qr", "-f", str(path))
+    url = clash.out.splitlines()[0]
+    assert url.endswith("/clash")
+    drawn = io.StringIO()
+    segno.make(url, error="m").terminal(out=drawn, compact=True)
+    assert clash.out == url + "\n" + drawn.getvalue() and "█" in drawn.getvalue()
+    assert "refusal" in cli("user", "url", "bob", "-f", str(path)).err
+    assert "did you mean 'alice'" in cli("user", "url", "alicia", "-f", str(path)).err
+    path.write_text("servers: []\nusers: [{name: alice}]\n")
+    missing = cli("user", "url", "alice", "-f", str(path))
+    assert missing.rc == 1 and "public_url is not set" in missing.err

@@ -270,7 +270,10 @@ class OutputSettings(_Model):
         "with reasons. Loopback by default; the same address as `listen` serves both on one port.")
     operations_auth: OperationsAuth | None = Field(
         None, description="Ask for a bearer token or basic credentials on the operations endpoint (set it when it is not on loopback).")
-    public_url: str | None = Field(None, description="External base URL of the subscription endpoint.")
+    public_url: str | None = Field(
+        None, pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$", max_length=2048,
+        description="External base URL of the subscription endpoint, as users' apps reach it (https://vpn.example.com); "
+                    "`reconciler user url` prints each user's URL under it.")
     profile_title: str = Field("VPN", description="Title clients show for the subscription.")
     profile_update_interval: Duration = Field(43200.0, description="How often clients refresh the subscription.")
     webhook_url: str | None = Field(None, description="POST a JSON event here when a server is judged blocked (`run`).")
