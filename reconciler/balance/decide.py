@@ -38,6 +38,7 @@ in rotation, the best available inbound is served (LB-8, HEALTH-11).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +55,11 @@ ADDRESS_STEERED = ("geo", "dynamic")  # steering modes where a live request's ad
 def pool_key(route_id: str, pool: str) -> str:
     """The assignment key of a user's place in ``pool`` of a route (an ``@`` never appears in an id)."""
     return f"{route_id}@{pool}"
+
+
+def held_inbounds(assignments: Mapping[tuple[str, str], str]) -> list[str]:
+    """The inbound each user holds now, per (user, route): their places in other pools (``pool_key``) left out."""
+    return [inbound for (_, route), inbound in assignments.items() if "@" not in route]
 SATURATED = 0.95  # traffic at this share of capacity: the server takes no new users (LB-2)
 
 

@@ -52,10 +52,15 @@ def emit(fmt: str, data: dict[str, Any], title: str, columns: list[str], rows: l
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from reconciler.balance.decide import held_inbounds
     from reconciler.config import load_cluster
 
     path = cluster_file(args)
-    cluster = load(path)
+    loaded = load_cluster(path)  # once: the cluster and its warnings
+    if loaded.cluster is None:
+        load(path)  # raises ConfigError with the diagnostics, as every command does
+    cluster = loaded.cluster
+    assert cluster is not None
     fmt = "json" if args.json else args.output
     name = args.name or args.user_option
     state = state_of(path, cluster)
@@ -89,8 +94,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     assigned: dict[str, int] = {}
     server_of = {r.inbound.id: r.server.name for r in cluster.inbounds}
-    for (_, route), inbound in learned.assignments.items():
-        if "@" not in route and inbound in server_of:
+    for inbound in held_inbounds(learned.assignments):
+        if inbound in server_of:
             assigned[server_of[inbound]] = assigned.get(server_of[inbound], 0) + 1
     rows = []
     for s in cluster.servers:
@@ -99,7 +104,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         rows.append({"server": s.name, "host": s.host, "status": sv.status, "in_rotation": sv.in_rotation,
                      "why": sv.reason, "users": assigned.get(s.name, 0), "connected": len(learned.connected.get(s.name, ())),
                      "mbps": round(learned.traffic_mbps.get(s.name, 0.0), 1), "engine": f"{eng.name} {eng.version}"})
-    warnings = [d.message for d in load_cluster(path).warnings if d.code in ("unassigned", "empty-route", "empty-pool")]
+    warnings = [d.message for d in loaded.warnings if d.code in ("unassigned", "empty-route", "empty-pool")]
     emit(fmt, {"servers": rows, "warnings": warnings, "as_of": now}, plural(len(rows), "server"),
          ["server", "host", "status", "in_rotation", "why", "users", "connected", "mbps", "engine"], rows)
     if fmt == "table":

@@ -25,6 +25,7 @@ import selectors
 import subprocess
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal, get_args
 
 from reconciler.model import Cluster
@@ -137,20 +138,31 @@ def version_output(path: str, args: tuple[str, ...] = ("version",), timeout: flo
     return out.decode(errors="replace") if rc == 0 else None
 
 
-_LEARNED: dict[tuple[str, int, int], Build | None] = {}
+_OUTPUTS: dict[tuple[str, int, int, tuple[str, ...]], str | None] = {}
 
 
-def learn(path: str) -> Build | None:
-    """The build of the local binary at ``path``, learnt once per file version; None when unknown."""
+def local_version(path: str, args: tuple[str, ...] = ("version",)) -> str | None:
+    """What the local binary at ``path`` prints for its version (``args``), run once per file version (path, size,
+    mtime); None when it does not run here. Capabilities (``learn``) and apply's upload read the same answer."""
     try:
         st = os.stat(path)
     except (OSError, ValueError):
         return None
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
-    if key not in _LEARNED:
-        output = version_output(path)
-        _LEARNED[key] = parse_build(output) if output is not None else None
-    return _LEARNED[key]
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, args)
+    if key not in _OUTPUTS:
+        _OUTPUTS[key] = version_output(path, args)
+    return _OUTPUTS[key]
+
+
+def learn(path: str) -> Build | None:
+    """The build of the local binary at ``path``, learnt once per file version; None when unknown."""
+    output = local_version(path)
+    return _build_of(output) if output is not None else None
+
+
+@lru_cache(maxsize=64)
+def _build_of(output: str) -> Build | None:
+    return parse_build(output)
 
 
 def of_engine(cluster: Cluster, name: str | None = None) -> Capabilities | None:

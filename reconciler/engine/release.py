@@ -58,16 +58,19 @@ def _fetch(url: str) -> tuple[str, str]:
         raise ReleaseError(f"cannot keep {url} in {cache_dir()}: {exc}", temporary=True) from None
 
 
-def fetch_binary(url: str, pin: str, name: str) -> str:
+def fetch_binary(url: str, pin: str, name: str, fetched: str | None = None) -> str:
     """The local path of binary ``name`` from the release at ``url``, whose sha256 must be ``pin``; fetched once
-    for every server of an apply that needs it (one fetch per pin at a time)."""
+    for every server of an apply that needs it (one fetch per pin at a time). ``fetched``: the release already
+    fetched (and hashed ``pin``) by the caller, unpacked from there instead of fetched again (consumed)."""
     out = os.path.join(cache_dir(), f"{name}-{pin[:24]}")
     with _LOCKS_GUARD:
         lock = _LOCKS.setdefault(pin, threading.Lock())
     with lock:
         if os.path.exists(out):
+            if fetched:
+                os.remove(fetched)
             return out
-        path, got = _fetch(url)
+        path, got = (fetched, pin) if fetched else _fetch(url)
         unpacked = _temp(cache_dir(), f"{name}-")
         try:
             if got != pin:
@@ -115,7 +118,7 @@ def pin_release(settings: EngineSettings, arches: tuple[str, ...] = ARCHES,
         try:
             if arch == LOCAL_ARCH:
                 name = "sing-box" if settings.name == "sing-box" else "mihomo"
-                binary = fetch_binary(url, digest, name)
+                binary = fetch_binary(url, digest, name, fetched=path)  # unpacked from this fetch, not a second one
                 if settings.name == "mihomo":
                     capabilities = MIHOMO
                 else:

@@ -42,6 +42,7 @@ from reconciler.apply.acme import ensure_certificates
 from reconciler.apply.run import apply_all
 from reconciler.apply.session import Progress, pool_for, remember
 from reconciler.balance import Snapshot
+from reconciler.balance.decide import held_inbounds
 from reconciler.config import load_cluster
 from reconciler.credentials import Secret, clash_api_secret
 from reconciler.engine.base import AGENT
@@ -112,7 +113,7 @@ class Loop:
         self.files = FileOutlet(self._out_dir(cluster), self.state.path, secret)
         self.view: FleetView | None = None
         self.drift: dict[str, int] = {}
-        self.facts = self.state.facts()  # public keys and pins: they change only when an apply changes them
+        self.facts = self.state.facts()  # what older versions learnt from servers; derived keys and pins win over it
         self.learned = self.state.load_learned(cluster)
         self.acme_backoff = CertificateBackoff()  # failed certificate orders wait longer each time
         for note in self.state.notes:
@@ -359,8 +360,8 @@ class Loop:
         loads = snap.loads
         assigned: dict[str, int] = {}
         server_of = {r.inbound.id: r.server.name for r in cluster.inbounds}
-        for (_, route), inbound in snap.assignments.items():
-            s = server_of.get(inbound) if "@" not in route else None  # a user's place in another pool: not held now
+        for inbound in held_inbounds(snap.assignments):
+            s = server_of.get(inbound)
             if s:
                 assigned[s] = assigned.get(s, 0) + 1
         rtt = self.learned.rtt_by_region(cluster)
@@ -439,7 +440,7 @@ class Loop:
             try:
                 with self.state.lock("run (self-heal)"):  # not while an `apply` from this folder runs
                     results = await apply_all(pending, self.pool, progress)  # adds generated public keys to `pending`
-                    self.facts = await asyncio.to_thread(remember, self.state, cluster, pending, results)
+                    await asyncio.to_thread(remember, self.state, cluster, pending, results)
             except LockHeld as exc:
                 log.warning("self-heal waits for the next plan: %s", exc)
                 return

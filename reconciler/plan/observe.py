@@ -1,8 +1,7 @@
 """Gather facts from servers through a ``Runner`` and build their plans (the I/O half of planning).
 
 Called by the CLI's plan and apply and by the loop: ``observe`` → one ``Observed`` per server (its plan,
-facts, desired state, target), ``fingerprint`` of them (saved plans carry it), ``learned_facts`` (the
-public material worth remembering).
+facts, desired state, target) and ``fingerprint`` of them (saved plans carry it).
 """
 
 from __future__ import annotations
@@ -169,9 +168,3 @@ def fingerprint(observed: list[Observed]) -> str:
     for o in sorted(observed, key=lambda o: o.plan.server):
         h.update(f"{o.plan.server}\0{o.plan.desired_digest}\0{o.plan.facts_digest}\n".encode())
     return h.hexdigest()
-
-
-def learned_facts(observed: list[Observed]) -> dict[str, dict[str, str]]:
-    """Public material worth remembering from the servers: none since issue 14 (REALITY keys and self-signed
-    certificates are derived on the controller, and so are their pins). Kept so that saved state stays shaped."""
-    return {}
