@@ -179,7 +179,7 @@ def decide(snapshot: Snapshot, user_name: str, region: str | None = None) -> lis
         user = cluster.user(user_name)
     except KeyError:
         return []
-    if not user.active(snapshot.now):
+    if not snapshot.active(user):
         return []
     region = region or user.region
     ukey = snapshot.user_keys[user.name]
@@ -277,7 +277,7 @@ def _entry(snapshot: Snapshot, route: Route, ref: InboundRef, pool: str | None, 
 def rebalance(snapshot: Snapshot, chunk: int | None = None) -> dict[tuple[str, str], str]:
     """Assign every active user on every route; returns (user, route) → inbound id."""
     cluster = snapshot.cluster
-    users = [u for u in cluster.users if u.active(snapshot.now)]
+    users = [u for u in cluster.users if snapshot.active(u)]
     if not users:
         return {}
     names = [u.name for u in users]

@@ -17,7 +17,8 @@ import numpy as np
 
 from reconciler.balance.hashing import key64, keys64
 from reconciler.health.verdicts import Verdicts
-from reconciler.model import Cluster, InboundRef
+from reconciler.model import Cluster, InboundRef, User, UserUsage
+from reconciler.model.cluster import Standing
 
 if TYPE_CHECKING:
     from reconciler.balance.decide import Placement
@@ -80,7 +81,17 @@ class Snapshot:
     assignments: Mapping[tuple[str, str], str] = field(default_factory=dict)  # (user, route) → inbound id
     public_keys: Mapping[str, str] = field(default_factory=dict)  # inbound id → REALITY public key (a fact)
     tls_pins: Mapping[str, str] = field(default_factory=dict)  # inbound id → base64 SHA-256 of a self-signed cert's key
+    usage: Mapping[str, UserUsage] = field(default_factory=dict)  # user → traffic this period, devices, demand
     memo: SnapshotMemo = field(default_factory=SnapshotMemo, init=False, compare=False, repr=False)
+
+    # ------------------------------------------------------------------ users
+
+    def standing(self, user: User) -> Standing:
+        """The user's standing at this snapshot's time with what the fleet measured (``User.standing`` decides)."""
+        return user.standing(self.now, self.usage.get(user.name))
+
+    def active(self, user: User) -> bool:
+        return self.standing(user) == "active"
 
     # ------------------------------------------------------------------ health views
 

@@ -34,7 +34,7 @@ from reconciler.credentials import Secret, UserCredentials, is_token, user_crede
 from reconciler.model import Cluster
 from reconciler.state.files import write_atomic, write_new
 from reconciler.subscriptions import FORMATS, Document, render
-from reconciler.subscriptions.document import EXTENSIONS, headers_json, render_formats
+from reconciler.subscriptions.document import EXTENSIONS, headers_json, render_formats, userinfo
 
 MANIFEST = "subscription-files.json"
 # Documents are regenerated from the snapshot at will, so they are not fsynced one by one: the manifest,
@@ -95,7 +95,9 @@ def snapshot_digest(snapshot: Snapshot, cluster_hash: str) -> str:
         h.update(repr(sorted(v.pair_marks)).encode())
     h.update("\n".join(f"{u}\0{r}\0{i}" for (u, r), i in sorted(snapshot.assignments.items())).encode())
     h.update(json.dumps([snapshot.public_keys, snapshot.tls_pins], sort_keys=True).encode())
-    h.update(",".join(u.name for u in snapshot.cluster.users if not u.active(snapshot.now)).encode())
+    h.update(",".join(f"{u.name}:{snapshot.standing(u)}" for u in snapshot.cluster.users
+                      if not snapshot.active(u)).encode())
+    h.update("\n".join(f"{n}\0{u.up}\0{u.down}" for n, u in sorted(snapshot.usage.items())).encode())  # userinfo
     return h.hexdigest()
 
 
@@ -104,7 +106,7 @@ def user_fingerprint(snapshot: Snapshot, user_name: str, inbound_json: dict[str,
     """What the user's documents depend on: the user, the output settings, their entries, those inbounds and keys."""
     entries = decide(snapshot, user_name) if entries is None else entries
     user = snapshot.cluster.user(user_name)
-    parts = [user.model_dump_json(), outputs_json]
+    parts = [user.model_dump_json(), outputs_json, userinfo(snapshot, user)]
     for e in entries:
         ib = e.ref.inbound.id
         parts.append(f"{e.route.id}\0{ib}\0{e.name}\0{inbound_json[ib]}\0{snapshot.public_keys.get(ib, '')}"

@@ -15,8 +15,9 @@ from reconciler.model.cluster import (
     User,
 )
 from reconciler.model.regions import COUNTRY_REGION, REGIONS, region_of
+from reconciler.model.usage import UserUsage
 
 __all__ = [
     "COUNTRY_REGION", "ENGINE_VERSIONS", "IMPLICIT_ROUTE_ID", "REGIONS", "TRANSPORTS", "Cluster", "EngineName",
-    "EngineSettings", "Inbound", "InboundRef", "Route", "Server", "Settings", "User", "region_of",
+    "EngineSettings", "Inbound", "InboundRef", "Route", "Server", "Settings", "User", "UserUsage", "region_of",
 ]

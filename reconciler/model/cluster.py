@@ -13,7 +13,8 @@ place that decides which inbounds a route holds, including the implicit
 
 from __future__ import annotations
 
-from datetime import UTC, date, datetime, time
+import calendar
+from datetime import UTC, date, datetime, time, timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Annotated, Literal, get_args
 
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from reconciler.model.regions import COUNTRY_REGION, REGIONS
 from reconciler.model.types import ByteSize, Duration, Host, HostKey, Listen, Name
+from reconciler.model.usage import UserUsage
 
 Region = Literal["WNAM", "ENAM", "WEU", "EEU", "NSAM", "SSAM", "OC", "ME", "NAF", "SAF", "SAS", "SEAS", "NEAS"]
 assert set(get_args(Region)) == set(REGIONS)
@@ -279,6 +281,22 @@ class OutputSettings(_Model):
     webhook_url: str | None = Field(None, description="POST a JSON event here when a server is judged blocked (`run`).")
 
 
+class UserSettings(_Model):
+    """How the fleet counts and watches users (traffic, devices) and what it tells the operator about them."""
+
+    poll: Duration = Field(1.0, description="How often each server's collector reads the engine's connections "
+                                            "(shorter: less guessing about connections that close between two reads).")
+    device_window: Duration = Field(120.0, description="A client address counts as a device for this long after it "
+                                                       "was last seen (`device_limit`).")
+    warn_quota: float = Field(0.9, gt=0, le=1, description="Warn (alert, webhook) when a user has used this share of "
+                                                         "`data_limit`.")
+    warn_expiry: Duration = Field(3 * 86400.0, description="Warn (alert, webhook) this long before a user expires.")
+    metrics_per_user: bool = Field(False, description="Export per-user traffic series to Prometheus (one series per "
+                                                      "user and direction: mind the cardinality).")
+    metrics_user_cap: int = Field(1000, ge=1, le=1_000_000, description="At most this many users get per-user series "
+                                                                        "(the heaviest this period); the rest are summed as `other`.")
+
+
 class Settings(_Model):
     secret: SecretSource = SecretSource()
     engine: EngineSettings = EngineSettings()
@@ -291,6 +309,7 @@ class Settings(_Model):
     balance: BalanceSettings = BalanceSettings()
     steering: SteeringSettings = SteeringSettings()
     outputs: OutputSettings = OutputSettings()
+    users: UserSettings = UserSettings()
     self_heal: bool = Field(True, description="Correct drift automatically in `run`; when off, only report it.")
     rollout: str | None = Field(
         None, pattern=r"^(all|(\d+%?\s*,\s*)*(\d+%?|rest))$",
@@ -529,12 +548,74 @@ class Route(_Model):
     implicit: bool = Field(False, exclude=True, description="Internal: the default route of a file without routes.")
 
 
+Weekday = Literal["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"]
+WEEKDAYS: tuple[str, ...] = get_args(Weekday)
+Standing = Literal["active", "disabled", "expired", "over_quota", "device_limit"]
+
+
+class Reset(_Model):
+    """When a user's traffic count starts again from zero (``data_limit`` applies per period)."""
+
+    period: Literal["never", "weekly", "monthly"] = Field("never", description="How often the count resets (UTC).")
+    day: int | Weekday | None = Field(
+        None, description="Monthly: day of the month, 1-31 (a shorter month resets on its last day); "
+                          "weekly: a weekday name. Default: the 1st, or monday.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: object) -> object:
+        return {"period": data} if isinstance(data, str) else data  # `reset: monthly`
+
+    @model_validator(mode="after")
+    def _day_exists(self) -> Reset:
+        if self.period == "never" and self.day is not None:
+            raise ValueError("`day` needs a period: `reset: {period: monthly, day: 15}` or `{period: weekly, day: monday}`")
+        if self.period == "monthly" and self.day is not None and (not isinstance(self.day, int) or not 1 <= self.day <= 31):
+            raise ValueError(f"a monthly reset needs a day of the month from 1 to 31, not {self.day!r}")
+        if self.period == "weekly" and self.day is not None and not isinstance(self.day, str):
+            raise ValueError(f"a weekly reset needs a weekday name (monday … sunday), not {self.day!r}")
+        return self
+
+    def bounds(self, now: float) -> tuple[float, float | None]:
+        """The period that holds ``now``: (its start, the next reset), epoch seconds UTC; never: (0, None)."""
+        if self.period == "never":
+            return 0.0, None
+        today = datetime.fromtimestamp(now, UTC).date()
+        if self.period == "weekly":
+            want = WEEKDAYS.index(self.day) if isinstance(self.day, str) else 0
+            start = today - timedelta(days=(today.weekday() - want) % 7)
+            return _midnight(start), _midnight(start + timedelta(days=7))
+        day = self.day if isinstance(self.day, int) else 1
+
+        def reset_in(year: int, month: int) -> date:
+            return date(year, month, min(day, calendar.monthrange(year, month)[1]))
+
+        this = reset_in(today.year, today.month)
+        if today >= this:
+            nxt = reset_in(today.year + (today.month == 12), today.month % 12 + 1)
+            return _midnight(this), _midnight(nxt)
+        prev = reset_in(today.year - (today.month == 1), (today.month - 2) % 12 + 1)
+        return _midnight(prev), _midnight(this)
+
+
+def _midnight(d: date) -> float:
+    return datetime.combine(d, time.min, tzinfo=UTC).timestamp()
+
+
 class User(_Model):
     name: Name
     region: Region | None = Field(None, description="The user's region for geo steering (STEER-4).")
     enabled: bool = True
     expires: date | datetime | None = Field(None, description="After this the user gets no subscription.")
-    data_limit: ByteSize | None = Field(None, description="Traffic allowance shown to clients; none = unlimited.")
+    data_limit: ByteSize | None = Field(None, description="Traffic allowed per period (both directions); none = unlimited. "
+                                                          "Over it, the servers refuse the user until the next reset.")
+    reset: Reset = Field(Reset(), description="When the traffic count resets: `never` (default), `weekly`, `monthly`, "
+                                               "or `{period: monthly, day: 15}`.")
+    device_limit: int | None = Field(None, ge=1, le=10_000,
+                                     description="Distinct client addresses allowed at once (over every server).")
+    on_device_limit: Literal["report", "refuse"] = Field(
+        "report", description="Over the device limit: `report` it (status, metric, webhook), or also `refuse` the user "
+                              "until fewer devices are seen.")
     rotate: int = Field(0, ge=0, le=2**31, description="Bump to rotate this user's credentials and subscription token (GITOPS-6).")
 
     @model_validator(mode="after")
@@ -555,16 +636,28 @@ class User(_Model):
             return (expires if expires.tzinfo else expires.replace(tzinfo=UTC)).timestamp()
         return datetime.combine(expires, time.max, tzinfo=UTC).timestamp()
 
-    def active(self, now: float) -> bool:
-        """The one place that decides whether a user gets service at ``now``: enabled and not expired.
+    def standing(self, now: float, usage: UserUsage | None = None) -> Standing:
+        """The one place that decides whether a user gets service at ``now``, and if not, why: disabled, expired,
+        over its ``data_limit`` this period, or over its ``device_limit`` when the file says to refuse.
 
-        Decides the balance (who is assigned), the subscriptions (who gets a document) and the engine
-        adapter (whose credentials a server accepts).
+        Decides the balance (who is assigned), the subscriptions (who gets a document, and the refusal's words),
+        the engine adapters (whose credentials a server accepts) and the loop's enforcement.
         """
         if not self.enabled:
-            return False
+            return "disabled"
         end = self.expires_at
-        return end is None or now <= end
+        if end is not None and now > end:
+            return "expired"
+        if usage is not None:
+            if self.data_limit is not None and usage.used >= self.data_limit:
+                return "over_quota"
+            if self.device_limit is not None and self.on_device_limit == "refuse" and usage.devices > self.device_limit:
+                return "device_limit"
+        return "active"
+
+    def active(self, now: float, usage: UserUsage | None = None) -> bool:
+        """Whether the user gets service at ``now`` (``standing`` decides)."""
+        return self.standing(now, usage) == "active"
 
 
 # --------------------------------------------------------------------------- the whole file

@@ -31,6 +31,7 @@ from reconciler.credentials import Secret, UserCredentials, user_credentials
 from reconciler.model import User
 from reconciler.subscriptions.formats import FORMATS, clash, links_text, omission, singbox
 from reconciler.subscriptions.outbound import ClientOutbound, client_outbound
+from reconciler.text import size_text
 
 log = logging.getLogger("reconciler.subscriptions")
 
@@ -95,8 +96,15 @@ def headers(snapshot: Snapshot, user_name: str, fmt: str, user: User | None = No
     """The response headers of a user's document (its ETag is added with the body)."""
     u = user if user is not None else snapshot.cluster.user(user_name)
     result = dict(_header_base(snapshot, fmt))
-    result["subscription-userinfo"] = f"upload=0; download=0; total={u.data_limit or 0}; expire={int(u.expires_at or 0)}"
+    result["subscription-userinfo"] = userinfo(snapshot, u)
     return result
+
+
+def userinfo(snapshot: Snapshot, user: User) -> str:
+    """The ``subscription-userinfo`` header: bytes up and down this period, the limit (0: none) and the expiry."""
+    used = snapshot.usage.get(user.name)
+    up, down = (used.up, used.down) if used else (0, 0)
+    return f"upload={up}; download={down}; total={user.data_limit or 0}; expire={int(user.expires_at or 0)}"
 
 
 def headers_json(snapshot: Snapshot, docs: dict[str, Document]) -> bytes:
@@ -119,17 +127,33 @@ def headers_json(snapshot: Snapshot, docs: dict[str, Document]) -> bytes:
 
 
 def refusal(snapshot: Snapshot, user: User, fmt: str) -> Document:
-    """What a disabled or expired user gets instead of a profile: 403 and one line that says why."""
-    if not user.enabled:
-        why = "This subscription is disabled. Ask the operator to enable it."
-    else:
-        when = time.strftime("%Y-%m-%d", time.gmtime(user.expires_at or snapshot.now))
-        why = f"This subscription expired on {when}. Ask the operator to renew it."
+    """What a user who is not served gets instead of a profile: 403 and one line that says why."""
+    why = refusal_reason(snapshot, user)
     base = _header_base(snapshot, fmt)
     hdrs = {"content-type": "text/plain; charset=utf-8", "profile-title": base["profile-title"],
             "subscription-userinfo": headers(snapshot, user.name, fmt, user)["subscription-userinfo"],
             "cache-control": "no-cache"}
     return Document(f"{why}\n".encode(), hdrs, [], status=403)
+
+
+def refusal_reason(snapshot: Snapshot, user: User) -> str:
+    """Why ``user`` is not served, in the words its app shows (one line; the page says it too)."""
+    standing = snapshot.standing(user)
+    if standing == "disabled":
+        return "This subscription is disabled. Ask the operator to enable it."
+    if standing == "expired":
+        when = time.strftime("%Y-%m-%d", time.gmtime(user.expires_at or snapshot.now))
+        return f"This subscription expired on {when}. Ask the operator to renew it."
+    usage = snapshot.usage.get(user.name)
+    if standing == "over_quota":
+        nxt = usage.next_reset if usage else None
+        back = (f" It resets on {time.strftime('%Y-%m-%d', time.gmtime(nxt))}." if nxt
+                else " Ask the operator to raise the limit.")
+        return f"This subscription used its traffic limit ({size_text(user.data_limit or 0)}).{back}"
+    if standing == "device_limit":
+        return (f"This subscription is in use on more devices ({usage.devices if usage else 0}) than it allows "
+                f"({user.device_limit}). Disconnect the others and try again in a few minutes.")
+    return ""
 
 
 def render(snapshot: Snapshot, user_name: str, fmt: str, secret: Secret, region: str | None = None) -> Document:
@@ -158,7 +182,7 @@ def render_formats(snapshot: Snapshot, user_name: str, fmts: tuple[str, ...], se
         user = snapshot.cluster.user(user_name)
     except KeyError:
         return {fmt: Document(b"", {"content-type": CONTENT_TYPES[fmt]}, []) for fmt in fmts}
-    if not user.active(snapshot.now):
+    if not snapshot.active(user):
         return {fmt: refusal(snapshot, user, fmt) for fmt in fmts}
     creds = credentials or user_credentials(secret, user.name, user.rotate)
     out = {}
