@@ -83,7 +83,7 @@ def test_a_bare_host_is_planned_then_provisioned(tmp_path, runner):
     # spec: GITOPS-3, GITOPS-4 — the plan says what changes; apply does exactly that, and verifies it
     c = cluster(tmp_path)
     [o] = plan(c, runner)
-    assert kinds(o) == [("+", "install-engine")] + [("+", "write-file")] * 5 + [("~", "restart"), ("+", "harden")]
+    assert kinds(o) == [("+", "install-engine")] + [("+", "write-file")] * 6 + [("~", "restart"), ("+", "harden")]
     host = runner.host("a")
     assert host.read(TEMPLATE) is None and host.unit(SERVICE)["active"] == "inactive"
 

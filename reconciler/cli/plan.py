@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from fnmatch import fnmatch
 from pathlib import Path
@@ -79,8 +80,11 @@ def _observe(path: str, keep: list[str], strict: bool, only: list[str],
             if then is not None:
                 await certificates(cluster, pool, str(base_dir(path)))
             managed = {n: v for n, v in state.managed().items() if n not in keep}  # GITOPS-7: what left is removed
+            # Users over quota stay out (issue 16): what the loop measured, from the same state folder.
+            usage = state.load_learned(cluster).ledger.view(cluster, time.time())
             observed = await observe(cluster, secret, pool, str(base_dir(path)), True, managed, strict_host_keys=known,
-                                     only=(lambda name: any(fnmatch(name, g) for g in only)) if only else None)
+                                     only=(lambda name: any(fnmatch(name, g) for g in only)) if only else None,
+                                     usage=usage)
             return observed, (await then(cluster, observed, pool, state) if then is not None else None)
 
     try:

@@ -9,7 +9,7 @@ firewall, and the other engines' layouts, to retire where an older apply install
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from reconciler.credentials import Secret
@@ -18,20 +18,23 @@ from reconciler.engine.base import (
     ACME_FOLDER,
     AGENT,
     AGENT_SOURCE,
+    USAGE_NFT,
+    USAGE_NFT_TEXT,
     DesiredServer,
     EngineBinary,
     Layout,
     ManagedFile,
     firewall_files,
     tls_files,
+    withheld_users,
 )
-from reconciler.model import Cluster, EngineSettings, Server
+from reconciler.model import Cluster, EngineSettings, Server, UserUsage
 
 
 @dataclass(frozen=True)
 class Adapter:
     layout: Layout
-    render: Callable[[Cluster, Server, Secret, float], tuple[bytes, tuple[str, ...]]]
+    render: Callable[[Cluster, Server, Secret, float, Mapping[str, UserUsage] | None], tuple[bytes, tuple[str, ...]]]
     unit_text: str
     wheel_binary: Callable[[], str | None]  # the binary its Python wheel carries, when installed here
     wheel: str  # how messages name that binary
@@ -67,16 +70,19 @@ def acme_dir(cluster: Cluster, base_dir: str) -> str:
     return os.path.join(base_dir, os.path.expanduser(cluster.settings.outputs.state_dir), ACME_FOLDER)
 
 
-def desired(cluster: Cluster, server: Server, secret: Secret, now: float, base_dir: str = ".") -> DesiredServer:
+def desired(cluster: Cluster, server: Server, secret: Secret, now: float, base_dir: str = ".",
+            usage: Mapping[str, UserUsage] | None = None) -> DesiredServer:
     adapter = adapter_of(cluster, server)
     layout = adapter.layout
-    config, put = adapter.render(cluster, server, secret, now)
+    config, put = adapter.render(cluster, server, secret, now, usage)
     files = [ManagedFile(layout.template, config, 0o600, secret=True, secrets=put),
              ManagedFile(layout.unit, adapter.unit_text.encode(), 0o644),
              ManagedFile(AGENT, AGENT_SOURCE, 0o755, engine=False, summary=True),
+             ManagedFile(USAGE_NFT, USAGE_NFT_TEXT.encode(), 0o644, engine=False),
              *tls_files(server, secret, layout, base_dir, acme_dir(cluster, base_dir))]
     listeners = sorted({(ib.port, t) for ib in server.inbounds for t in ib.transports})
     return DesiredServer(server=server.name, engine=layout, files=tuple(files),
                          binary=engine_binary(cluster.engine_of(server)), listeners=tuple(listeners),
                          firewall=firewall_files(cluster, server, listeners),
-                         retire=tuple(x for x in LAYOUTS if x.name != layout.name))
+                         retire=tuple(x for x in LAYOUTS if x.name != layout.name),
+                         withheld=tuple(withheld_users(cluster, now, usage)))

@@ -13,6 +13,12 @@ object from stdout:
   them into rates and handles resets; the agent keeps no state;
 - ``users``: the users with open connections (the ``u-<name>`` outbound every
   user's traffic is routed through), and ``connections``;
+- ``devices``: per user, fingerprints of the client addresses of those connections
+  (salted hashes: the controller counts distinct devices, never sees an address);
+- ``usage``: the kernel's per-user counters (the nftables table the engine's unit
+  loads; loaded here when missing): ``[mark, ip version, transport, packets, bytes]``
+  per direction, cumulative. The controller turns marks into users and counters
+  into traffic;
 - ``probes``: every other server's inbounds probed the way a client would: a
   TCP connect (its time is the RTT) plus a TLS handshake with the inbound's
   server name for TLS protocols; for QUIC protocols (Hysteria2, TUIC) a QUIC
@@ -23,6 +29,7 @@ Every probe and the whole run are bounded by the request's timeout.
 """
 
 import asyncio
+import hashlib
 import json
 import os
 import ssl
@@ -30,7 +37,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from typing import Any, Dict, List, Optional, Tuple  # typing's generics: the servers' Python may predate list[...]
+from typing import Any, Dict, List, Optional, Set, Tuple  # typing's generics: the servers' Python may predate list[...]
 
 AGENT_VERSION = 1
 
@@ -59,21 +66,59 @@ def listening(wanted: List[Tuple[int, str]]) -> Dict[str, bool]:
     return {f"{p}/{t}": (p, t) in have for p, t in wanted}
 
 
-def clash_connections(address: str, secret: str, timeout: float) -> Tuple[Optional[Dict[str, int]], List[str], int]:
+def usage_counters(table: str, load: str, timeout: float) -> Dict[str, Any]:
+    """The per-user counters of ``table`` (sets ``tx`` and ``rx``); ``load``: the file that creates it when missing."""
+    def listed(name: str) -> Optional[List[List[Any]]]:
+        try:
+            r = subprocess.run(["nft", "-j", "list", "set", "inet", table, name], capture_output=True, text=True,
+                               timeout=timeout)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if r.returncode != 0:
+            return None
+        rows = []
+        for item in json.loads(r.stdout).get("nftables", []):
+            for elem in (item.get("set") or {}).get("elem") or []:
+                e = elem.get("elem") if isinstance(elem, dict) else None
+                if not isinstance(e, dict):
+                    continue
+                key, counter = (e.get("val") or {}).get("concat"), e.get("counter") or {}
+                if isinstance(key, list) and len(key) == 3:
+                    rows.append([key[0], key[1], key[2], counter.get("packets", 0), counter.get("bytes", 0)])
+        return rows
+
+    tx = listed("tx")
+    if tx is None and load and os.path.exists(load):
+        try:  # a reboot flushed it, or the engine has not restarted since the file arrived
+            subprocess.run(["nft", "-f", load], capture_output=True, timeout=timeout)
+        except (OSError, subprocess.SubprocessError):
+            pass
+        tx = listed("tx")
+    rx = listed("rx") if tx is not None else None
+    if tx is None or rx is None:
+        return {"error": "no per-user counters: is nftables installed (the `nft` command)?"}
+    return {"tx": tx, "rx": rx}
+
+
+def clash_connections(address: str, secret: str, timeout: float,
+                      salt: str = "") -> Tuple[Optional[Dict[str, int]], List[str], int, Dict[str, List[str]]]:
     req = urllib.request.Request(f"http://{address}/connections", headers={"Authorization": f"Bearer {secret}"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             data = json.loads(resp.read(16 * 1024 * 1024))
     except (OSError, ValueError):
-        return None, [], 0
+        return None, [], 0, {}
     conns = data.get("connections") or []
-    users = set()
+    devices: Dict[str, Set[str]] = {}
     for c in conns:
         for tag in c.get("chains") or []:
             if isinstance(tag, str) and tag.startswith("u-"):
-                users.add(tag[2:])
+                seen = devices.setdefault(tag[2:], set())
+                source = str((c.get("metadata") or {}).get("sourceIP") or "")
+                if source:
+                    seen.add(hashlib.sha256((salt + source).encode()).hexdigest()[:16])
     traffic = {"up": int(data.get("uploadTotal") or 0), "down": int(data.get("downloadTotal") or 0)}
-    return traffic, sorted(users), len(conns)
+    return traffic, sorted(devices), len(conns), {u: sorted(d) for u, d in devices.items()}
 
 
 def quic_probe_packet() -> Tuple[bytes, bytes, bytes]:
@@ -158,9 +203,11 @@ def main() -> None:
     req = json.load(sys.stdin)
     timeout = float(req.get("timeout", 3.0))
     started = time.time()
-    traffic, users, conns = (None, [], 0)  # type: Optional[Dict[str, int]], List[str], int
+    traffic, users, conns, devices = (None, [], 0, {})  # type: Optional[Dict[str, int]], List[str], int, Dict[str, List[str]]
     if req.get("clash_api"):
-        traffic, users, conns = clash_connections(req["clash_api"], req.get("clash_secret", ""), timeout)
+        traffic, users, conns, devices = clash_connections(req["clash_api"], req.get("clash_secret", ""), timeout,
+                                                           req.get("device_salt", ""))
+    usage = usage_counters(req["usage_table"], req.get("usage_load", ""), 10) if req.get("usage_table") else None
     out = {
         "agent": AGENT_VERSION,
         "time": started,
@@ -169,6 +216,8 @@ def main() -> None:
         "traffic": traffic,
         "users": users,
         "connections": conns,
+        "devices": devices,
+        "usage": usage,
         "probes": asyncio.run(probe_all(req.get("probes", []), timeout)),
         "took_ms": 0,
     }

@@ -13,19 +13,70 @@ is ``opaque``), the TLS files of an inbound (the operator's, or a certificate de
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 from reconciler.certificates import derived_certificate
 from reconciler.credentials import Redactor, Secret
-from reconciler.model import Cluster, Server, User
+from reconciler.model import Cluster, Server, User, UserUsage
 from reconciler.safe_read import read_regular_file
+from reconciler.text import size_text
 
 AGENT = "/usr/local/lib/reconciler/agent.py"
 AGENT_SOURCE = (Path(__file__).with_name("agent.py")).read_bytes()
 CLASH_API = "127.0.0.1:9090"  # every engine's statistics API, on the server's loopback
+
+# Per-user traffic, counted by the kernel (issue 16): each user's outbound carries SO_MARK ``MARK_BASE | id``;
+# the nftables table below copies it to the connection (ct mark) and counts every packet of that connection in
+# both directions, per (mark, IP version, transport). The counters live in the kernel, so they count connections
+# of any length exactly, survive engine restarts and reloads, and cost no polling; the agent reads them once per
+# report interval. Only a reboot (or removing the table) starts them again from zero, which the controller sees.
+USAGE_TABLE = "reconciler_usage"
+USAGE_NFT = "/etc/reconciler/usage.nft"
+MARK_BASE, MARK_MASK = 0x5A000000, 0xFF000000
+USAGE_NFT_TEXT = f"""# Managed by reconciler: per-user traffic counters (read by the collection agent).
+table inet {USAGE_TABLE} {{
+  set tx {{ typeof ct mark . meta nfproto . meta l4proto; flags dynamic; size 1048576; }}
+  set rx {{ typeof ct mark . meta nfproto . meta l4proto; flags dynamic; size 1048576; }}
+  chain out {{
+    type filter hook output priority mangle; policy accept;
+    meta mark & {MARK_MASK:#x} == {MARK_BASE:#x} ct mark set meta mark
+    ct mark & {MARK_MASK:#x} == {MARK_BASE:#x} add @tx {{ ct mark . meta nfproto . meta l4proto counter }}
+  }}
+  chain in {{
+    type filter hook input priority mangle; policy accept;
+    ct mark & {MARK_MASK:#x} == {MARK_BASE:#x} add @rx {{ ct mark . meta nfproto . meta l4proto counter }}
+  }}
+}}
+"""
+# Loaded before the engine starts (and by the agent when missing), never reloaded over itself: that would zero it.
+USAGE_LOAD = (f"/bin/sh -c 'nft list table inet {USAGE_TABLE} >/dev/null 2>&1 || nft -f {USAGE_NFT}'")
+
+
+def usage_marks(cluster: Cluster) -> dict[str, int]:
+    return _marks(tuple(u.name for u in cluster.users))
+
+
+@functools.lru_cache(maxsize=4)
+def _marks(names: tuple[str, ...]) -> dict[str, int]:
+    """user → the SO_MARK of that user's outbound on every server (the one place that decides it).
+
+    24 bits from the name's hash, so a user keeps its mark whoever else is added; a collision (rare: one in
+    16 million per pair) moves the later name (in sorted order) to the next free value."""
+    taken: set[int] = set()
+    marks = {}
+    for name in sorted(names):
+        slot = int.from_bytes(hashlib.sha256(name.encode()).digest()[:3], "big") or 1
+        while slot in taken:
+            slot = slot % 0xFFFFFF + 1
+        taken.add(slot)
+        marks[name] = MARK_BASE | slot
+    return marks
 
 
 @dataclass(frozen=True)
@@ -74,7 +125,7 @@ def unit_text(description: str, *service: str) -> str:
     lines = [
         "# Managed by reconciler: edits here are drift and will be corrected.", "[Unit]",
         f"Description={description} (managed by reconciler)", "After=network-online.target",
-        "Wants=network-online.target", "", "[Service]", *service, "ExecReload=/bin/kill -HUP $MAINPID",
+        "Wants=network-online.target", "", "[Service]", f"ExecStartPre=-{USAGE_LOAD}", *service, "ExecReload=/bin/kill -HUP $MAINPID",
         "Restart=on-failure", "RestartSec=2s", "LimitNOFILE=1048576", "", "[Install]", "WantedBy=multi-user.target",
     ]
     return "\n".join(lines) + "\n"
@@ -119,6 +170,7 @@ class DesiredServer:
     listeners: tuple[tuple[int, str], ...]  # (port, tcp|udp) that must be listening after apply
     firewall: tuple[ManagedFile, ...] = field(default_factory=tuple)  # harden: rules and their boot unit
     retire: tuple[Layout, ...] = ()  # the other engines: stopped and removed where found
+    withheld: tuple[tuple[str, str], ...] = ()  # (user, why) of the users its configuration leaves out
 
     def digest(self) -> str:
         h = hashlib.sha256(f"engine\0{self.engine.name}\n".encode())
@@ -141,9 +193,30 @@ def torrent_blocked(cluster: Cluster, server: Server) -> list[str]:
     return [ib.id for ib in server.inbounds if cluster.route_of(ib.id) in blocking]
 
 
-def active_users(cluster: Cluster, now: float) -> list[User]:
-    """The users whose credentials the servers accept at ``now`` (``User.active`` decides)."""
-    return [u for u in cluster.users if u.active(now)]
+def withheld_users(cluster: Cluster, now: float, usage: Mapping[str, UserUsage] | None = None) -> list[tuple[str, str]]:
+    """(user, why in the operator's words) for every user the servers refuse at ``now`` (the plan shows them)."""
+    usage = usage or {}
+    out = []
+    for u in cluster.users:
+        used = usage.get(u.name)
+        standing = u.standing(now, used)
+        if standing == "disabled":
+            out.append((u.name, "disabled"))
+        elif standing == "expired":
+            out.append((u.name, f"expired {datetime.fromtimestamp(u.expires_at or now, UTC):%Y-%m-%d %H:%M} UTC"))
+        elif standing == "over_quota" and used is not None:
+            back = f", resets {datetime.fromtimestamp(used.next_reset, UTC):%Y-%m-%d}" if used.next_reset else ""
+            out.append((u.name, f"over quota: {size_text(used.used)} of {size_text(u.data_limit or 0)}{back}"))
+        elif standing == "device_limit" and used is not None:
+            out.append((u.name, f"{used.devices} devices, the limit is {u.device_limit}"))
+    return out
+
+
+def active_users(cluster: Cluster, now: float, usage: Mapping[str, UserUsage] | None = None) -> list[User]:
+    """The users whose credentials the servers accept at ``now`` with what the fleet measured (``User.standing``
+    decides: an expired, disabled or over-quota user is left out of every server's configuration)."""
+    usage = usage or {}
+    return [u for u in cluster.users if u.active(now, usage.get(u.name))]
 
 
 ACME_FOLDER = "acme"  # in the state folder: the ACME account key and the certificates it was issued

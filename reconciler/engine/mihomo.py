@@ -27,10 +27,11 @@ open listeners or read certificates, so the commit's listener check after the st
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 from reconciler.credentials import Secret, clash_api_secret, reality_keys, reality_short_id, user_credentials
-from reconciler.engine.base import CLASH_API, Layout, active_users, torrent_blocked, unit_text
-from reconciler.model import Cluster, Server
+from reconciler.engine.base import CLASH_API, Layout, active_users, torrent_blocked, unit_text, usage_marks
+from reconciler.model import Cluster, Server, UserUsage
 
 CONFIG_DIR = "/etc/mihomo"
 TORRENT_PORTS = "6881-6889/6969/51413"  # BitTorrent's customary peer ports and its tracker port
@@ -63,9 +64,10 @@ def _tls(inbound_id: str) -> dict[str, object]:
     return {"certificate": f"{LAYOUT.tls_dir}/{inbound_id}.crt", "private-key": f"{LAYOUT.tls_dir}/{inbound_id}.key"}
 
 
-def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float) -> tuple[dict[str, object], tuple[str, ...]]:
+def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float,
+                    usage: Mapping[str, UserUsage] | None = None) -> tuple[dict[str, object], tuple[str, ...]]:
     """The server configuration and the secret values it holds."""
-    users = active_users(cluster, now)
+    users = active_users(cluster, now, usage)
     creds = {u.name: user_credentials(secret, u.name, u.rotate) for u in users}
     put: list[str] = [v for c in creds.values() for v in (c.uuid, c.password, c.ss_key_128, c.ss_key_256, c.token) if v]
     listeners: list[dict[str, object]] = []
@@ -107,6 +109,7 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
     torrent = [f"AND,((IN-NAME,{blocked}),(DST-PORT,{TORRENT_PORTS})),REJECT",
                *(f"AND,((IN-NAME,{blocked}),(DOMAIN-KEYWORD,{word})),REJECT" for word in TORRENT_WORDS)] if blocked else []
     put.append(clash_api_secret(secret, server.name))
+    marks = usage_marks(cluster)  # the kernel counts each user's traffic by its outbound's mark
     return {
         "mode": "rule", "log-level": "warning", "ipv6": True, "allow-lan": False, "find-process-mode": "off",
         "geo-auto-update": False, "profile": {"store-selected": False, "store-fake-ip": False},
@@ -115,12 +118,13 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
         # only through its built-in defaults, and a name the server's hosts file gives cannot be found.
         "dns": {"enable": True, "ipv6": True, "use-system-hosts": True, "nameserver": ["system"]},
         "listeners": listeners,
-        "proxies": [{"name": f"u-{n}", "type": "direct"} for n in names],
+        "proxies": [{"name": f"u-{n}", "type": "direct", "routing-mark": marks[n]} for n in names],
         "rules": [*torrent, *(f"IN-USER,{n}{'/' + creds[n].uuid if tuic else ''},u-{n}" for n in names), "MATCH,DIRECT"],
     }, tuple(dict.fromkeys(put))
 
 
-def render(cluster: Cluster, server: Server, secret: Secret, now: float) -> tuple[bytes, tuple[str, ...]]:
+def render(cluster: Cluster, server: Server, secret: Secret, now: float,
+           usage: Mapping[str, UserUsage] | None = None) -> tuple[bytes, tuple[str, ...]]:
     """The configuration file's bytes (JSON, which YAML 1.2 reads) and the secret values in it."""
-    rendered, put = rendered_config(cluster, server, secret, now)
+    rendered, put = rendered_config(cluster, server, secret, now, usage)
     return json.dumps(rendered, indent=2, sort_keys=True, ensure_ascii=False).encode() + b"\n", put

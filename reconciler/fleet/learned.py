@@ -24,6 +24,7 @@ import numpy as np
 from reconciler.balance import RTTProfile, ServerLoad
 from reconciler.balance.capacity import CapacityEstimator
 from reconciler.fleet.reports import Counter, Report, observation, traffic_rate
+from reconciler.fleet.usage import Ledger
 from reconciler.health.engine import HealthEngine, HealthState
 from reconciler.health.topology import Topology
 from reconciler.health.verdicts import Verdicts
@@ -49,6 +50,7 @@ class Learned:
     connected: dict[str, list[str]] = field(default_factory=dict)  # server → users with open connections
     assignments: dict[tuple[str, str], str] = field(default_factory=dict)
     bytes_total: dict[str, int] = field(default_factory=dict)  # server → bytes the engine carried, across restarts
+    ledger: Ledger = field(default_factory=Ledger)  # per-user traffic, devices, demand (reconciler.fleet.usage)
     last_tick: float = 0.0
     ticks: int = 0
 
@@ -84,6 +86,7 @@ class Learned:
                 rates[i], valid[i] = rate, True
                 self.traffic_mbps[name] = rate
             self.connected[name] = list(rep.users)
+        self.ledger.fold(cluster, reports, now, self.assignments)
         self.capacity.observe(now, rates, valid)
         self._fold_rtt(obs.probe_rtt_ms, now, cluster.settings.steering.rtt_half_life)
         self.last_tick, self.ticks = now, self.ticks + 1
@@ -165,6 +168,7 @@ class Learned:
         old, topo = self.topology, new.topology
         if old == topo:
             self.capacity.half_life = cluster.settings.balance.capacity_half_life
+            self.ledger.adopt(cluster)
             return self
         rows = [(i, old.servers.index(s)) for i, s in enumerate(topo.servers) if s in old.servers]
         cols = [(j, old.inbounds.index(t)) for j, t in enumerate(topo.inbounds) if t in old.inbounds]
@@ -196,6 +200,8 @@ class Learned:
         inbounds = set(topo.inbounds)
         new.assignments = {k: v for k, v in self.assignments.items() if v in inbounds}
         new.last_tick, new.ticks = self.last_tick, self.ticks
+        new.ledger = self.ledger
+        new.ledger.adopt(cluster)
         return new
 
     # ------------------------------------------------------------------ persistence
@@ -208,6 +214,7 @@ class Learned:
             "counters": {k: [c.value, c.at] for k, c in self.counters.items()}, "traffic_mbps": self.traffic_mbps,
             "connected": self.connected, "bytes_total": self.bytes_total, "assignments": [[u, r, i] for (u, r), i in self.assignments.items()],
             "last_tick": self.last_tick, "ticks": self.ticks, "capacity_half_life": self.capacity.half_life,
+            "usage": self.ledger.as_json(),
         }
         arrays: dict[str, Any] = {f"h_{k}": v for k, v in vars(self.health).items() if isinstance(v, np.ndarray)}
         arrays.update(cap_peak=self.capacity.peak, cap_time=self.capacity.peak_time, rtt_ewma=self.rtt_ewma,
@@ -235,7 +242,8 @@ class Learned:
                    counters={k: Counter(int(v[0]), float(v[1])) for k, v in meta["counters"].items()},
                    traffic_mbps=meta["traffic_mbps"], connected=meta["connected"],
                    bytes_total={str(k): int(v) for k, v in (meta.get("bytes_total") or {}).items()},
-                   assignments={(u, r): i for u, r, i in meta["assignments"]}, last_tick=meta["last_tick"], ticks=meta["ticks"])
+                   assignments={(u, r): i for u, r, i in meta["assignments"]}, last_tick=meta["last_tick"], ticks=meta["ticks"],
+                   ledger=Ledger.from_json(meta.get("usage")))
 
     @classmethod
     def restore(cls, data: bytes | None, cluster: Cluster, where: str = "the learned state") -> tuple[Learned, str | None]:

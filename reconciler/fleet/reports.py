@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from reconciler.engine.adapters import adapter_of
-from reconciler.engine.base import CLASH_API
+from reconciler.engine.base import CLASH_API, USAGE_NFT, USAGE_TABLE
 from reconciler.errors import ReportError
 from reconciler.health.engine import Observation
 from reconciler.health.topology import Topology
@@ -30,6 +30,14 @@ class Probe:
 
 
 @dataclass(frozen=True)
+class UsageCounters:
+    """Cumulative kernel counters per (mark, IP version, transport): ``(mark, family, transport, packets, bytes)``."""
+
+    tx: tuple[tuple[int, str, str, int, int], ...] = ()  # the server sent towards destinations: users' upload
+    rx: tuple[tuple[int, str, str, int, int], ...] = ()  # destinations sent to the server: users' download
+
+
+@dataclass(frozen=True)
 class Report:
     server: str
     received: float  # controller clock
@@ -40,6 +48,9 @@ class Report:
     connections: int = 0
     probes: dict[str, Probe] = field(default_factory=dict)  # inbound id → result
     took_ms: float = 0.0
+    usage: UsageCounters | None = None  # the kernel's per-user counters; None: not available (``usage_error``)
+    usage_error: str = ""
+    devices: dict[str, tuple[str, ...]] = field(default_factory=dict)  # user → client address fingerprints now
 
     @property
     def service_ok(self) -> bool:
@@ -123,9 +134,40 @@ def parse_report(server: str, text: str, received: float) -> Report:
     if not isinstance(users_raw, list) or len(users_raw) > MAX_ENTRIES:
         raise ReportError("`users` is not a list of names")
     users = tuple(sorted(_text(u, "users[]") for u in users_raw))
+    usage, usage_error = _usage(raw.get("usage"))
+    devices: dict[str, tuple[str, ...]] = {}
+    for user, fps in _mapping(raw.get("devices"), "devices").items():
+        if not isinstance(fps, list) or len(fps) > 4096:
+            raise ReportError(f"`devices.{user[:40]}` is not a list of fingerprints")
+        devices[_text(user, "devices")] = tuple(_text(fp, f"devices.{user[:40]}[]", 64) for fp in fps)
     return Report(server=server, received=received, service=_text(raw["service"], "service", 64), listeners=listeners,
                   traffic_bytes=total, users=users, connections=_whole(raw.get("connections") or 0, "connections"),
-                  probes=probes, took_ms=_finite(raw.get("took_ms") or 0.0, "took_ms"))
+                  probes=probes, took_ms=_finite(raw.get("took_ms") or 0.0, "took_ms"), usage=usage,
+                  usage_error=usage_error, devices=devices)
+
+
+def _usage(raw: object) -> tuple[UsageCounters | None, str]:
+    if raw is None:
+        return None, "the agent did not read per-user counters"
+    value = _mapping(raw, "usage")
+    if "error" in value:
+        return None, _text(value["error"], "usage.error")
+    rows: dict[str, tuple[tuple[int, str, str, int, int], ...]] = {}
+    for side in ("tx", "rx"):
+        items = value.get(side)
+        if not isinstance(items, list) or len(items) > MAX_ENTRIES:
+            raise ReportError(f"`usage.{side}` is not a list of counters")
+        out = []
+        for row in items:
+            if not isinstance(row, list) or len(row) != 5:
+                raise ReportError(f"`usage.{side}[]` is not [mark, family, transport, packets, bytes]")
+            mark = _whole(row[0], f"usage.{side}[].mark")
+            if mark >= 2**32:
+                raise ReportError(f"`usage.{side}[].mark` is not a 32-bit mark")
+            out.append((mark, _text(row[1], f"usage.{side}[].family", 16), _text(row[2], f"usage.{side}[].transport", 16),
+                        _whole(row[3], f"usage.{side}[].packets"), _whole(row[4], f"usage.{side}[].bytes")))
+        rows[side] = tuple(out)
+    return UsageCounters(tx=rows["tx"], rx=rows["rx"]), ""
 
 
 def probe_kind(protocol: str) -> str:
@@ -137,7 +179,8 @@ def probe_kind(protocol: str) -> str:
     return "tls"
 
 
-def agent_request(cluster: Cluster, server_name: str, clash_secret: str, timeout: float) -> dict[str, object]:
+def agent_request(cluster: Cluster, server_name: str, clash_secret: str, timeout: float,
+                  device_salt: str = "") -> dict[str, object]:
     """What one server's agent is asked: its own listeners, and every other server's inbounds to probe."""
     server = cluster.server(server_name)
     listeners = sorted({(ib.port, t) for ib in server.inbounds for t in ib.transports})
@@ -153,7 +196,8 @@ def agent_request(cluster: Cluster, server_name: str, clash_secret: str, timeout
             entry["sni"] = ib.tls.server_name
         probes.append(entry)
     return {"service": adapter_of(cluster, server).layout.service, "listeners": [list(x) for x in listeners], "clash_api": CLASH_API,
-            "clash_secret": clash_secret, "probes": probes, "timeout": timeout}
+            "clash_secret": clash_secret, "probes": probes, "timeout": timeout, "device_salt": device_salt,
+            "usage_table": USAGE_TABLE, "usage_load": USAGE_NFT}
 
 
 def observation(topology: Topology, cluster: Cluster, reports: dict[str, Report | None], now: float) -> Observation:

@@ -29,8 +29,9 @@ def snapshot(cluster: Cluster, learned: Learned, facts: Mapping[str, Mapping[str
     loads = learned.loads(now)
     rtt = learned.rtt_profiles(cluster, now, cluster.settings.health.staleness)
     keys, pins = dict(facts.get("public_keys", {})), dict(facts.get("tls_pins", {}))
+    usage = learned.ledger.view(cluster, now)
     before = Snapshot(cluster=cluster, now=now, verdicts=verdicts, loads=loads, rtt=rtt, assignments=dict(learned.assignments),
-                      public_keys=keys, tls_pins=pins)
+                      public_keys=keys, tls_pins=pins, usage=usage)
     # A new snapshot, not a copy: whatever ``before`` memoised was computed from the old assignments.
     return Snapshot(cluster=cluster, now=now, verdicts=verdicts, loads=loads, rtt=rtt, assignments=rebalance(before),
-                    public_keys=keys, tls_pins=pins)
+                    public_keys=keys, tls_pins=pins, usage=usage)

@@ -48,6 +48,7 @@ from reconciler.credentials import Secret, clash_api_secret
 from reconciler.engine.base import AGENT
 from reconciler.errors import LockHeld, RemoteError, ReportError, SecretError
 from reconciler.fleet import snapshot
+from reconciler.fleet.events import degraded_reason, fleet_event, user_events
 from reconciler.fleet.reality import with_reality_keys
 from reconciler.fleet.reports import Report, agent_request, parse_report
 from reconciler.health.verdicts import ServerVerdict, Verdicts
@@ -115,6 +116,7 @@ class Loop:
         self.drift: dict[str, int] = {}
         self.facts = self.state.facts()  # what older versions learnt from servers; derived keys and pins win over it
         self.learned = self.state.load_learned(cluster)
+        self._device_salt = secret.derive("device-fingerprint", length=16).hex()  # the same on every server
         self.acme_backoff = CertificateBackoff()  # failed certificate orders wait longer each time
         for note in self.state.notes:
             log.warning("%s", note)
@@ -136,6 +138,7 @@ class Loop:
         self._busy = asyncio.Lock()  # one plan/apply at a time; ticks never wait for it
         self._tasks: list[asyncio.Task[None]] = []
         self._posts: set[asyncio.Task[None]] = set()
+        self._withheld: dict[str, str] | None = None  # user → standing, for those the servers refuse (issue 16)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -300,6 +303,7 @@ class Loop:
             self.answers.publish(snap)
             self.view = self._fleet_view(cluster, verdicts, snap)
             self._report_changes(verdicts)
+            self._enforce(snap)
         except Exception as exc:  # noqa: BLE001 — a bug in one interval must not end the loop; it is logged with its traceback
             log.exception("interval %d failed", self._tick_index)
             self.stats.record("collect", False, time.perf_counter() - started, time.time())
@@ -333,7 +337,7 @@ class Loop:
             name = server.name
             if not self.backoff.due(name, self._tick_index):
                 return name, None
-            req = agent_request(cluster, name, clash_api_secret(self.secret, name), probe_timeout)
+            req = agent_request(cluster, name, clash_api_secret(self.secret, name), probe_timeout, self._device_salt)
             try:
                 res = await asyncio.wait_for(self.pool.run(Target.from_server(server), f"python3 {AGENT}", check=False,
                                                            timeout=budget, input=json.dumps(req)), budget + 2)
@@ -384,17 +388,39 @@ class Loop:
             self._last_status[name] = sv.status
         log.info("interval %d: %s", self._tick_index, ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
 
-    def _webhook(self, server: str, verdict: ServerVerdict) -> None:
+    def _enforce(self, snap: Snapshot) -> None:
+        """Users who crossed a limit, expired, or came back (a reset, a raised limit, a renewed date) change the
+        servers' configurations now, not at the next plan: an apply within this interval (issue 16). And the events
+        operators act on go to the log and the webhook."""
+        withheld: dict[str, str] = {u.name: snap.standing(u) for u in snap.cluster.users if not snap.active(u)}
+        if self._withheld is not None and withheld != self._withheld:
+            out = sorted(set(withheld) - set(self._withheld))
+            back = sorted(set(self._withheld) - set(withheld))
+            log.info("users: %s%s%s — applying now", f"out: {', '.join(f'{u} ({withheld[u]})' for u in out)}" if out else "",
+                     "; " if out and back else "", f"back: {', '.join(back)}" if back else "")
+            self.plan_now.set()
+        self._withheld = withheld
+        said = self.learned.ledger.said
+        events = user_events(snap.cluster, snap.usage, snap.now, said)
+        fleet = fleet_event(degraded_reason(snap), said)
+        for event in [*events, *([fleet] if fleet else [])]:
+            log.warning("%s: %s", event.kind, event.text)
+            self._post(event.payload(snap.now))
+
+    def _post(self, payload: dict[str, Any]) -> None:
         url = self.cluster.settings.outputs.webhook_url
         if not url:
             return
+        task = asyncio.create_task(_post(url, payload))
+        self._posts.add(task)  # keep a reference until it is done, then forget it
+        task.add_done_callback(self._posts.discard)
+
+    def _webhook(self, server: str, verdict: ServerVerdict) -> None:
         payload = {"event": "blocked", "server": server, "status": verdict.status, "reason": verdict.reason,
                    "advice": "the server's address is likely blocked: move it to a new IP (or a new server) and update "
                              "`host:` in the cluster file; its users were moved to other inbounds of their routes",
                    "time": time.time()}
-        task = asyncio.create_task(_post(url, payload))
-        self._posts.add(task)  # keep a reference until it is done, then forget it
-        task.add_done_callback(self._posts.discard)
+        self._post(payload)
 
     # ------------------------------------------------------------------ plan, drift, self-heal
 
@@ -417,7 +443,8 @@ class Loop:
                         log.warning("no certificate for inbound %s: %s", inbound, why)
                 # GITOPS-7: a server that left the file is removed like in `apply` (`retired:` keeps one)
                 managed = await asyncio.to_thread(self.state.managed) if cluster.settings.self_heal else {}
-                observed = await observe(cluster, self.secret, self.pool, self.base_dir, True, managed)
+                usage = self.learned.ledger.view(cluster, time.time())  # over-quota users stay out (issue 16)
+                observed = await observe(cluster, self.secret, self.pool, self.base_dir, True, managed, usage=usage)
             except Exception:  # noqa: BLE001 — logged with traceback; the next plan tries again
                 log.exception("plan failed")
                 self.stats.record("plan", False, time.perf_counter() - started, time.time())

@@ -140,10 +140,11 @@ def plan_server(desired: DesiredServer, facts: Facts, current_files: dict[str, b
         have = facts.files.get(f.path)
         if have == f.sha256:
             continue
+        why = f"; {withheld_text(desired.withheld)}" if f.path == engine.template and desired.withheld else ""
         if have is None:
-            actions.append(Action("+", "write-file", f.path, "create", file_diff(f, None, None, redactor)))
+            actions.append(Action("+", "write-file", f.path, "create" + why, file_diff(f, None, None, redactor)))
         else:
-            actions.append(Action("~", "write-file", f.path, "content differs",
+            actions.append(Action("~", "write-file", f.path, "content differs" + why,
                                   file_diff(f, current_files.get(f.path), have, redactor)))
         if f.path == engine.unit:
             unit_change = True
@@ -184,6 +185,16 @@ def plan_server(desired: DesiredServer, facts: Facts, current_files: dict[str, b
             elif path.startswith(f"{engine.tls_dir}/") and path not in wanted:
                 actions.append(Action("-", "remove-file", path, "its inbound left the cluster file (prune)"))
     return actions
+
+
+WITHHELD_SHOWN = 10
+
+
+def withheld_text(withheld: tuple[tuple[str, str], ...]) -> str:
+    """The users a configuration leaves out and why, as a plan line says it (the first few, then a count)."""
+    shown = ", ".join(f"{u} ({why})" for u, why in withheld[:WITHHELD_SHOWN])
+    more = len(withheld) - WITHHELD_SHOWN
+    return f"not served: {shown}" + (f" and {plural(more, 'more user')}" if more > 0 else "")
 
 
 def engine_leftovers(facts: Facts, engine: Layout) -> list[str]:

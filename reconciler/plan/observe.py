@@ -11,7 +11,7 @@ import base64
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ from reconciler.engine import remote
 from reconciler.engine.adapters import LAYOUTS, desired
 from reconciler.engine.base import DesiredServer
 from reconciler.errors import RemoteError
-from reconciler.model import Cluster, Server
+from reconciler.model import Cluster, Server, UserUsage
 from reconciler.plan.actions import ServerPlan, plan_removal, plan_server, preflight
 from reconciler.plan.facts import Facts, parse_facts
 from reconciler.plan.lock import LOCK_FILE
@@ -82,11 +82,13 @@ class Observed:
 
 async def observe(cluster: Cluster, secret: Secret, runner: Runner, base_dir: str, prune: bool,
                   previous: dict[str, dict[str, Any]] | None = None, now: float | None = None,
-                  strict_host_keys: KnownHosts | None = None, only: Callable[[str], bool] | None = None) -> list[Observed]:
+                  strict_host_keys: KnownHosts | None = None, only: Callable[[str], bool] | None = None,
+                  usage: Mapping[str, UserUsage] | None = None) -> list[Observed]:
     """Facts and plans for every server in parallel; one server's failure never stops the others.
 
     ``strict_host_keys``: the known keys; a server with none (neither pinned nor remembered) is not contacted
-    and its plan's error says why (``--strict-host-keys``). ``only``: the servers (by name) to look at (``--server``)."""
+    and its plan's error says why (``--strict-host-keys``). ``only``: the servers (by name) to look at (``--server``).
+    ``usage``: what the fleet measured of each user (over quota, devices): those users are left out (issue 16)."""
     now = time.time() if now is None else now
 
     def refused(target: Target, plan: ServerPlan) -> bool:
@@ -99,7 +101,7 @@ async def observe(cluster: Cluster, secret: Secret, runner: Runner, base_dir: st
         target = Target.from_server(server)
         plan = ServerPlan(server.name, server.host)
         try:
-            d = desired(cluster, server, secret, now, base_dir)
+            d = desired(cluster, server, secret, now, base_dir, usage)
         except OSError as exc:
             plan.error = f"cannot read a file the cluster names: {exc}"
             return Observed(plan, None, None, target)

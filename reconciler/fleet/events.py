@@ -1,0 +1,115 @@
+"""The events operators act on, decided once per interval (pure: time and inputs passed in).
+
+``user_events`` compares each user's usage and dates with what was already said (``said``: event key → the
+value it was said for) so each event is sent once: a quota warning once per period, an expiry warning once per
+expiry date, a device-limit breach once until the user is back under it. ``fleet_event`` says when the fleet
+became degraded (a route with no healthy inbound, or most servers not ok) and when it recovered. The loop sends
+them to the webhook (``settings.outputs.webhook_url``) and the log; Prometheus alerts say the same through
+Alertmanager (``deploy/``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from reconciler.balance import Snapshot
+from reconciler.model import Cluster, UserUsage
+from reconciler.text import size_text
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str  # quota_warning, quota_reached, expiring, expired, device_limit, fleet_degraded, fleet_recovered
+    subject: str  # the user, or "fleet"
+    text: str  # one line for people
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def payload(self, now: float) -> dict[str, Any]:
+        return {"event": self.kind, "subject": self.subject, "text": self.text, "time": now, **self.data}
+
+
+def _day(t: float) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(t))
+
+
+def user_events(cluster: Cluster, usage: Mapping[str, UserUsage], now: float, said: dict[str, str]) -> list[Event]:
+    """Events due for users at ``now``; ``said`` is updated with what they say (persist it)."""
+    settings = cluster.settings.users
+    events: list[Event] = []
+
+    def once(key: str, value: str, event: Event) -> None:
+        if said.get(key) != value:
+            said[key] = value
+            events.append(event)
+
+    for user in cluster.users:
+        if not user.enabled:
+            continue
+        used = usage.get(user.name)
+        name = user.name
+        if user.data_limit and used is not None:
+            period = str(int(used.period_start))
+            if used.used >= user.data_limit:
+                once(f"quota_reached:{name}", period, Event(
+                    "quota_reached", name, f"{name} used the traffic limit ({size_text(user.data_limit)}); the servers "
+                    "refuse the user" + (f" until {_day(used.next_reset)}" if used.next_reset else " until it is raised"),
+                    {"used_bytes": used.used, "limit_bytes": user.data_limit}))
+            elif used.used >= settings.warn_quota * user.data_limit:
+                once(f"quota_warning:{name}", period, Event(
+                    "quota_warning", name, f"{name} used {size_text(used.used)} of {size_text(user.data_limit)}",
+                    {"used_bytes": used.used, "limit_bytes": user.data_limit}))
+        end = user.expires_at
+        if end is not None:
+            if now > end:
+                once(f"expired:{name}", str(int(end)), Event("expired", name, f"{name} expired on {_day(end)}",
+                                                            {"expires": end}))
+            elif end - now <= settings.warn_expiry:
+                once(f"expiring:{name}", str(int(end)), Event(
+                    "expiring", name, f"{name} expires on {_day(end)} (in {max(1, round((end - now) / 86400))} day(s))",
+                    {"expires": end}))
+        if user.device_limit is not None and used is not None:
+            key = f"device_limit:{name}"
+            if used.devices > user.device_limit:
+                action = "refused until fewer are seen" if user.on_device_limit == "refuse" else "reported only"
+                once(key, "over", Event("device_limit", name, f"{name} is used from {used.devices} devices (limit "
+                                        f"{user.device_limit}): {action}", {"devices": used.devices,
+                                                                            "limit": user.device_limit}))
+            elif said.get(key) == "over":
+                said[key] = "under"
+    known = {u.name for u in cluster.users}
+    for key in [k for k in said if k.split(":", 1)[-1] not in known and not k.startswith("fleet")]:
+        del said[key]  # users that left the file
+    return events
+
+
+def degraded_reason(snapshot: Snapshot) -> str:
+    """Why the fleet is degraded ("" when it is not): routes with no inbound in rotation, or most servers not ok."""
+    cluster = snapshot.cluster
+    dark = [r.id for r in cluster.effective_routes
+            if cluster.members.get(r.id) and not any(snapshot.in_rotation(m.inbound.id) for m in cluster.members[r.id])]
+    if dark:
+        return f"no inbound in rotation on route {', '.join(dark)}"
+    verdicts = snapshot.verdicts
+    if verdicts is None:
+        return ""
+    statuses = [v.status for v in verdicts.servers().values()]
+    bad = sum(s not in ("ok", "no_data") for s in statuses)
+    if statuses and bad * 2 > len(statuses):
+        return f"{bad} of {len(statuses)} servers are not ok"
+    return ""
+
+
+def fleet_event(degraded: str, said: dict[str, str]) -> Event | None:
+    """``degraded``: why the fleet is degraded now ("" when it is not); an event when that changed."""
+    before = said.get("fleet", "")
+    if bool(degraded) == bool(before):
+        if degraded:
+            said["fleet"] = degraded
+        return None
+    said["fleet"] = degraded
+    if degraded:
+        return Event("fleet_degraded", "fleet", f"the fleet is degraded: {degraded}")
+    return Event("fleet_recovered", "fleet", "the fleet recovered: every route has a healthy inbound")
