@@ -13,6 +13,7 @@ from typing import Any
 
 from reconciler.cli.common import add_command, add_file, cluster_file, load, secret_of, user_named, warn
 from reconciler.errors import InvalidInput
+from reconciler.subscriptions.urls import subscription_url
 
 
 def register(sub: Any) -> None:
@@ -26,10 +27,6 @@ def register(sub: Any) -> None:
     url.add_argument("--qr", action="store_true", help="also draw the URL as a QR code in the terminal")
     add_file(url)
     url.set_defaults(run=cmd_url)
-
-
-def subscription_url(base: str, token: str, fmt: str | None = None) -> str:
-    return f"{base.rstrip('/')}/sub/{token}" + (f"/{fmt}" if fmt else "")
 
 
 def cmd_url(args: argparse.Namespace) -> int:

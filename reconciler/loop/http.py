@@ -4,7 +4,11 @@
   from the current snapshot — the same ``render`` as the files, cached per
   snapshot — with the headers clients read and an ETag (``If-None-Match`` → 304).
   Unknown tokens get 404 and nothing else; a disabled or expired user gets 403 with
-  a one-line reason (the renderer's refusal), never a profile.
+  a one-line reason (the renderer's refusal), never a profile. A browser (no format
+  asked for, HTML preferred, a browser's User-Agent: ``subscriptions.page.wants_page``)
+  gets the subscription page instead, in the language of ``?lang=`` or ``Accept-Language``,
+  its URLs under ``public_url`` or else the request's own scheme and Host (a trusted
+  proxy's ``X-Forwarded-Proto``/``-Host`` believed).
 - ``/healthz``: 200 while the loop ticks on time, 503 otherwise (the operations
   listener says why; the public one only whether).
 
@@ -23,6 +27,7 @@ idle timeouts, malformed requests logged once per client per minute.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import time
 from collections.abc import Callable
@@ -37,6 +42,8 @@ from reconciler.loop.listener import Credential, Limits, Listener
 from reconciler.loop.outlets import LiveAnswers
 from reconciler.metrics import FleetView
 from reconciler.subscriptions import FORMATS, choose_format
+from reconciler.subscriptions.page import choose_language, page_headers, render_page, wants_page
+from reconciler.subscriptions.urls import request_base
 from reconciler.topology import STATUS_COLOURS, svg
 
 _FORMAT_ALIASES = {"links.txt": "links", "sing-box.json": "sing-box", "clash.yaml": "clash", "singbox": "sing-box",
@@ -123,6 +130,8 @@ class HttpOutlet:
             raise web.HTTPNotFound(text="not found\n")
         requested = fmt_in_path or request.query.get("format")
         requested = _FORMAT_ALIASES.get(requested, requested) if requested else None
+        if wants_page(request.headers.get("Accept"), request.headers.get("User-Agent"), requested):
+            return self.page(request, token, user)
         try:
             fmt = choose_format(requested, request.headers.get("User-Agent"))
         except ValueError:
@@ -132,10 +141,33 @@ class HttpOutlet:
             region = self.region_of(client_address(request.remote or "", request.headers, self.trusted_proxies))
         doc = self.answers.answer(user, fmt, region)
         if doc.refused:  # a disabled or expired user: the renderer's status and its one line, never a 304
-            return web.Response(status=doc.status, body=doc.body, headers=doc.headers)
-        if none_match(request.headers.get("If-None-Match"), doc.etag):
-            return web.Response(status=304, headers={"etag": doc.etag})
-        return web.Response(body=doc.body, headers=doc.headers)
+            response = web.Response(status=doc.status, body=doc.body, headers=doc.headers)
+        elif none_match(request.headers.get("If-None-Match"), doc.etag):
+            response = web.Response(status=304, headers={"etag": doc.etag})
+        else:
+            response = web.Response(body=doc.body, headers=doc.headers)
+        if requested is None:  # the same URL gives a browser the page: caches must tell them apart
+            response.headers["Vary"] = "Accept, User-Agent"
+        return response
+
+    def page(self, request: web.BaseRequest, token: str, user: str) -> web.Response:
+        """The subscription page a browser gets (HEAD: its headers); its URLs under ``public_url``, else under
+        the scheme and Host the request came with (a trusted proxy's forwarding headers believed)."""
+        snapshot = self.answers.snapshot
+        assert snapshot is not None  # user_of found the token in it
+        scheme, host = ("https" if request.secure else "http"), request.headers.get("Host")
+        try:
+            proxied = any(ipaddress.ip_address(request.remote or "") in net for net in self.trusted_proxies)
+        except ValueError:
+            proxied = False
+        if proxied:
+            scheme = request.headers.get("X-Forwarded-Proto", scheme).split(",")[0].strip().lower()
+            host = request.headers.get("X-Forwarded-Host", host or "").split(",")[0].strip() or host
+        base = request_base(snapshot.cluster.settings.outputs.public_url, scheme, host)
+        if base is None:
+            raise web.HTTPBadRequest(text="bad Host header\n")
+        lang = choose_language(request.headers.get("Accept-Language"), request.query.get("lang"))
+        return web.Response(body=render_page(snapshot, user, token, base, lang), headers=page_headers(lang))
 
     # ------------------------------------------------------------------ operations
 
