@@ -8,8 +8,10 @@ BIN := $(VENV)/bin
 # wrk and nginx-light: the subscription endpoint's load benchmark and its static-file anchor;
 # git and rsync: gitlab-ci-local runs the CI example in a repository (node and npm, which install it, come with this machine);
 # pebble: Let's Encrypt's test ACME server (and its DNS stand-in) for the certificate lab test; openssl: the
-# TLS 1.3 site REALITY presents in the tests.
-APT_PACKAGES := graphviz openssh-client curl iproute2 nftables systemd-container debootstrap prometheus wrk nginx-light pebble openssl git rsync
+# TLS 1.3 site REALITY presents in the tests; chromium and zbar-tools: the subscription page opened in a real
+# headless browser, its screenshot's QR codes decoded by zbarimg (tests/test_page_browser.py).
+APT_PACKAGES := graphviz openssh-client curl iproute2 nftables systemd-container debootstrap prometheus wrk nginx-light pebble openssl git rsync \
+	chromium zbar-tools
 
 .PHONY: setup apt test demo bench schema clean
 
