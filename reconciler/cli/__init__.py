@@ -28,12 +28,13 @@ from reconciler.cli import routes as routes
 from reconciler.cli import run as run
 from reconciler.cli import secret as secret
 from reconciler.cli import status as status
+from reconciler.cli import usage as usage
 from reconciler.cli import users as users
 from reconciler.cli import validate as validate
 from reconciler.cli.common import print_diagnostics
 from reconciler.errors import ConfigError, ReconcilerError
 
-MODULES = (validate, init, routes, plan, apply, fleet, status, users, run, lab, secret, hostkeys, engine, completion)
+MODULES = (validate, init, routes, plan, apply, fleet, status, usage, users, run, lab, secret, hostkeys, engine, completion)
 
 
 def parser() -> argparse.ArgumentParser:

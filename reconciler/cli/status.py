@@ -48,7 +48,7 @@ def emit(fmt: str, data: dict[str, Any], title: str, columns: list[str], rows: l
             table.add_column(col)
         for r in rows:
             table.add_row(*(str(r.get(c, "")) for c in columns))
-        Console().print(table)
+        Console(width=None if sys.stdout.isatty() else 240).print(table)  # piped: whole columns, never '…'
 
 
 def cmd_status(args: argparse.Namespace) -> int:

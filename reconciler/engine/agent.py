@@ -84,7 +84,7 @@ def usage_counters(table: str, load: str, timeout: float) -> Dict[str, Any]:
                     continue
                 key, counter = (e.get("val") or {}).get("concat"), e.get("counter") or {}
                 if isinstance(key, list) and len(key) == 3:
-                    rows.append([key[0], key[1], key[2], counter.get("packets", 0), counter.get("bytes", 0)])
+                    rows.append([key[0], str(key[1]), str(key[2]), counter.get("packets", 0), counter.get("bytes", 0)])
         return rows
 
     tx = listed("tx")

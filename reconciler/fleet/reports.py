@@ -147,6 +147,20 @@ def parse_report(server: str, text: str, received: float) -> Report:
 
 
 def _usage(raw: object) -> tuple[UsageCounters | None, str]:
+    """The per-user counters; a malformed part costs this interval's usage of that server, never its health report."""
+    try:
+        return _usage_checked(raw)
+    except ReportError as exc:
+        return None, f"unreadable per-user counters: {exc}"
+
+
+def _proto(value: object, what: str) -> str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # nft names the protocols it knows and numbers the others
+    return _text(value, what, 16)
+
+
+def _usage_checked(raw: object) -> tuple[UsageCounters | None, str]:
     if raw is None:
         return None, "the agent did not read per-user counters"
     value = _mapping(raw, "usage")
@@ -164,7 +178,7 @@ def _usage(raw: object) -> tuple[UsageCounters | None, str]:
             mark = _whole(row[0], f"usage.{side}[].mark")
             if mark >= 2**32:
                 raise ReportError(f"`usage.{side}[].mark` is not a 32-bit mark")
-            out.append((mark, _text(row[1], f"usage.{side}[].family", 16), _text(row[2], f"usage.{side}[].transport", 16),
+            out.append((mark, _proto(row[1], f"usage.{side}[].family"), _proto(row[2], f"usage.{side}[].transport"),
                         _whole(row[3], f"usage.{side}[].packets"), _whole(row[4], f"usage.{side}[].bytes")))
         rows[side] = tuple(out)
     return UsageCounters(tx=rows["tx"], rx=rows["rx"]), ""

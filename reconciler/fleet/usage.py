@@ -34,9 +34,13 @@ HEADER_BYTES = {("ipv4", "tcp"): 52, ("ipv6", "tcp"): 72, ("ipv4", "udp"): 28, (
 DEMAND_HALF_LIFE = 900.0  # seconds: how fast a user's measured demand follows a change (balancing reads it)
 
 
+# Older nft versions print the numbers of families and transports (NFPROTO_IPV4 2, IPPROTO_TCP 6, ...).
+NAMES = {"2": "ipv4", "10": "ipv6", "6": "tcp", "17": "udp"}
+
+
 def payload(family: str, transport: str, packets: int, nbytes: int) -> int:
     """The bytes of user data in ``packets`` packets of ``nbytes`` bytes on the wire."""
-    header = HEADER_BYTES.get((family, transport))
+    header = HEADER_BYTES.get((NAMES.get(family, family), NAMES.get(transport, transport)))
     return 0 if header is None else max(0, nbytes - header * packets)
 
 
