@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 from reconciler import __version__
 from reconciler.balance import Snapshot
 from reconciler.health.verdicts import STATUS_NAMES, Verdicts
-from reconciler.model import Cluster
+from reconciler.model import Cluster, UserUsage
 
 KINDS = ("collect", "plan", "apply", "load", "git", "outlets")
 RESULTS = ("ok", "error")
@@ -48,6 +48,12 @@ class FleetView:
     drift: Mapping[str, int] = field(default_factory=dict)  # server → pending changes seen by the last plan
     traffic_bytes: Mapping[str, int] = field(default_factory=dict)  # server → bytes carried (a counter)
     cluster_digest: str = ""
+    # Users (issue 16): each user's usage as of this interval (snapshot.usage has it too), and the users' bytes
+    # summed per server and per route since the controller began counting ([up, down], counters).
+    usage: Mapping[str, UserUsage] = field(default_factory=dict)
+    user_bytes_by_server: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    user_bytes_by_route: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # "" = not assigned there
+    usage_unavailable: Mapping[str, str] = field(default_factory=dict)  # server → why no per-user counters
 
 
 class LoopStats:

@@ -373,7 +373,10 @@ class Loop:
                          traffic_mbps={k: v.traffic_mbps for k, v in loads.items()},
                          connected={k: v.users for k, v in loads.items()},
                          capacity_mbps={k: v.capacity_mbps for k, v in loads.items()}, assigned=assigned, rtt_ms=rtt,
-                         drift=dict(self.drift), cluster_digest=self._digest, traffic_bytes=dict(self.learned.bytes_total))
+                         drift=dict(self.drift), cluster_digest=self._digest, traffic_bytes=dict(self.learned.bytes_total),
+                         usage=snap.usage, usage_unavailable=dict(self.learned.ledger.unavailable),
+                         user_bytes_by_server={k: (v[0], v[1]) for k, v in self.learned.ledger.by_server.items()},
+                         user_bytes_by_route={k: (v[0], v[1]) for k, v in self.learned.ledger.by_route.items()})
 
     def _report_changes(self, verdicts: Verdicts) -> None:
         counts: dict[str, int] = {}
