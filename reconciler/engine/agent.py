@@ -68,6 +68,8 @@ def listening(wanted: List[Tuple[int, str]]) -> Dict[str, bool]:
 
 def usage_counters(table: str, load: str, timeout: float) -> Dict[str, Any]:
     """The per-user counters of ``table`` (sets ``tx`` and ``rx``); ``load``: the file that creates it when missing."""
+    handles = []  # the sets' handles: a table created again (a reboot, a manual delete) has new ones
+
     def listed(name: str) -> Optional[List[List[Any]]]:
         try:
             r = subprocess.run(["nft", "-j", "list", "set", "inet", table, name], capture_output=True, text=True,
@@ -78,6 +80,8 @@ def usage_counters(table: str, load: str, timeout: float) -> Dict[str, Any]:
             return None
         rows = []
         for item in json.loads(r.stdout).get("nftables", []):
+            if item.get("set"):
+                handles.append(str(item["set"].get("handle", "")))
             for elem in (item.get("set") or {}).get("elem") or []:
                 e = elem.get("elem") if isinstance(elem, dict) else None
                 if not isinstance(e, dict):
@@ -97,7 +101,12 @@ def usage_counters(table: str, load: str, timeout: float) -> Dict[str, Any]:
     rx = listed("rx") if tx is not None else None
     if tx is None or rx is None:
         return {"error": "no per-user counters: is nftables installed (the `nft` command)?"}
-    return {"tx": tx, "rx": rx}
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return {"tx": tx, "rx": rx, "epoch": boot + "/" + "/".join(handles)}
 
 
 def clash_connections(address: str, secret: str, timeout: float,

@@ -35,6 +35,7 @@ class UsageCounters:
 
     tx: tuple[tuple[int, str, str, int, int], ...] = ()  # the server sent towards destinations: users' upload
     rx: tuple[tuple[int, str, str, int, int], ...] = ()  # destinations sent to the server: users' download
+    epoch: str = ""  # the boot and the table's identity: when it changes, the counters started again from zero
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,7 @@ def _usage_checked(raw: object) -> tuple[UsageCounters | None, str]:
             out.append((mark, _proto(row[1], f"usage.{side}[].family"), _proto(row[2], f"usage.{side}[].transport"),
                         _whole(row[3], f"usage.{side}[].packets"), _whole(row[4], f"usage.{side}[].bytes")))
         rows[side] = tuple(out)
-    return UsageCounters(tx=rows["tx"], rx=rows["rx"]), ""
+    return UsageCounters(tx=rows["tx"], rx=rows["rx"], epoch=_text(value.get("epoch", ""), "usage.epoch")), ""
 
 
 def probe_kind(protocol: str) -> str:

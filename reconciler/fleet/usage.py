@@ -67,7 +67,8 @@ class UserBook:
                    {str(k): float(t) for k, t in dict(v[6]).items()}, tuple(str(s) for s in v[7]))
 
 
-# Per server: "direction:mark:family:transport" → (the user the mark belonged to, packets, bytes) when last read.
+# Per server: "direction:mark:family:transport" → (the user the mark belonged to, packets, bytes) when last read,
+# and "epoch" → (the counters' epoch, 0, 0).
 ServerCounters = dict[str, tuple[str, int, int]]
 
 
@@ -104,7 +105,9 @@ class Ledger:
                 continue
             self.unavailable.pop(server, None)
             before = self.counters.get(server)
-            after: ServerCounters = {}
+            after: ServerCounters = {"epoch": (rep.usage.epoch, 0, 0)}
+            if before is not None and before.get("epoch", ("", 0, 0))[0] != rep.usage.epoch:
+                before = {}  # a reboot, or the table made again: everything it holds is new
             sums = self.by_server.setdefault(server, [0, 0])
             for side, rows in ((0, rep.usage.tx), (1, rep.usage.rx)):
                 for mark, family, transport, packets, nbytes in rows:

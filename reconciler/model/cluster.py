@@ -14,9 +14,10 @@ place that decides which inbounds a route holds, including the implicit
 from __future__ import annotations
 
 import calendar
+import difflib
 from datetime import UTC, date, datetime, time, timedelta
 from functools import cached_property
-from typing import TYPE_CHECKING, Annotated, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -557,8 +558,10 @@ class Reset(_Model):
     """When a user's traffic count starts again from zero (``data_limit`` applies per period)."""
 
     period: Literal["never", "weekly", "monthly"] = Field("never", description="How often the count resets (UTC).")
-    day: int | Weekday | None = Field(
-        None, description="Monthly: day of the month, 1-31 (a shorter month resets on its last day); "
+    day: int | str | None = Field(
+        None, json_schema_extra={"anyOf": [{"type": "integer", "minimum": 1, "maximum": 31},
+                                           {"enum": list(get_args(Weekday))}, {"type": "null"}]},
+        description="Monthly: day of the month, 1-31 (a shorter month resets on its last day); "
                           "weekly: a weekday name. Default: the 1st, or monday.")
 
     @model_validator(mode="before")
@@ -572,8 +575,10 @@ class Reset(_Model):
             raise ValueError("`day` needs a period: `reset: {period: monthly, day: 15}` or `{period: weekly, day: monday}`")
         if self.period == "monthly" and self.day is not None and (not isinstance(self.day, int) or not 1 <= self.day <= 31):
             raise ValueError(f"a monthly reset needs a day of the month from 1 to 31, not {self.day!r}")
-        if self.period == "weekly" and self.day is not None and not isinstance(self.day, str):
-            raise ValueError(f"a weekly reset needs a weekday name (monday … sunday), not {self.day!r}")
+        if self.period == "weekly" and self.day is not None and self.day not in WEEKDAYS:
+            near = difflib.get_close_matches(str(self.day).lower(), WEEKDAYS, n=1)
+            raise ValueError(f"a weekly reset needs a weekday name (monday … sunday), not {self.day!r}"
+                             + (f" — did you mean {near[0]!r}?" if near else ""))
         return self
 
     def bounds(self, now: float) -> tuple[float, float | None]:
@@ -598,6 +603,12 @@ class Reset(_Model):
         return _midnight(prev), _midnight(this)
 
 
+def _reset_schema(schema: dict[str, Any]) -> None:
+    """Editors accept the shorthand too: `reset: monthly`."""
+    ref = schema.pop("$ref", None) or schema.pop("allOf", [{}])[0].get("$ref")
+    schema["anyOf"] = [{"enum": ["never", "weekly", "monthly"]}, {"$ref": ref}]
+
+
 def _midnight(d: date) -> float:
     return datetime.combine(d, time.min, tzinfo=UTC).timestamp()
 
@@ -610,7 +621,7 @@ class User(_Model):
     data_limit: ByteSize | None = Field(None, description="Traffic allowed per period (both directions); none = unlimited. "
                                                           "Over it, the servers refuse the user until the next reset.")
     reset: Reset = Field(Reset(), description="When the traffic count resets: `never` (default), `weekly`, `monthly`, "
-                                               "or `{period: monthly, day: 15}`.")
+                                               "or `{period: monthly, day: 15}`.", json_schema_extra=_reset_schema)
     device_limit: int | None = Field(None, ge=1, le=10_000,
                                      description="Distinct client addresses allowed at once (over every server).")
     on_device_limit: Literal["report", "refuse"] = Field(
