@@ -16,7 +16,7 @@ import pytest
 
 from reconciler.apply.run import ServerResult, apply_all
 from reconciler.credentials import Secret, reality_keys
-from reconciler.engine.base import AGENT, FIREWALL
+from reconciler.engine.base import AGENT, FIREWALL, USAGE_NFT
 from reconciler.engine.singbox import LAYOUT
 from reconciler.errors import ConfigError, RemoteCommandError, StalePlan
 from reconciler.model import Cluster
@@ -199,7 +199,8 @@ def test_prune_removes_keys_of_inbounds_that_left_and_whole_servers(tmp_path, ru
     observed = plan(smaller, runner, prune=True, previous=previous)
     [oa, ob] = observed
     assert ("-", "remove-file") in kinds(oa) and ob.plan.removed
-    assert kinds(ob) == [("-", "stop")] + [("-", "remove-file")] * 6  # configuration, its copy, unit, binary, TLS pair
+    # configuration, its copy, unit, binary, TLS pair, the agent and the per-user counters
+    assert kinds(ob) == [("-", "stop")] + [("-", "remove-file")] * 8
     results = apply(observed, runner)
     assert all(r.ok for r in results), [r.message for r in results]
     assert a.read("/etc/sing-box/tls/a-tls.crt") is None and a.read("/etc/sing-box/tls/a-tls.key") is None
@@ -207,7 +208,7 @@ def test_prune_removes_keys_of_inbounds_that_left_and_whole_servers(tmp_path, ru
     assert b.unit(SERVICE)["active"] == "inactive" and not b.unit(SERVICE)["enabled"]
     for path in (BINARY, BINARY + ".sha256", BINARY + ".version", TEMPLATE, UNIT, CONFIG, "/etc/sing-box/tls/b-tls.key"):
         assert b.read(path) is None, path
-    assert b.read(AGENT) is not None  # not in the removal plan: left as it is
+    assert b.read(AGENT) is None and b.read(USAGE_NFT) is None  # nothing of ours is left
     assert all(not o.plan.actions for o in plan(smaller, runner, prune=True, previous={"a": previous["a"]}))
 
 
@@ -420,7 +421,7 @@ def test_a_server_that_left_the_file_is_removed_by_default_unless_kept(tmp_path,
     path = _two_server_file(tmp_path, servers=("a",))
     run = cli("plan", "-f", path)
     assert run.rc == 2 and "server b (192.0.2.2) — left the cluster file" in run.out, run.text
-    assert "- stop sing-box.service" in run.out and "Plan: 0 to add, 0 to change, 5 to destroy." in run.out
+    assert "- stop sing-box.service" in run.out and "Plan: 0 to add, 0 to change, 7 to destroy." in run.out
     assert "left the cluster file" not in cli("plan", "-f", path, "--keep", "b").out  # kept this time
     kept = _two_server_file(tmp_path, servers=("a",), retired=("b",))
     assert cli("plan", "-f", kept).rc == 0  # kept on purpose

@@ -236,7 +236,7 @@ def test_prune_removes_keys_of_inbounds_that_left_and_whole_servers():
     installed = converged(d)
     installed = facts(**{**installed.__dict__, "files": {**installed.files, BINARY: "ab" * 32}})
     removal = plan_removal(installed, LAYOUTS)
-    assert kinds(removal)[0] == ("-", "stop") and {a.target for a in removal[1:]} == {TEMPLATE, UNIT, BINARY}
+    assert kinds(removal)[0] == ("-", "stop") and {a.target for a in removal[1:]} == {TEMPLATE, UNIT, BINARY, AGENT, USAGE_NFT}
     assert plan_removal(facts(), LAYOUTS) == []
 
 

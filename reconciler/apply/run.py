@@ -35,6 +35,7 @@ from typing import Any
 
 from reconciler.credentials import Redactor
 from reconciler.engine import release, remote
+from reconciler.engine.base import USAGE_NFT, USAGE_TABLE
 from reconciler.engine.capabilities import local_version
 from reconciler.errors import CommitFailed, LockHeld, ReleaseError, RemoteCommandError, RemoteError
 from reconciler.plan import lock
@@ -403,4 +404,5 @@ async def _remove_server(runner: Runner, o: Observed) -> None:
     paths = _removal_paths(o)
     for a in _of(o, "stop"):
         await runner.script(o.target, remote.FILES, {"op": "remove", "stop": a.target, "paths": [], "daemon_reload": False})
-    await runner.script(o.target, remote.FILES, {"op": "remove", "stop": None, "paths": paths, "daemon_reload": True})
+    await runner.script(o.target, remote.FILES, {"op": "remove", "stop": None, "paths": paths, "daemon_reload": True,
+                                                 "nft_tables": [USAGE_TABLE] if USAGE_NFT in paths else []})

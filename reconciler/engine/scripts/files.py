@@ -42,6 +42,8 @@ def remove(req: dict[str, Any]) -> dict[str, Any]:
             removed.append(path)
         except FileNotFoundError:
             pass
+    for table in req.get("nft_tables") or []:  # per-user counters: gone with the server (absent is fine)
+        subprocess.run(["nft", "delete", "table", "inet", table], capture_output=True, timeout=60)
     if req.get("daemon_reload"):
         subprocess.run(["systemctl", "daemon-reload"], capture_output=True, timeout=120, check=True)
     return {"removed": removed}
