@@ -109,6 +109,15 @@ def test_a_fresh_init_runs_reality_on_mihomo_downloaded_by_the_server(lab, env, 
         assert fetch_through(ports[proxy["name"]], f"http://{origin.ip}:{ORIGIN_PORT}/ip").decode() == h.ip
     finally:
         procs.stop()
+    # issue 16: the official Mihomo marks the user's connections, and the kernel counted the 1 MiB it carried
+    from reconciler.config import load_cluster
+    from reconciler.engine.base import usage_marks
+
+    mark = usage_marks(load_cluster(str(env / "c.yaml")).cluster)["me"]
+    counted = json.loads(ssh(lab, h, "nft -j list set inet reconciler_usage rx").stdout)
+    down = sum(e["elem"]["counter"]["bytes"] for x in counted["nftables"] if "set" in x
+               for e in x["set"].get("elem", []) if e["elem"]["val"]["concat"][0] == mark)
+    assert down >= 1 << 20, counted
     # A stranger (no REALITY key) sees the camouflage site's certificate, not ours
     seen = subprocess.run(["openssl", "s_client", "-connect", f"{h.ip}:443", "-servername", CAMOUFLAGE, "-tls1_3"],
                           input="", capture_output=True, text=True, timeout=30)
