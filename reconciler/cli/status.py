@@ -125,10 +125,14 @@ def _user(args: argparse.Namespace, path: str, cluster: Any, name: str, fmt: str
             for e in entries]
     shown = {e.route.id for e in entries}
     hidden = [r.id for r in cluster.effective_routes if r.id not in shown]
-    active = user.active(snap.now)
+    standing = snap.standing(user)  # with the usage the loop measured (snapshot.usage)
+    used = snap.usage.get(name)
     n = len(rows)
-    emit(fmt, {"user": name, "active": active, "entries": rows, "hidden_routes": hidden},
-         f"{name}: {n} entr{'y' if n == 1 else 'ies'}" + ("" if active else " (disabled or expired)"),
+    usage = {"used_bytes": used.used, "limit_bytes": user.data_limit, "devices": used.devices,
+             "next_reset": used.next_reset} if used else {}
+    emit(fmt, {"user": name, "active": standing == "active", "state": standing, "usage": usage, "entries": rows,
+               "hidden_routes": hidden},
+         f"{name}: {n} entr{'y' if n == 1 else 'ies'}" + ("" if standing == "active" else f" ({standing.replace('_', ' ')})"),
          ["route", "entry", "server", "status", "why", "health"], rows)
     if hidden and fmt == "table":
         print(f"hidden routes (empty or nothing usable yet): {', '.join(hidden)}")

@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Any
 
-from reconciler.cli.common import add_command, add_file, cluster_file, load, secret_of, user_named, warn
+from reconciler.cli.common import add_command, add_file, cluster_file, fleet_snapshot, load, secret_of, user_named, warn
 from reconciler.errors import InvalidInput
 from reconciler.subscriptions.urls import subscription_url
 
@@ -30,8 +30,6 @@ def register(sub: Any) -> None:
 
 
 def cmd_url(args: argparse.Namespace) -> int:
-    import time
-
     from reconciler.credentials import user_token
 
     cluster = load(cluster_file(args))
@@ -40,9 +38,11 @@ def cmd_url(args: argparse.Namespace) -> int:
     if not base:
         raise InvalidInput("settings.outputs.public_url is not set: add the address users' apps reach the endpoint at, "
                            "e.g. `public_url: https://vpn.example.com`")
-    url = subscription_url(base, user_token(secret_of(cluster), user.name, user.rotate), args.format)
-    if not user.active(time.time()):
-        warn(f"{user.name} is disabled or expired: this URL answers with a refusal until that changes")
+    secret = secret_of(cluster)
+    url = subscription_url(base, user_token(secret, user.name, user.rotate), args.format)
+    standing = fleet_snapshot(cluster_file(args), cluster, secret=secret).standing(user)  # with the measured usage
+    if standing != "active":
+        warn(f"{user.name} is {standing.replace('_', ' ')}: this URL answers with a refusal until that changes")
     print(url)
     if args.qr:
         import segno
