@@ -315,3 +315,26 @@ def test_the_loop_applies_within_the_interval_a_user_crosses_the_limit(tmp_path)
     assert [(p["event"], p["subject"]) for p in users] == [("quota_reached", "carol")]
     saved = Path(loop.state.path)
     assert saved.exists()
+
+
+def test_the_files_follow_usage_in_steps_and_the_refusal_at_once(tmp_path):
+    # At a million users, rewriting every active user's files at every interval of traffic would be the disk's
+    # whole work: the files' userinfo moves in 100 MB steps (1% of a small limit); a refusal is written at once.
+    from reconciler.loop.outlets import FileOutlet
+
+    c = cluster([{"name": "alice"}, {"name": "carol", "data_limit": "1GB"}])
+    outlet = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET)
+    now = ts(2026, 11, 30)
+
+    def write(alice: int, carol: int) -> int:
+        usage = {"alice": UserUsage(down=alice), "carol": UserUsage(down=carol)}
+        return outlet.write(Snapshot(cluster=c, now=now, usage=usage)).written
+
+    assert write(0, 0) == 2
+    assert write(50 * MB, 5 * MB) == 0  # within a step for both (carol's step: 10 MB, 1% of 1 GB)
+    assert write(120 * MB, 5 * MB) == 1  # alice crossed 100 MB
+    assert write(120 * MB, 12 * MB) == 1  # carol crossed 10 MB
+    assert write(120 * MB, 1000 * MB) == 1  # carol over quota: her refusal
+    token = user_credentials(SECRET, "carol", 0).token
+    headers = json.loads((tmp_path / "subs" / token / "headers.json").read_text())
+    assert all(h["status"] == "403" for h in headers.values())

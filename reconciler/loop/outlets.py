@@ -34,7 +34,7 @@ from reconciler.credentials import Secret, UserCredentials, is_token, user_crede
 from reconciler.model import Cluster
 from reconciler.state.files import write_atomic, write_new
 from reconciler.subscriptions import FORMATS, Document, render
-from reconciler.subscriptions.document import EXTENSIONS, headers_json, render_formats, userinfo
+from reconciler.subscriptions.document import EXTENSIONS, headers_json, render_formats
 
 MANIFEST = "subscription-files.json"
 # Documents are regenerated from the snapshot at will, so they are not fsynced one by one: the manifest,
@@ -97,8 +97,24 @@ def snapshot_digest(snapshot: Snapshot, cluster_hash: str) -> str:
     h.update(json.dumps([snapshot.public_keys, snapshot.tls_pins], sort_keys=True).encode())
     h.update(",".join(f"{u.name}:{snapshot.standing(u)}" for u in snapshot.cluster.users
                       if not snapshot.active(u)).encode())
-    h.update("\n".join(f"{n}\0{u.up}\0{u.down}" for n, u in sorted(snapshot.usage.items())).encode())  # userinfo
+    h.update("\n".join(f"{n}\0{usage_step(snapshot, n)}" for n in sorted(snapshot.usage)).encode())  # userinfo
     return h.hexdigest()
+
+
+USAGE_STEP = 100_000_000  # bytes: the files' subscription-userinfo follows usage in steps (the live endpoint exactly)
+
+
+def usage_step(snapshot: Snapshot, user_name: str) -> int:
+    """Which step of usage the user's files show: they are rewritten when usage crosses a step (100 MB, or 1% of
+    a limit under 10 GB), not at every interval of traffic — at a million users, rewriting every active user's
+    four files each interval would be the disk's whole work. The live endpoint answers with the exact figures;
+    a standing change (over quota) rewrites at once (the refusal)."""
+    used = snapshot.usage.get(user_name)
+    if used is None:
+        return 0
+    limit = snapshot.cluster.user(user_name).data_limit
+    step = min(USAGE_STEP, max(1, limit // 100)) if limit else USAGE_STEP
+    return used.used // step
 
 
 def user_fingerprint(snapshot: Snapshot, user_name: str, inbound_json: dict[str, str], outputs_json: str,
@@ -106,7 +122,7 @@ def user_fingerprint(snapshot: Snapshot, user_name: str, inbound_json: dict[str,
     """What the user's documents depend on: the user, the output settings, their entries, those inbounds and keys."""
     entries = decide(snapshot, user_name) if entries is None else entries
     user = snapshot.cluster.user(user_name)
-    parts = [user.model_dump_json(), outputs_json, userinfo(snapshot, user)]
+    parts = [user.model_dump_json(), outputs_json, str(usage_step(snapshot, user_name))]
     for e in entries:
         ib = e.ref.inbound.id
         parts.append(f"{e.route.id}\0{ib}\0{e.name}\0{inbound_json[ib]}\0{snapshot.public_keys.get(ib, '')}"
