@@ -7,15 +7,25 @@ labels are server, inbound, route, region and a closed set of statuses and
 kinds; every label set that can exist is emitted from the start (zeros), so
 ``rate()`` and ``absent()`` behave from the first scrape. Units are base units
 (seconds, bytes, bits per second).
+
+Users (issue 16) are counted, not labelled: states, near quota, expiring, over the
+device limit and connected are fleet-wide gauges, and the users' traffic is
+broken down by route and by server only. Per-user series exist only when
+``settings.users.metrics_per_user`` is on, for at most ``metrics_user_cap`` users
+(the heaviest this period); the rest are summed under ``user="other"``. A
+label never holds a credential, token or client address.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import get_args
 
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
@@ -26,11 +36,16 @@ from reconciler import __version__
 from reconciler.balance import Snapshot
 from reconciler.health.verdicts import STATUS_NAMES, Verdicts
 from reconciler.model import Cluster, UserUsage
+from reconciler.model.cluster import Standing
 
 KINDS = ("collect", "plan", "apply", "load", "git", "outlets")
 RESULTS = ("ok", "error")
 TASKS = ("tick", "plan", "watch", "git")  # the loop's supervised tasks
 BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+STATES: tuple[str, ...] = get_args(Standing)  # a user's standing (User.standing)
+DIRECTIONS = ("up", "down")  # up: client → server, down: server → client
+UNASSIGNED = "unassigned"  # the route label of user bytes not attributable to a route
+OTHER = "other"  # the user label that sums the users without series of their own
 
 
 @dataclass(frozen=True)
@@ -99,6 +114,7 @@ class ReconcilerCollector(Collector):
         if view is None:
             return
         yield from _fleet_metrics(view)
+        yield from _user_metrics(view)
 
     def _loop_metrics(self, view: FleetView | None) -> Iterator[Metric]:
         st = self.stats
@@ -285,3 +301,112 @@ def _fleet_metrics(view: FleetView) -> Iterator[Metric]:
     for (region, inbound), ms in sorted(view.rtt_ms.items()):
         rtt.add_metric([region, inbound], ms / 1000.0)
     yield rtt
+
+
+def _user_metrics(view: FleetView) -> Iterator[Metric]:
+    """The users (issue 16): counts by state and by what operators act on, the users' traffic by route and by
+    server, whether each server counts per user, and, only when the file asks, capped per-user series."""
+    cluster, usage = view.cluster, view.usage
+    settings = cluster.settings.users
+    now = view.snapshot.now if view.snapshot is not None else time.time()
+    states = dict.fromkeys(STATES, 0)
+    near = expiring = over_devices = 0
+    warn_quota, warn_expiry = settings.warn_quota, settings.warn_expiry
+    for u in cluster.users:  # counts only: no label object per user, whatever the number of users
+        used = usage.get(u.name)
+        states[u.standing(now, used)] += 1
+        if not u.enabled:
+            continue
+        end = u.expires_at
+        if end is not None and now <= end and end - now <= warn_expiry:
+            expiring += 1
+        if used is None:
+            continue
+        limit = u.data_limit
+        if limit and warn_quota * limit <= used.used < limit:
+            near += 1
+        if u.device_limit is not None and used.devices > u.device_limit:
+            over_devices += 1
+    g = GaugeMetricFamily("reconciler_users", "Users in the cluster file by state (User.standing): active, disabled, "
+                          "expired, over_quota, device_limit (refused over its device limit).", labels=["state"])
+    for st in STATES:
+        g.add_metric([st], float(states[st]))
+    yield g
+    for name, help_, n in (
+        ("reconciler_users_near_quota", "Users with a data_limit who used at least settings.users.warn_quota of it "
+                                        "this period and are not over it yet.", near),
+        ("reconciler_users_expiring", "Users whose `expires` comes within settings.users.warn_expiry.", expiring),
+        ("reconciler_users_over_device_limit", "Users seen on more devices than their device_limit (refused or "
+                                               "only reported, as on_device_limit says).", over_devices),
+        ("reconciler_users_connected", "Users with open connections on at least one server.",
+         sum(1 for x in usage.values() if x.servers)),
+    ):
+        g = GaugeMetricFamily(name, help_)
+        g.add_metric([], float(n))
+        yield g
+
+    by_route = CounterMetricFamily("reconciler_route_user_traffic_bytes",
+                                   "Payload bytes of the users' connections (the servers' per-user kernel counters), "
+                                   f'by route and direction: rate() it; route="{UNASSIGNED}": not attributable to a route.',
+                                   labels=["route", "direction"])
+    routes: dict[str, list[int]] = {r.id: [0, 0] for r in cluster.effective_routes}
+    routes.setdefault(UNASSIGNED, [0, 0])  # a route with that id shares the label with the unattributed bytes
+    for route, (up, down) in view.user_bytes_by_route.items():
+        key = route or UNASSIGNED
+        if key in routes:  # a route that left the file is no longer exported (its counter would only go stale)
+            routes[key][0] += up
+            routes[key][1] += down
+    for route, pair in routes.items():
+        for d, n in zip(DIRECTIONS, pair, strict=True):
+            by_route.add_metric([route, d], float(n))
+    yield by_route
+    by_server = CounterMetricFamily("reconciler_server_user_traffic_bytes",
+                                    "Payload bytes of the users' connections through the server (its per-user kernel "
+                                    "counters), by direction: rate() it.", labels=["server", "direction"])
+    counting = GaugeMetricFamily("reconciler_server_usage_counting",
+                                 "1 while the server's per-user traffic counters are read; 0 when its last report had "
+                                 "none (no nftables, the table missing): its users' traffic is not counted.",
+                                 labels=["server"])
+    for s in cluster.servers:
+        for d, n in zip(DIRECTIONS, view.user_bytes_by_server.get(s.name, (0, 0)), strict=True):
+            by_server.add_metric([s.name, d], float(n))
+        counting.add_metric([s.name], 0.0 if s.name in view.usage_unavailable else 1.0)
+    yield by_server
+    yield counting
+    if settings.metrics_per_user:
+        yield from _per_user_metrics(cluster, usage, settings.metrics_user_cap)
+
+
+def _per_user_metrics(cluster: Cluster, usage: Mapping[str, UserUsage], cap: int) -> Iterator[Metric]:
+    """Series per user for the ``cap`` heaviest users this period; the others' traffic is summed as ``other``
+    (a user named ``other`` is always counted there). At most cap + 1 user label values per family."""
+    empty = UserUsage()
+    candidates = [u for u in cluster.users if u.name != OTHER]
+    heaviest = heapq.nlargest(cap, candidates, key=lambda u: usage.get(u.name, empty).used)
+    chosen = {u.name for u in heaviest}
+    traffic = GaugeMetricFamily("reconciler_user_traffic_period_bytes",
+                                "Payload bytes the user carried this period (both count against data_limit), by "
+                                f'direction; the heaviest settings.users.metrics_user_cap users, the rest summed as user="{OTHER}".',
+                                labels=["user", "direction"])
+    ratio = GaugeMetricFamily("reconciler_user_quota_ratio", "This period's traffic over the user's data_limit (1: "
+                              "the servers refuse it); users with a limit and series of their own.", labels=["user"])
+    devices = GaugeMetricFamily("reconciler_user_devices", "Distinct client addresses seen within "
+                                "settings.users.device_window; users with series of their own.", labels=["user"])
+    for u in heaviest:
+        used = usage.get(u.name, empty)
+        traffic.add_metric([u.name, "up"], float(used.up))
+        traffic.add_metric([u.name, "down"], float(used.down))
+        if u.data_limit:
+            ratio.add_metric([u.name], used.used / u.data_limit)
+        devices.add_metric([u.name], float(used.devices))
+    rest_up = rest_down = 0
+    for u in cluster.users:
+        if u.name not in chosen and (rest := usage.get(u.name)) is not None:
+            rest_up += rest.up
+            rest_down += rest.down
+    traffic.add_metric([OTHER, "up"], float(rest_up))
+    traffic.add_metric([OTHER, "down"], float(rest_down))
+    dropped = GaugeMetricFamily("reconciler_user_series_dropped", "Users without series of their own (over "
+                                f'settings.users.metrics_user_cap): their traffic is in user="{OTHER}".')
+    dropped.add_metric([], float(len(cluster.users) - len(heaviest)))
+    yield from (traffic, ratio, devices, dropped)
