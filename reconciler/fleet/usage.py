@@ -67,9 +67,8 @@ class UserBook:
                    {str(k): float(t) for k, t in dict(v[6]).items()}, tuple(str(s) for s in v[7]))
 
 
-# Per server: "direction:mark:family:transport" → (the user the mark belonged to, packets, bytes) when last read,
-# and "epoch" → (the counters' epoch, 0, 0).
-ServerCounters = dict[str, tuple[str, int, int]]
+# Per server: (direction, mark, family, transport) → (the user the mark belonged to, packets, bytes) when last read.
+ServerCounters = dict[tuple[int, int, str, str], tuple[str, int, int]]
 
 
 @dataclass
@@ -80,6 +79,7 @@ class Ledger:
     by_route: dict[str, list[int]] = field(default_factory=dict)  # route → [up, down] user bytes, cumulative
     unavailable: dict[str, str] = field(default_factory=dict)  # server → why its counters could not be read
     said: dict[str, str] = field(default_factory=dict)  # events already sent (reconciler.fleet.events)
+    epochs: dict[str, str] = field(default_factory=dict)  # server → its counters' epoch (boot and table)
     last_fold: float = 0.0
 
     def fold(self, cluster: Cluster, reports: Mapping[str, Report | None], now: float,
@@ -90,14 +90,17 @@ class Ledger:
         route_on = _routes_by_server(cluster, assignments or {})
         deltas: dict[str, list[int]] = {}
         open_on: dict[str, list[str]] = {}
+        headers: dict[tuple[str, str], int] = {}  # (family, transport) → header bytes per packet, -1: no payload
         for server, rep in reports.items():
             if rep is None:
                 continue
             for user in rep.users:
                 open_on.setdefault(user, []).append(server)
             for user, fps in rep.devices.items():
-                if user in known:
+                book = self.users.get(user)
+                if book is None and user in known:
                     book = self.users.setdefault(user, UserBook())
+                if book is not None:
                     for fp in fps:
                         book.devices[fp] = now
             if rep.usage is None:
@@ -105,48 +108,62 @@ class Ledger:
                 continue
             self.unavailable.pop(server, None)
             before = self.counters.get(server)
-            after: ServerCounters = {"epoch": (rep.usage.epoch, 0, 0)}
-            if before is not None and before.get("epoch", ("", 0, 0))[0] != rep.usage.epoch:
+            if before is not None and self.epochs.get(server) != rep.usage.epoch:
                 before = {}  # a reboot, or the table made again: everything it holds is new
+            self.epochs[server] = rep.usage.epoch
+            after: ServerCounters = {}
             sums = self.by_server.setdefault(server, [0, 0])
             for side, rows in ((0, rep.usage.tx), (1, rep.usage.rx)):
                 for mark, family, transport, packets, nbytes in rows:
                     user = owner.get(mark, "")
-                    key = f"{side}:{mark}:{family}:{transport}"
+                    key = (side, mark, family, transport)
                     after[key] = (user, packets, nbytes)
                     if before is None or not user:
                         continue  # a first contact is a baseline; a mark nobody owns is nobody's
                     prev = before.get(key)
-                    if prev is not None and prev[0] != user:
-                        continue  # the mark changed hands: a baseline
-                    if prev is None or nbytes < prev[2] or packets < prev[1]:
-                        got = payload(family, transport, packets, nbytes)  # new since the last read, or restarted
-                    else:
-                        got = payload(family, transport, packets - prev[1], nbytes - prev[2])
-                    if got:
-                        deltas.setdefault(user, [0, 0])[side] += got
+                    if prev is not None:
+                        if prev[0] != user:
+                            continue  # the mark changed hands: a baseline
+                        if nbytes >= prev[2] and packets >= prev[1]:
+                            packets, nbytes = packets - prev[1], nbytes - prev[2]
+                        # else: lower than before: the counters started again, all of it is new
+                    header = headers.get((family, transport))
+                    if header is None:
+                        header = headers[(family, transport)] = HEADER_BYTES.get(
+                            (NAMES.get(family, family), NAMES.get(transport, transport)), -1)
+                    got = nbytes - header * packets if header >= 0 else 0
+                    if got > 0:
+                        d = deltas.get(user)
+                        if d is None:
+                            d = deltas[user] = [0, 0]
+                        d[side] += got
                         sums[side] += got
-                        route = route_on.get((user, server), "")
-                        self.by_route.setdefault(route, [0, 0])[side] += got
+                        self.by_route.setdefault(route_on.get((user, server), ""), [0, 0])[side] += got
             self.counters[server] = after
         window = cluster.settings.users.device_window
         dt = now - self.last_fold if self.last_fold else 0.0
         alpha = 1.0 - 2.0 ** (-dt / DEMAND_HALF_LIFE) if dt > 0 else 0.0
+        users = self.users
         for u in cluster.users:
-            book = self.users.setdefault(u.name, UserBook())
+            book = users.get(u.name)
+            if book is None:
+                book = users[u.name] = UserBook()
             start, _ = u.reset.bounds(now)
             if book.period_start != start:
                 book.period_start, book.up, book.down = start, 0, 0
             up, down = deltas.get(u.name, (0, 0))
-            book.up += up
-            book.down += down
-            book.total += up + down
-            if dt > 0:
+            if up or down:
+                book.up += up
+                book.down += down
+                book.total += up + down
+            if dt > 0 and (up or down or book.demand_mbps):
                 book.demand_mbps += alpha * ((up + down) * 8 / 1e6 / dt - book.demand_mbps)
-            book.servers = tuple(sorted(open_on.get(u.name, ())))
-            if up or down or book.servers:
+            servers = open_on.get(u.name)
+            book.servers = tuple(sorted(servers)) if servers else ()
+            if up or down or servers:
                 book.last_seen = now
-            book.devices = {fp: t for fp, t in book.devices.items() if now - t <= window}
+            if book.devices:
+                book.devices = {fp: t for fp, t in book.devices.items() if now - t <= window}
         self.last_fold = now
         return {u: (d[0], d[1]) for u, d in deltas.items()}
 
@@ -170,12 +187,13 @@ class Ledger:
     def adopt(self, cluster: Cluster) -> None:
         """Forget the counters of servers that left the file (their users' totals stay)."""
         keep = {s.name for s in cluster.servers}
-        for table in (self.counters, self.by_server, self.unavailable):
+        for table in (self.counters, self.by_server, self.unavailable, self.epochs):
             for name in [k for k in table if k not in keep]:
                 del table[name]
 
     def as_json(self) -> dict[str, Any]:
-        return {"counters": {s: {k: list(v) for k, v in c.items()} for s, c in self.counters.items()},
+        return {"counters": {s: {":".join(map(str, k)): list(v) for k, v in c.items()} for s, c in self.counters.items()},
+                "epochs": self.epochs,
                 "users": {u: b.as_json() for u, b in self.users.items()}, "by_server": self.by_server,
                 "by_route": self.by_route, "last_fold": self.last_fold, "said": self.said}
 
@@ -183,12 +201,18 @@ class Ledger:
     def from_json(cls, raw: Mapping[str, Any] | None) -> Ledger:
         if not raw:
             return cls()
-        return cls(counters={str(s): {str(k): (str(v[0]), int(v[1]), int(v[2])) for k, v in dict(c).items()}
+        return cls(counters={str(s): {_key(str(k)): (str(v[0]), int(v[1]), int(v[2])) for k, v in dict(c).items()}
                              for s, c in dict(raw["counters"]).items()},
+                   epochs={str(k): str(v) for k, v in dict(raw.get("epochs") or {}).items()},
                    users={str(u): UserBook.from_json(list(b)) for u, b in dict(raw["users"]).items()},
                    by_server={str(k): [int(v[0]), int(v[1])] for k, v in dict(raw["by_server"]).items()},
                    by_route={str(k): [int(v[0]), int(v[1])] for k, v in dict(raw["by_route"]).items()},
                    last_fold=float(raw["last_fold"]), said={str(k): str(v) for k, v in dict(raw.get("said") or {}).items()})
+
+
+def _key(text: str) -> tuple[int, int, str, str]:
+    side, mark, family, transport = text.split(":", 3)
+    return int(side), int(mark), family, transport
 
 
 def _routes_by_server(cluster: Cluster, assignments: Mapping[tuple[str, str], str]) -> dict[tuple[str, str], str]:

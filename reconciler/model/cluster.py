@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import calendar
 import difflib
+import functools
 from datetime import UTC, date, datetime, time, timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
@@ -205,6 +206,37 @@ class HealthSettings(_Model):
         le=1,
         description="How far above the fleet's median failure share a witness must be to be unreliable (HEALTH-6).",
     )
+    full_mesh_up_to: int = Field(
+        24, ge=1, le=1_000_000,
+        description="Fleets of at most this many servers probe the full mesh: every server probes every other "
+        "server's inbounds (HEALTH-4). Larger fleets probe a bounded plan: each server's probes per interval "
+        "stay bounded as the fleet grows (probe_country, probe_per_country, probe_sample, probe_limit).",
+    )
+    probe_country: int = Field(
+        16, ge=1, le=10_000,
+        description="Bounded plan: servers of a target's own country that probe it (all of them when the country "
+        "has at most this many others; a fixed sample beyond) (HEALTH-7).",
+    )
+    probe_per_country: int = Field(
+        3, ge=0, le=1000,
+        description="Bounded plan: ordinary servers of every other country that probe each target, so that a "
+        "country blocking it forms a country quorum (HEALTH-7).",
+    )
+    probe_limit: int = Field(
+        64, ge=1, le=100_000,
+        description="Bounded plan: at most this many other countries' servers one server probes for "
+        "probe_per_country; a country too small to cover every target within it covers a window of them "
+        "that moves every probe_rotation intervals.",
+    )
+    probe_sample: int = Field(
+        8, ge=0, le=1000,
+        description="Bounded plan: more witnesses per target, a rotating sample of the servers not already probing "
+        "it (changed a quarter at a time), so that over time every server probes every other (HEALTH-4, HEALTH-8).",
+    )
+    probe_rotation: int = Field(
+        16, ge=1, le=100_000,
+        description="Bounded plan: intervals a sampled witness keeps its target (at least 4 × failure_streak).",
+    )
 
     @model_validator(mode="after")
     def _staleness_after_interval(self) -> HealthSettings:
@@ -271,6 +303,11 @@ class OutputSettings(_Model):
     operations_listen: Listen = Field(
         "127.0.0.1:9180", description="Operations HTTP endpoint HOST:PORT: /metrics, /status.json, the status page, /healthz "
         "with reasons. Loopback by default; the same address as `listen` serves both on one port.")
+    workers: Annotated[int, Field(ge=0, le=256)] | Literal["auto"] = Field(
+        1, description="Processes answering `listen` (subscriptions, /healthz): 1 answers it in the loop's own process; "
+                       "more start that many worker processes sharing the port (SO_REUSEPORT), each answering from the "
+                       "same snapshot with the same bytes and ETags; 0 or `auto`: one per CPU. The operations pages stay "
+                       "in the loop's process, so more than 1 needs `operations_listen` apart from `listen`. Read at start.")
     operations_auth: OperationsAuth | None = Field(
         None, description="Ask for a bearer token or basic credentials on the operations endpoint (set it when it is not on loopback).")
     public_url: str | None = Field(
@@ -298,6 +335,53 @@ class UserSettings(_Model):
                                                                         "(the heaviest this period); the rest are summed as `other`.")
 
 
+class EtcdTLS(_Model):
+    """TLS to etcd (issue 17): files on the controller, never their contents in the file."""
+
+    ca: str | None = Field(None, description="PEM bundle of the CA that signed etcd's certificate (default: the system's).")
+    cert: str | None = Field(None, description="PEM client certificate, when etcd asks for one.")
+    key: str | None = Field(None, description="The client certificate's PEM private key (a file of mode 0600; never in git).")
+
+    @model_validator(mode="after")
+    def _pair(self) -> EtcdTLS:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("tls: `cert` and `key` go together (a client certificate and its key)")
+        return self
+
+
+class LeaderSettings(_Model):
+    """Standby controllers (issue 17): several `reconciler run` against the same file, one leading through a lease in
+    etcd; the others serve subscriptions from the leader's published state and take over when its lease ends.
+    Without `etcd` there is no election: the one controller leads (docs/standby.md)."""
+
+    etcd: list[Annotated[str, Field(pattern=r"^https?://[^\s/?#@]+/?$", max_length=300)]] = Field(
+        [], description="etcd client URLs (http:// or https://, e.g. http://10.0.0.5:2379), tried in turn; etcd 3.4 or "
+                        "later (its /v3/ JSON gateway). Empty: no election, this controller leads alone.")
+    lease: Duration = Field(10.0, description="The leader's lease: a standby leads within about this long (at most two) "
+                                              "after the leader dies or is cut off; at least 2 s (etcd's minimum).")
+    name: Name = Field("default", description="Names this cluster's keys in etcd (/reconciler/<name>/…): give each "
+                                              "cluster sharing an etcd its own.")
+    key_prefix: str | None = Field(None, pattern=r"^/[^\s]*$", max_length=200,
+                                   description="The keys' prefix in etcd; default /reconciler/<name>.")
+    tls: EtcdTLS | None = Field(None, description="TLS to etcd (a CA, a client certificate).")
+    username: str | None = Field(None, max_length=200, description="etcd user, when etcd has authentication enabled; "
+                                                                   "its password comes from `password_env` or `password_file`.")
+    password_env: str = Field("RECONCILER_ETCD_PASSWORD", description="Environment variable holding the etcd user's password.")
+    password_file: str | None = Field(None, description="A file holding the etcd user's password; wins over `password_env`.")
+
+    @field_validator("lease")
+    @classmethod
+    def _lease_range(cls, value: float) -> float:
+        if not 2.0 <= value <= 3600.0:
+            raise ValueError("the lease must be between 2s (etcd's shortest) and 1h")
+        return value
+
+    @property
+    def prefix(self) -> str:
+        """Where this cluster's election and published state live in etcd."""
+        return (self.key_prefix or f"/reconciler/{self.name}").rstrip("/") or "/reconciler"
+
+
 class Settings(_Model):
     secret: SecretSource = SecretSource()
     engine: EngineSettings = EngineSettings()
@@ -317,6 +401,7 @@ class Settings(_Model):
         description="Apply in waves, e.g. `1,25%,rest`: each judged healthy before the next, a failed one rolled back "
                     "(engine upgrades always go 1,25%,rest unless this says `all`).")
     harden: bool = Field(True, description="Install a firewall that allows SSH and the inbound ports only.")
+    leader: LeaderSettings = LeaderSettings()
     plan_interval: Duration = Field(300.0, description="How often `run` re-plans even without a file change.")
     git_pull_interval: Duration | None = Field(None, description="Pull the file's git checkout this often in `run`.")
     include_roots: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(
@@ -585,22 +670,25 @@ class Reset(_Model):
         """The period that holds ``now``: (its start, the next reset), epoch seconds UTC; never: (0, None)."""
         if self.period == "never":
             return 0.0, None
-        today = datetime.fromtimestamp(now, UTC).date()
-        if self.period == "weekly":
-            want = WEEKDAYS.index(self.day) if isinstance(self.day, str) else 0
-            start = today - timedelta(days=(today.weekday() - want) % 7)
-            return _midnight(start), _midnight(start + timedelta(days=7))
-        day = self.day if isinstance(self.day, int) else 1
+        return _bounds(self.period, self.day, int(now // 86400))  # the same all day: computed once per day and rule
 
-        def reset_in(year: int, month: int) -> date:
-            return date(year, month, min(day, calendar.monthrange(year, month)[1]))
 
-        this = reset_in(today.year, today.month)
-        if today >= this:
-            nxt = reset_in(today.year + (today.month == 12), today.month % 12 + 1)
-            return _midnight(this), _midnight(nxt)
-        prev = reset_in(today.year - (today.month == 1), (today.month - 2) % 12 + 1)
-        return _midnight(prev), _midnight(this)
+def _reset_in(year: int, month: int, day: int) -> date:
+    return date(year, month, min(day, calendar.monthrange(year, month)[1]))
+
+
+@functools.lru_cache(maxsize=256)
+def _bounds(period: str, day: int | str | None, days: int) -> tuple[float, float | None]:
+    today = date(1970, 1, 1) + timedelta(days=days)
+    if period == "weekly":
+        want = WEEKDAYS.index(day) if isinstance(day, str) else 0
+        start = today - timedelta(days=(today.weekday() - want) % 7)
+        return _midnight(start), _midnight(start + timedelta(days=7))
+    dom = day if isinstance(day, int) else 1
+    this = _reset_in(today.year, today.month, dom)
+    if today >= this:
+        return _midnight(this), _midnight(_reset_in(today.year + (today.month == 12), today.month % 12 + 1, dom))
+    return _midnight(_reset_in(today.year - (today.month == 1), (today.month - 2) % 12 + 1, dom)), _midnight(this)
 
 
 def _reset_schema(schema: dict[str, Any]) -> None:

@@ -1,0 +1,269 @@
+"""Fleet scale benchmark (issue 17): one report interval of the whole controller at 100 to 1,000 servers and
+100k to 1M users, through the real code path.
+
+The controller is the real ``Loop`` (``reconciler.loop.service``): ``tick()`` collects every server's report over
+real asyncssh connections (the loop's own SSH pool, host keys pinned), parses them (hostile input: every field
+checked), folds them into verdicts, capacity, RTTs and the users' ledger, builds the snapshot (every user
+balanced), and feeds the outlets (the live endpoint's snapshot and the subscription files, on tmpfs); then
+the metrics are scraped once (``/metrics``' text). The servers are one asyncssh server in a separate process
+(so its CPU is not the controller's) answering each agent request as the agent would: the listeners asked
+about, a result for every probe it was asked to make, the kernel's per-user counters of its users (every user
+carrying traffic every interval: the worst case), their devices and connections.
+
+Figures per N (servers) and U (users), medians over the measured intervals after a warm-up (the first
+connection to every server and the first full write of the files are not an interval's work): controller
+CPU seconds (this process and the worker processes it waited for) and wall time per interval, bytes of reports
+received per interval, probes per server, and the process's peak memory. Targets at N = 1,000, U = 1M: an
+interval's work ≤ 10% of a 60 s interval on one core, memory ≤ 2 GB.
+
+    python bench/fleet_scale.py [--quick] [--json]     (--quick: U = 100k only; the full run adds U = 1M)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+INTERVAL = 60.0
+TARGET_SHARE = 0.10
+TARGET_RSS_MB = 2048
+SECRET = b"fleet-scale-bench-secret-0123456789abcdef"
+
+
+# ------------------------------------------------------------------ the servers (a separate process)
+
+
+def serve(port_file: str, host_key: str, client_pub: str, servers: int, users: int) -> None:
+    """An asyncssh server answering every server's agent request (the servers are told apart by the SSH user)."""
+    import asyncssh
+
+    from reconciler.engine.base import _marks  # the marks the controller gives the users (the same function)
+
+    rng = random.Random(17)
+
+    marks = _marks(tuple(f"u{i}" for i in range(users)))
+    rows: dict[str, list[list[Any]]] = {f"s{i}": [] for i in range(servers)}
+    connected: dict[str, list[str]] = {f"s{i}": [] for i in range(servers)}
+    for i in range(users):
+        server = f"s{i % servers}"
+        name = f"u{i}"
+        rows[server].append([marks[name], "ipv4", "tcp", 0, 0])
+        if i % 50 == 0:
+            connected[server].append(name)
+
+    def report(server: str, request: dict[str, Any]) -> str:
+        tx, rx = [], []
+        for row in rows.get(server, []):
+            pkts = rng.randrange(1, 200)
+            row[3] += pkts
+            row[4] += pkts * 900
+            tx.append(row[:])
+            rx.append([row[0], row[1], row[2], row[3] * 2, row[4] * 9])
+        probes = {p["id"]: {"ok": True, "rtt_ms": round(rng.uniform(5, 80), 3)} for p in request.get("probes", [])}
+        users_now = connected.get(server, [])
+        return json.dumps({
+            "agent": 1, "time": time.time(), "service": "active",
+            "listeners": {f"{p}/{t}": True for p, t in request.get("listeners", [])},
+            "traffic": {"up": rng.randrange(1 << 40), "down": rng.randrange(1 << 40)}, "users": users_now,
+            "connections": len(users_now), "devices": {u: ["0123456789abcdef"] for u in users_now},
+            "usage": {"tx": tx, "rx": rx, "epoch": "boot/1/2"}, "probes": probes, "took_ms": 12.0}) + "\n"
+
+    class Server(asyncssh.SSHServer):
+        def begin_auth(self, username: str) -> bool:
+            return True
+
+    async def handle(process: asyncssh.SSHServerProcess) -> None:
+        try:
+            text = await process.stdin.read()
+            request = json.loads(text) if text.strip() else {}
+            process.stdout.write(report(process.get_extra_info("username"), request))
+            process.exit(0)
+        except Exception as exc:  # noqa: BLE001 — a broken request ends that session, never the server
+            process.stderr.write(f"{type(exc).__name__}: {exc}\n")
+            process.exit(1)
+
+    async def main() -> None:
+        server = await asyncssh.listen("127.0.0.1", 0, server_host_keys=[host_key], authorized_client_keys=client_pub,
+                                       process_factory=handle, server_factory=Server, encoding="utf-8",
+                                       encryption_algs=["aes128-gcm@openssh.com"], line_editor=False)
+        port = server.sockets[0].getsockname()[1]
+        Path(port_file).write_text(str(port))
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------------ the controller
+
+
+def cluster_data(servers: int, users: int, port: int, key: str, host_pub: str) -> dict[str, Any]:
+    """The cluster as the file would hold it (validated by the same model; the file loader's own scale is
+    tests/test_yaml_scale.py's business: the interval's work starts from a loaded cluster)."""
+    countries = ["DE", "NL", "FR", "US", "GB", "FI", "PL", "SE", "JP", "SG"]
+    return {
+        "settings": {"health": {"report_interval": "60s"}, "outputs": {"subscriptions_dir": "subs", "state_dir": "state"},
+                     "self_heal": False},
+        "servers": [{"name": f"s{i}", "host": "127.0.0.1", "country": countries[i % len(countries)],
+                     "ssh": {"user": f"s{i}", "port": port, "identity": key, "host_key": host_pub}, "prober": i < 2,
+                     "inbounds": [{"id": f"s{i}-in", "name": f"S{i}", "protocol": "trojan", "port": 8443, "route": "r",
+                                   "tls": {"server_name": "www.example.com"}}]} for i in range(servers)],
+        "routes": [{"id": "r", "name": "R"}],
+        "users": [{"name": f"u{i}", **({"data_limit": "100GB", "reset": "monthly"} if i % 2 else {})} for i in range(users)],
+    }
+
+
+async def measure(servers: int, users: int, intervals: int, work: Path, port: int, key: str, host_pub: str) -> dict[str, Any]:
+    from prometheus_client import generate_latest
+
+    import reconciler.loop.service as service
+    from reconciler.apply.session import pool_for
+    from reconciler.credentials import Secret
+    from reconciler.fleet.reports import agent_request
+    from reconciler.loop.service import Loop
+    from reconciler.model import Cluster
+
+    case = work / f"n{servers}-u{users}"
+    case.mkdir()
+    path = case / "c.yaml"
+    path.write_text("# the cluster is built in memory by bench/fleet_scale.py\n")
+    cluster = Cluster.model_validate(cluster_data(servers, users, port, key, host_pub))
+    loop = Loop(str(path), cluster, Secret(SECRET), watch=False)
+    loop.pool = pool_for(loop.state, concurrency=64)
+    received = [0]
+    parse = service.parse_report
+
+    def counting(name: str, text: str, at: float) -> Any:
+        received[0] += len(text)
+        return parse(name, text, at)
+
+    service.parse_report = counting  # type: ignore[assignment]
+    samples = []
+    try:
+        for i in range(intervals + 1):
+            received[0] = 0
+            c0, w0 = _cpu(), time.perf_counter()
+            verdicts = await loop.tick()
+            metrics = generate_latest(loop.registry)
+            cpu, wall = _cpu() - c0, time.perf_counter() - w0
+            assert verdicts is not None, loop._interval_error
+            ok = sum(v.status == "ok" for v in verdicts.servers().values())
+            if i:  # the first interval connects to every server and writes every user's files: a warm-up
+                samples.append((cpu, wall, received[0], len(metrics), ok))
+    finally:
+        service.parse_report = parse  # type: ignore[assignment]
+        await loop.pool.close()
+    probes = len(agent_request(cluster, "s0", "x", 1.0)["probes"])  # type: ignore[arg-type]
+    return {"servers": servers, "users": users,
+            "interval_cpu_s": round(statistics.median(s[0] for s in samples), 3),
+            "interval_wall_s": round(statistics.median(s[1] for s in samples), 3),
+            "report_bytes": int(statistics.median(s[2] for s in samples)), "metrics_bytes": samples[-1][3],
+            "servers_ok": samples[-1][4], "probes_per_server": probes,
+            "share_of_60s": round(statistics.median(s[0] for s in samples) / INTERVAL, 4)}
+
+
+def _cpu() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="U = 100k at N = 100, 300, 1,000 (no 1M run)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--serve", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--case", nargs=2, type=int, help=argparse.SUPPRESS)  # one (N, U) in a fresh process
+    ap.add_argument("--intervals", type=int, default=3)
+    args = ap.parse_args()
+    if args.serve:
+        port_file, host_key, client_pub, n, u = args.serve
+        serve(port_file, host_key, client_pub, int(n), int(u))
+        return 0
+    logging.basicConfig(level=logging.ERROR)  # per-inbound notes would flood the output at 1,000 servers
+    if args.case:
+        return run_case(*args.case, args.intervals)
+    cases = [(100, 100_000), (300, 100_000), (1000, 100_000)] + ([] if args.quick else [(1000, 1_000_000)])
+    results = []
+    for n, u in cases:  # each case in its own process: its peak memory is its own
+        out = subprocess.run([sys.executable, __file__, "--case", str(n), str(u), "--intervals", str(args.intervals)],
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            print(out.stdout[-2000:], out.stderr[-3000:], file=sys.stderr)
+            return 1
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        if not args.json:
+            r = results[-1]
+            print(f"N={r['servers']:>5} U={r['users']:>8}: {r['interval_cpu_s']:7.2f} CPU-s {r['interval_wall_s']:7.2f} s wall "
+                  f"({100 * r['share_of_60s']:.1f}% of 60 s), reports {r['report_bytes'] / 1e6:.1f} MB, "
+                  f"{r['probes_per_server']} probes/server, peak {r['peak_rss_mb']:.0f} MB", flush=True)
+    by = {(r["servers"], r["users"]): r for r in results}
+    figures: dict[str, Any] = {"runs": results}
+    for (n, u), r in by.items():
+        tag = f"n{n}" + ("" if u == 100_000 else "_u1m")
+        figures[f"interval_cpu_s_{tag}"] = r["interval_cpu_s"]
+        figures[f"interval_wall_s_{tag}"] = r["interval_wall_s"]
+        figures[f"report_bytes_{tag}"] = r["report_bytes"]
+        figures[f"peak_rss_mb_{tag}" if u == 100_000 else f"peak_rss_mb_n{n}_u1m"] = r["peak_rss_mb"]
+    big = by.get((1000, 1_000_000)) or by[(1000, 100_000)]
+    small = by[(100, 100_000)]
+    figures["growth_cpu_n100_to_n1000"] = round(by[(1000, 100_000)]["interval_cpu_s"] / small["interval_cpu_s"], 2)
+    figures["targets_met"] = big["share_of_60s"] <= TARGET_SHARE and big["peak_rss_mb"] <= TARGET_RSS_MB
+    if args.json:
+        print(json.dumps(figures, indent=2))
+    else:
+        print(f"N 100 → 1,000 at U = 100k: CPU ×{figures['growth_cpu_n100_to_n1000']} (linear would be ×10); "
+              f"targets (≤ {100 * TARGET_SHARE:.0f}% of 60 s, ≤ {TARGET_RSS_MB} MB at the largest case): "
+              f"{'met' if figures['targets_met'] else 'NOT met'}")
+    return 0 if figures["targets_met"] else 1
+
+
+def run_case(servers: int, users: int, intervals: int) -> int:
+    import asyncssh
+
+    work = Path(tempfile.mkdtemp(prefix="fleet-scale-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    host = asyncssh.generate_private_key("ssh-ed25519")
+    client = asyncssh.generate_private_key("ssh-ed25519")
+    (work / "host").write_bytes(host.export_private_key())
+    (work / "client").write_bytes(client.export_private_key())
+    os.chmod(work / "client", 0o600)
+    (work / "client.pub").write_bytes(client.export_public_key())
+    port_file = work / "port"
+    server = subprocess.Popen([sys.executable, __file__, "--serve", str(port_file), str(work / "host"),
+                               str(work / "client.pub"), str(servers), str(users)])
+    try:
+        deadline = time.monotonic() + 120
+        while not port_file.exists() or not port_file.read_text():
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise SystemExit("the fake fleet did not start")
+            time.sleep(0.1)
+        host_pub = host.export_public_key().decode().split()[:2]
+        result = asyncio.run(measure(servers, users, intervals, work, int(port_file.read_text()), str(work / "client"),
+                                     " ".join(host_pub)))
+        result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+        print(json.dumps(result))
+        return 0
+    finally:
+        server.terminate()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        subprocess.run(["rm", "-rf", str(work)], check=False)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
