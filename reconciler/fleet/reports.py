@@ -18,8 +18,9 @@ from reconciler.engine.adapters import adapter_of
 from reconciler.engine.base import CLASH_API, USAGE_NFT, USAGE_TABLE
 from reconciler.errors import ReportError
 from reconciler.health.engine import Observation
+from reconciler.health.probing import probe_plan
 from reconciler.health.topology import Topology
-from reconciler.model import Cluster
+from reconciler.model import Cluster, InboundRef
 
 
 @dataclass(frozen=True)
@@ -194,15 +195,46 @@ def probe_kind(protocol: str) -> str:
     return "tls"
 
 
+@dataclass(frozen=True)
+class _Probing:
+    """A cluster's topology and its inbounds by server, kept for the interval's N requests."""
+
+    cluster: Cluster
+    topology: Topology
+    index: dict[str, int]  # server name → index
+    inbounds_of: tuple[tuple[InboundRef, ...], ...]  # per server index, in file order
+
+
+_probing: list[_Probing] = []  # the last cluster's (one entry): every agent_request of an interval shares it
+
+
+def _probing_of(cluster: Cluster) -> _Probing:
+    if _probing and _probing[0].cluster is cluster:
+        return _probing[0]
+    topology = Topology.from_cluster(cluster)
+    index = {name: i for i, name in enumerate(topology.servers)}
+    by_server: list[list[InboundRef]] = [[] for _ in topology.servers]
+    for ref in cluster.inbounds:
+        by_server[index[ref.server.name]].append(ref)
+    entry = _Probing(cluster, topology, index, tuple(tuple(refs) for refs in by_server))
+    _probing[:] = [entry]
+    return entry
+
+
 def agent_request(cluster: Cluster, server_name: str, clash_secret: str, timeout: float,
-                  device_salt: str = "") -> dict[str, object]:
-    """What one server's agent is asked: its own listeners, and every other server's inbounds to probe."""
+                  device_salt: str = "", interval: int = 0) -> dict[str, object]:
+    """What one server's agent is asked: its own listeners, and the inbounds it probes in interval ``interval``.
+
+    Which servers it probes is the probe plan's row for it (``reconciler.health.probing``, HEALTH-4): every
+    other server in a fleet of up to ``full_mesh_up_to``, a bounded, rotating set above.
+    """
     server = cluster.server(server_name)
     listeners = sorted({(ib.port, t) for ib in server.inbounds for t in ib.transports})
+    probing = _probing_of(cluster)
+    plan = probe_plan(probing.topology, interval, cluster.settings.health)
+    witness = probing.index[server_name]
     probes = []
-    for ref in cluster.inbounds:
-        if ref.server.name == server_name:
-            continue
+    for ref in (ref for target in plan.targets_of(witness).tolist() for ref in probing.inbounds_of[target]):
         ib = ref.inbound
         entry: dict[str, object] = {"id": ib.id, "host": ref.server.host, "port": ib.port, "kind": probe_kind(ib.protocol)}
         if ib.protocol == "vless-reality":

@@ -2,7 +2,8 @@
 
 Witnesses are servers (N); targets are inbounds (M). Every evaluation takes one
 ``Observation`` — who reported, what their self-reports say, and the probe
-results each reporting server got against every other server's inbounds — and
+results each reporting server got against the inbounds its probe plan gave it
+(every other server's in the full mesh; ``reconciler.health.probing``) — and
 updates a small carried ``HealthState`` (numpy arrays, serialisable). It returns
 ``Verdicts``: a status per inbound and per server, rotation flags, witness
 counts, pair marks and reasons in the operator's words.
@@ -10,8 +11,13 @@ counts, pair marks and reasons in the operator's words.
 The rules, in the order they are applied:
 
 1. **Streaks** (HEALTH-5). Each (witness, target) pair keeps its run of
-   consecutive failed probes. A pair without a result this evaluation keeps its
-   streak unchanged; a success resets it.
+   consecutive failed probes; a success resets it. A witness that did not
+   report keeps its streaks unchanged. A witness whose report has no result
+   for a pair does not probe that target now (the bounded probe plan,
+   ``reconciler.health.probing``): the pair drops out (streak -1) — it is
+   neither a witness of that target nor a vote, and its streak starts afresh
+   when the plan brings it back. Every count below is over the pairs in the
+   witnesses' latest reports: the full mesh, or the bounded plan.
 2. **Background loss.** Each witness's chance of failing a probe at random is
    estimated as two EWMAs: the hazard *h* (a failure after a success) and the
    continuation *c* (another failure after a failure) — a two-state Markov
@@ -109,7 +115,7 @@ class Observation:
 class HealthState:
     """Everything the engine carries between evaluations (persisted by the loop)."""
 
-    fail: np.ndarray  # (N, M) int16 consecutive failures
+    fail: np.ndarray  # (N, M) int16 consecutive failures; -1: not in the witness's latest report (not probing it)
     hazard: np.ndarray  # (N,) float64
     cont: np.ndarray  # (N,) float64
     fleet: np.ndarray  # (2,) float64: fleet-wide hazard and continuation
@@ -181,10 +187,10 @@ class HealthEngine:
         F = cfg.failure_streak
         long_streak = cfg.prober_streak
 
-        # 1. Streaks, and the background-loss samples they give.
+        # 1. Streaks, and the background-loss samples they give. -1: the pair is not in the witness's latest report.
         present = obs.probe_present & obs.reported[:, None] & ~own
         failed = present & ~obs.probe_ok
-        prev = st.fail
+        prev = np.maximum(st.fail, 0)
         # Background loss is learnt from targets not already convicted, and not failed by at least half (and 3)
         # of the witnesses at once: random loss is uncorrelated across witnesses, an outage is not.
         n_present = present.sum(axis=0)
@@ -201,8 +207,10 @@ class HealthEngine:
             if cnt:
                 weight = 1.0 - (1.0 - _FLEET_EWMA) ** cnt
                 st.fleet[k] = np.clip(st.fleet[k] + weight * (fails / cnt - st.fleet[k]), *bounds)
-        st.fail = np.where(present, np.where(failed, np.minimum(prev + 1, _STREAK_CAP), 0), prev).astype(np.int16)
+        held = np.where(obs.reported[:, None], np.int16(-1), st.fail)
+        st.fail = np.where(present, np.where(failed, np.minimum(prev + 1, _STREAK_CAP), 0), held).astype(np.int16)
         fail = st.fail
+        probing = (fail >= 0) & ~own  # the witness's latest report has this pair
 
         # Self-reports (HEALTH-1..3).
         st.last_report = np.where(obs.reported, obs.now, st.last_report)
@@ -215,7 +223,7 @@ class HealthEngine:
         # like anyone's (HEALTH-9): one server failing to reach it means nothing (no pair mark, below), but a
         # quorum that cannot reach it takes it out of rotation like any other server.
         vote = (fail >= F) & fresh[:, None] & ~own
-        share = vote.sum(axis=1) / topo.targets_per_witness
+        share = vote.sum(axis=1) / np.maximum(1, probing.sum(axis=1))
         median = float(np.median(share[fresh])) if fresh.any() else 0.0
         unreliable = fresh & (share >= cfg.unreliable_ratio) & (share >= median + cfg.unreliable_margin)
         reliable = fresh & ~unreliable
@@ -229,7 +237,7 @@ class HealthEngine:
         log_c = np.log(c).astype(np.float32)
         # -log P(streak >= s by chance), summed over the voters (Fisher's statistic / 2).
         surprise = np.where(V, -(log_pi[:, None] + (fail.astype(np.float32) - 1) * log_c[:, None]), np.float32(0))
-        eligible = (reliable[:, None] & ~own).astype(np.int32)
+        eligible = (reliable[:, None] & probing).astype(np.int32)
         votes = V.sum(axis=0, dtype=np.int32)
         witnesses = eligible.sum(axis=0, dtype=np.int32)
         log_evidence = math.log(cfg.evidence)
@@ -254,7 +262,7 @@ class HealthEngine:
         if probers.size:
             f = fail[probers]
             p_chance = log_pi[probers, None] + (f.astype(np.float32) - 1) * log_c[probers, None]
-            hits = (f >= long_streak) & ~own[probers] & (p_chance <= log_evidence)
+            hits = (f >= long_streak) & probing[probers] & (p_chance <= log_evidence)
             any_hit = hits.any(axis=0)
             blocked_by = np.where(any_hit, probers[np.argmax(hits, axis=0)], -1).astype(np.int32)
         else:

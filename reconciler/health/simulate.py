@@ -4,6 +4,8 @@ A scenario names a fleet (a cluster file, or inline servers with one inbound
 each), a number of report intervals, a seed, iid or bursty probe loss, and
 events that are active from ``at`` until ``until`` (exclusive). The same seed
 and scenario always give the same timeline. Pure: the caller loads files.
+Servers probe what the settings' probe plan asks of them each tick (the full
+mesh up to ``full_mesh_up_to`` servers, bounded above).
 
 Event kinds (one per event):
 - ``block: {from: [a, b] | "*", to: c}`` — probes from those servers to c fail;
@@ -29,6 +31,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from reconciler.health.engine import HealthEngine, Observation
+from reconciler.health.probing import probe_plan, uses_full_mesh
 from reconciler.health.topology import Topology
 from reconciler.health.verdicts import Verdicts
 from reconciler.model.cluster import HealthSettings
@@ -151,11 +154,18 @@ def check_names(scenario: Scenario, topology: Topology) -> list[tuple[int, str]]
 
 @dataclass
 class World:
-    """Generates observations for a scenario, tick by tick, from one seeded RNG."""
+    """Generates observations for a scenario, tick by tick, from one seeded RNG.
+
+    With ``settings``, each reporting server has results only for the pairs of that tick's
+    probe plan (``reconciler.health.probing``: the full mesh for small fleets, bounded above
+    ``full_mesh_up_to``); without, the full mesh. The random draws are the same either way,
+    so two plans can be compared on the same probe outcomes.
+    """
 
     scenario: Scenario
     topology: Topology
     interval: float
+    settings: HealthSettings | None = None
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.scenario.seed)
@@ -215,9 +225,15 @@ class World:
             reported=reported,
             service_ok=service_ok,
             listener_ok=server_listening[self.server_of],
-            probe_present=np.broadcast_to(reported[:, None], (n, m)),
+            probe_present=self._present(tick, reported),
             probe_ok=~fail,
         )
+
+    def _present(self, tick: int, reported: np.ndarray) -> np.ndarray:
+        n, m = self.topology.n, self.topology.m
+        if self.settings is None or uses_full_mesh(self.topology, self.settings):
+            return np.broadcast_to(reported[:, None], (n, m))
+        return reported[:, None] & probe_plan(self.topology, tick, self.settings).inbound_mask(self.topology)
 
     def _loss(self, loss: Loss) -> np.ndarray:
         shape = self.bad.shape
@@ -239,7 +255,7 @@ def _mask(index: dict[str, int], names: list[str], n: int) -> np.ndarray:
 
 def run(scenario: Scenario, topology: Topology, settings: HealthSettings) -> Iterator[tuple[int, Verdicts]]:
     """Yield (tick, verdicts) for every tick of the scenario. Deterministic for a seed."""
-    world = World(scenario, topology, settings.report_interval)
+    world = World(scenario, topology, settings.report_interval, settings)
     engine = HealthEngine(topology, settings)
     for tick in range(scenario.ticks):
         yield tick, engine.evaluate(world.observe(tick))

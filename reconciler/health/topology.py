@@ -38,7 +38,6 @@ class Topology:
     country_order: npt.NDArray[np.intp] = field(init=False, compare=False, repr=False)  # servers grouped by country
     country_starts: npt.NDArray[np.intp] = field(init=False, compare=False, repr=False)  # group starts in that order
     prober_mask: npt.NDArray[np.bool_] = field(init=False, compare=False, repr=False)  # (N,)
-    targets_per_witness: npt.NDArray[np.int_] = field(init=False, compare=False, repr=False)  # (N,) others' inbounds, ≥ 1
     prober_target: npt.NDArray[np.bool_] = field(init=False, compare=False, repr=False)  # (M,) inbound of a prober
     lgamma: npt.NDArray[np.float64] = field(init=False, compare=False, repr=False)  # lgamma(x) for x in 0..N+2
 
@@ -58,7 +57,6 @@ class Topology:
         derived: dict[str, object] = {
             "server_of": server_of, "own": own, "country_codes": tuple(codes), "country_idx": country_idx,
             "country_order": order, "country_starts": starts, "prober_mask": prober_mask,
-            "targets_per_witness": np.maximum(1, m - own.sum(axis=1)),
             "prober_target": prober_mask[server_of] if m else np.zeros(0, dtype=bool),
             "lgamma": np.array([math.lgamma(x) if x > 0 else np.inf for x in range(n + 3)]),
         }

@@ -106,7 +106,7 @@ class Verdicts:
     service_ok: np.ndarray  # (N,) bool: the last report's service state
     settings: HealthSettings
     vote_matrix: np.ndarray  # (N, M) bool: which reliable witness votes against which inbound
-    fail: np.ndarray  # (N, M) int16 streaks
+    fail: np.ndarray  # (N, M) int16 streaks; -1: the pair is not in the witness's latest report (not probing it)
     pair_marks: list[tuple[int, int, bool]] = field(default_factory=list)  # (witness, inbound, both)
 
     # ------------------------------------------------------------------ lookups
@@ -206,7 +206,8 @@ class Verdicts:
             if country >= 0:
                 code = topo.country_codes[country]
                 local = [n for n in names if topo.countries[topo.servers.index(n)] == code]
-                total = sum(1 for w in range(topo.n) if topo.countries[w] == code and w != server)
+                # The country's servers probing it: all of them in the full mesh, the plan's share of them when bounded.
+                total = sum(1 for w in range(topo.n) if topo.countries[w] == code and w != server and self.fail[w, t] >= 0)
                 return (f"unreachable from {len(local)} of your {total} servers in {code}: {_names(local)} "
                         f"(likely blocked in {code}; servers elsewhere still reach it)")
             if names:

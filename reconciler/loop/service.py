@@ -337,7 +337,8 @@ class Loop:
             name = server.name
             if not self.backoff.due(name, self._tick_index):
                 return name, None
-            req = agent_request(cluster, name, clash_api_secret(self.secret, name), probe_timeout, self._device_salt)
+            req = agent_request(cluster, name, clash_api_secret(self.secret, name), probe_timeout, self._device_salt,
+                                interval=self._tick_index)
             try:
                 res = await asyncio.wait_for(self.pool.run(Target.from_server(server), f"python3 {AGENT}", check=False,
                                                            timeout=budget, input=json.dumps(req)), budget + 2)
