@@ -4,7 +4,9 @@ Runs the real engine (reconciler.health) over many ticks and seeds and reports
 false verdicts, detection and recovery times, flaps and cost. Anchors measured
 in the same run: a naive "fixed quorum of 3" rule on the same probe data (the
 research sketch's baseline), and a single numpy pass over the full mesh for the
-tick cost.
+tick cost. Servers probe what the default settings' probe plan asks (the full
+mesh up to 24 servers, the bounded plan above); the last section runs N = 1,000
+with both plans side by side on the same random draws.
 
     python bench/health_sim.py [--quick] [--json]
 """
@@ -24,10 +26,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from reconciler.health import HealthEngine  # noqa: E402
+from reconciler.health.probing import probe_plan, witness_bound  # noqa: E402
 from reconciler.health.simulate import Scenario, World, inline_topology  # noqa: E402
 from reconciler.model.cluster import HealthSettings  # noqa: E402
 
 SETTINGS = HealthSettings()
+PLANS = {"full": SETTINGS.model_copy(update={"full_mesh_up_to": 10**6}), "bounded": SETTINGS}
 F = SETTINGS.failure_streak
 COUNTRIES = ["DE", "NL", "US", "FR", "GB", "RU", "JP", "SG", "FI", "PL", "CA", "AU", "TR", "BR", "IN", "SE"]
 
@@ -52,13 +56,14 @@ class Stats:
     naive_false: int = 0
 
 
-def steady(n: int, ticks: int, seed: int, loss: float, burst: float | None = None, probers: int = 0) -> Stats:
+def steady(n: int, ticks: int, seed: int, loss: float, burst: float | None = None, probers: int = 0,
+           settings: HealthSettings = SETTINGS) -> Stats:
     """A healthy fleet under probe loss: every non-ok verdict is false."""
     events = [{"at": 0, "loss": {"p": loss, "burst": burst}}] if burst else []
     sc = Scenario.model_validate({"servers": fleet(n, probers), "ticks": ticks, "seed": seed,
                                   "loss": 0.0 if burst else loss, "events": events})
     topo = inline_topology(sc.servers)
-    world, engine = World(sc, topo, 60.0), HealthEngine(topo, SETTINGS)
+    world, engine = World(sc, topo, 60.0, settings), HealthEngine(topo, settings)
     st = Stats()
     naive_fail = np.zeros((topo.n, topo.m), dtype=np.int16)
     prev_key = None
@@ -78,17 +83,17 @@ def steady(n: int, ticks: int, seed: int, loss: float, burst: float | None = Non
             st.changes += int(((key[0] != prev_key[0]) | (key[1] != prev_key[1])).sum())
         prev_key = key
         # Anchor: a fixed quorum of 3 witnesses with streaks >= F, no reliability or evidence tests.
-        naive_fail = np.where(obs.probe_ok, 0, naive_fail + 1)
+        naive_fail = np.where(obs.probe_present, np.where(obs.probe_ok, 0, naive_fail + 1), naive_fail)
         np.fill_diagonal(naive_fail, 0)
         st.naive_false += int(((naive_fail >= F).sum(axis=0) >= 3).sum())
     return st
 
 
-def detect(kind: str, n: int, seed: int, loss: float = 0.05) -> tuple[int | None, int | None]:
+def detect(kind: str, n: int, seed: int, loss: float = 0.05, settings: HealthSettings = SETTINGS,
+           at: int = 20, until: int = 40) -> tuple[int | None, int | None]:
     """(ticks to detect, ticks to recover) for one fault; None = never."""
     servers = fleet(n, probers=1 if kind == "prober" else 0)
     names = [s["name"] for s in servers]
-    at, until = 20, 40
     target = names[-1]
     if kind == "outage":
         events, expect = [{"at": at, "until": until, "outage": target}], "unreachable"
@@ -109,7 +114,7 @@ def detect(kind: str, n: int, seed: int, loss: float = 0.05) -> tuple[int | None
         raise ValueError(kind)
     sc = Scenario.model_validate({"servers": servers, "ticks": until + 30, "seed": seed, "loss": loss, "events": events})
     topo = inline_topology(sc.servers)
-    world, engine = World(sc, topo, 60.0), HealthEngine(topo, SETTINGS)
+    world, engine = World(sc, topo, 60.0, settings), HealthEngine(topo, settings)
     i = topo.servers.index(target)
     found = healed = None
     for t in range(sc.ticks):
@@ -128,7 +133,7 @@ def scenario_checks(seed: int) -> dict[str, object]:
     def run(servers, events, ticks=60, loss=0.05):
         sc = Scenario.model_validate({"servers": servers, "ticks": ticks, "seed": seed, "loss": loss, "events": events})
         topo = inline_topology(sc.servers)
-        world, engine = World(sc, topo, 60.0), HealthEngine(topo, SETTINGS)
+        world, engine = World(sc, topo, 60.0, SETTINGS), HealthEngine(topo, SETTINGS)
         return [engine.evaluate(world.observe(t)) for t in range(ticks)]
 
     base = [{"name": "ru-1", "country": "RU"}] + [{"name": f"d{i}", "country": c} for i, c in enumerate("DE DE NL US FR".split())]
@@ -162,11 +167,11 @@ def scenario_checks(seed: int) -> dict[str, object]:
     return out
 
 
-def cost(n: int, reps: int) -> tuple[float, float, float]:
+def cost(n: int, reps: int, settings: HealthSettings = SETTINGS) -> tuple[float, float, float]:
     """(median tick ms, state MB, anchor ms: one np.where over the N x M mesh)."""
     sc = Scenario.model_validate({"servers": fleet(n, probers=2), "ticks": reps + 3, "seed": 1, "loss": 0.05})
     topo = inline_topology(sc.servers)
-    world, engine = World(sc, topo, 60.0), HealthEngine(topo, SETTINGS)
+    world, engine = World(sc, topo, 60.0, settings), HealthEngine(topo, settings)
     observations = [world.observe(t) for t in range(reps + 3)]
     for o in observations[:3]:
         engine.evaluate(o)
@@ -182,6 +187,75 @@ def cost(n: int, reps: int) -> tuple[float, float, float]:
         np.where(o.probe_ok, 0, fail + 1)
         anchor.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3, engine.state.nbytes() / 2**20, statistics.median(anchor) * 1e3
+
+
+def probes_per_server(n: int, settings: HealthSettings, intervals: int) -> dict[str, float]:
+    """Probes per interval per server over `intervals` consecutive plans: ordinary servers and probers apart."""
+    sc = Scenario.model_validate({"servers": fleet(n, probers=max(1, n // 50)), "ticks": 1})
+    topo = inline_topology(sc.servers)
+    ordinary = ~topo.prober_mask
+    worst = mean = prober = 0.0
+    witnesses_min = n
+    for t in range(intervals):
+        plan = probe_plan(topo, t, settings)
+        probes = plan.probes_per_server(topo)
+        worst = max(worst, float(probes[ordinary].max()))
+        mean += float(probes[ordinary].mean()) / intervals
+        prober = max(prober, float(probes[~ordinary].max()))
+        witnesses_min = min(witnesses_min, int(plan.pairs.sum(axis=0).min()))
+    return {"max": worst, "mean": mean, "prober": prober, "witnesses_min": witnesses_min}
+
+
+def plans_side_by_side(quick: bool, log) -> dict[str, object]:
+    """N = 1,000 with the full mesh and with the bounded plan, on the same random draws."""
+    n = 1000
+    out: dict[str, object] = {}
+    ticks = 40 if quick else 120
+    seeds = [1] if quick else [1, 2, 3]
+    rows: dict[str, dict[str, object]] = {}
+    for name, settings in PLANS.items():
+        row: dict[str, object] = {}
+        t0 = time.perf_counter()
+        for key, loss in (("loss5", 0.05), ("loss20", 0.2)):
+            st = steady(n, ticks, seed=11, loss=loss, probers=n // 50, settings=settings)
+            row[f"false_unreachable_{key}"] = st.false_unreachable
+            row[f"false_blocked_{key}"] = st.false_blocked
+            row[f"server_ticks_{key}"] = st.server_ticks
+        detections: dict[str, int] = {}
+        misses = 0
+        for kind in ("outage", "down", "country_block", "half_down", "prober"):
+            for seed in seeds:
+                # The fault starts at a different phase of the sample's rotation for each seed.
+                found, _ = detect(kind, n, seed, settings=settings, at=10 + 5 * seed, until=22 + 5 * seed)
+                if found is None:
+                    misses += 1
+                else:
+                    detections[kind] = max(detections.get(kind, 0), found)
+        row["detection_intervals"] = max(v for k, v in detections.items() if k != "prober") if detections else None
+        row["detection_by_kind"] = detections
+        row["detection_prober_intervals"] = detections.get("prober")
+        row["detect_misses"] = misses
+        probes = probes_per_server(n, settings, intervals=4 if quick else 64)
+        row["probes_per_server"] = probes["max"]
+        row["probes_per_server_mean"] = probes["mean"]
+        row["probes_per_prober"] = probes["prober"]
+        row["witnesses_per_target_min"] = probes["witnesses_min"]
+        ms, mb, _ = cost(n, reps=5 if quick else 15, settings=settings)
+        row["tick_ms"] = ms
+        row["state_mb"] = mb
+        row["seconds"] = time.perf_counter() - t0
+        rows[name] = row
+        for k, v in row.items():
+            out[f"{name}_{k}_n1000"] = v
+        log(f"  {name:8s} false unreachable 5% {row['false_unreachable_loss5']} / 20% {row['false_unreachable_loss20']}  "
+            f"false blocked {row['false_blocked_loss5']} / {row['false_blocked_loss20']}  detect max "
+            f"{row['detection_intervals']} {detections} misses {misses}  probes/server max {probes['max']:.0f} "
+            f"mean {probes['mean']:.1f} (prober {probes['prober']:.0f}), witnesses/target >= {probes['witnesses_min']}  "
+            f"engine {ms:.1f} ms/interval  ({row['seconds']:.0f} s)")
+    out["bounded_probe_bound"] = witness_bound(SETTINGS)
+    out["plans_ticks_n1000"] = ticks
+    out["plans_seeds_n1000"] = len(seeds)
+    return out
 
 
 def main() -> int:
@@ -258,6 +332,9 @@ def main() -> int:
         log(f"  {k:36s} {v}")
     result.update(checks)
 
+    log("== probe plans at N = 1000, side by side (same random draws; 5% loss for detection)")
+    result.update(plans_side_by_side(args.quick, log))
+
     log("== cost")
     ms, mb, anchor = cost(1000, reps=5 if args.quick else 15)
     result["tick_ms_n1000"] = ms
@@ -278,6 +355,12 @@ def main() -> int:
         "flaps_per_1000": (result["flaps_per_1000"], "<= 1"),
         "tick_ms_n1000": (result["tick_ms_n1000"], "<= 50"),
         "state_mb_n1000": (result["state_mb_n1000"], "<= 16"),
+        "bounded_false_unreachable_loss5_n1000": (result["bounded_false_unreachable_loss5_n1000"], "== 0"),
+        "bounded_false_unreachable_loss20_n1000": (result["bounded_false_unreachable_loss20_n1000"], "== 0"),
+        "bounded_detection_intervals_n1000": (result["bounded_detection_intervals_n1000"], f"<= {F + 1}"),
+        "bounded_detect_misses_n1000": (result["bounded_detect_misses_n1000"], "== 0"),
+        "bounded_probes_per_server_n1000": (result["bounded_probes_per_server_n1000"],
+                                            f"<= {result['bounded_probe_bound']}"),
     }
     met = {k: bool(eval(f"{v!r} {cond}")) for k, (v, cond) in targets.items()}  # noqa: S307 - our own literals
     result["targets_met"] = met
