@@ -67,16 +67,17 @@ class ServerResult:
 
 
 async def apply_all(observed: list[Observed], runner: Runner, progress: Callable[[str, str], None],
-                    verify_timeout: float = 20.0) -> list[ServerResult]:
+                    verify_timeout: float = 20.0, fence: lock.Fence | None = None) -> list[ServerResult]:
     """Every server's plan carried out, in parallel; ``progress(server, phase)`` hears each phase
-    (``reconciler.apply.session.Progress`` shows them). One result per server, in order."""
-    return list(await asyncio.gather(*(apply_one(o, runner, progress, verify_timeout) for o in observed)))
+    (``reconciler.apply.session.Progress`` shows them). One result per server, in order. ``fence``: a leading
+    controller's (issue 17; ``reconciler.plan.lock``)."""
+    return list(await asyncio.gather(*(apply_one(o, runner, progress, verify_timeout, fence=fence) for o in observed)))
 
 
 async def apply_one(o: Observed, runner: Runner, progress: Callable[[str, str], None], verify_timeout: float,
-                    keep_backups: bool = False) -> ServerResult:
+                    keep_backups: bool = False, fence: lock.Fence | None = None) -> ServerResult:
     """One server's plan; ``keep_backups``: its replaced files are kept until its wave is judged (``apply.waves``)."""
-    result = await _apply_one(o, runner, progress, verify_timeout, keep_backups)
+    result = await _apply_one(o, runner, progress, verify_timeout, keep_backups, fence)
     redactor = o.desired.redactor() if o.desired is not None else Redactor()
     result.message = redactor(result.message, structural=True)
     result.details = _scrubbed(result.details, redactor)
@@ -94,7 +95,7 @@ def _scrubbed(value: Any, redactor: Redactor) -> Any:
 
 
 async def _apply_one(o: Observed, runner: Runner, progress: Callable[[str, str], None], verify_timeout: float,
-                     keep_backups: bool) -> ServerResult:
+                     keep_backups: bool, fence: lock.Fence | None = None) -> ServerResult:
     start = time.monotonic()
     result = ServerResult(o.plan.server, ok=False)
 
@@ -118,11 +119,11 @@ async def _apply_one(o: Observed, runner: Runner, progress: Callable[[str, str],
             return result
         phase("lock")
         if o.plan.removed:
-            await lock.acquire(runner, o.target, o.plan.server)
+            await lock.acquire(runner, o.target, o.plan.server, fence=fence)
         else:
             assert o.desired is not None
-            await lock.acquire(runner, o.target, o.plan.server, _folders(o), [o.desired.engine.tls_dir])
-        held = _Held()
+            await lock.acquire(runner, o.target, o.plan.server, _folders(o), [o.desired.engine.tls_dir], fence=fence)
+        held = _Held(fence=fence)
         try:
             async with lock.Renewal(runner, o.target) as held.renewal:
                 if o.plan.removed:
@@ -171,6 +172,7 @@ class _Held:
 
     ours: bool = True
     renewal: lock.Renewal | None = None
+    fence: lock.Fence | None = None  # a leading controller's: still leading before the commit? (issue 17)
 
     async def hand_over(self) -> None:
         """The commit about to start releases the lock: stop renewing it first."""
@@ -232,6 +234,7 @@ async def _commit(runner: Runner, o: Observed, phase: Callable[[str], None], res
         # A server changing engines is serving with the old one: the new configuration is checked before anything moves.
         "running": o.facts.active == "active" or bool(retire),
     }
+    lock.check(held.fence, o.plan.server, "the commit")
     if release:
         await held.hand_over()
     res = await runner.script(o.target, remote.COMMIT, req, timeout=verify_timeout * 3 + 60)

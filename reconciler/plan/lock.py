@@ -13,6 +13,12 @@ longest bounded step an apply takes under the lock — the engine upload allows 
 ``3 × verify_timeout + 60`` s — or a slow but live apply could be taken over: 15 minutes. And while
 an apply runs, ``Renewal`` rewrites its holder's ``since`` every third of the lease (``renew``), so even
 an apply slower than the lease in all keeps its lock; it stops before a commit that releases the lock.
+
+Fencing (issue 17): with standby controllers, the leader's applies carry a ``Fence``: its revision goes in
+the acquire request and the server refuses it, under the lock, when a newer leader's fence was accepted
+there (``FenceRefused``); and ``valid()`` — does this controller still lead? — is asked before the lock and
+before the commit, so a deposed leader stops by itself too. Applies without one (no election; an
+operator's ``reconciler apply``) are not fenced.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import json
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from reconciler.engine import remote
@@ -36,6 +43,33 @@ LOCK_FILE = f"{LOCK_DIR}/holder"
 LONGEST_STEP_SECONDS = 600  # the engine upload's timeout (apply.run._stage_engine)
 LEASE_SECONDS = 900  # longer than any bounded step under the lock, so only a dead apply's lock expires
 assert LEASE_SECONDS > LONGEST_STEP_SECONDS
+FENCE_FILE = "/var/lib/reconciler/fence"  # the highest fence the server has accepted (issue 17)
+
+
+def _leading() -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Fence:
+    """What a leading controller's applies carry: ``revision``, its election's fence (higher for every newer
+    leader), and ``valid``, whether it still leads."""
+
+    revision: int
+    valid: Callable[[], bool] = _leading
+
+
+class FenceRefused(LockHeld):
+    """A deposed leader's apply: refused by the server (a newer fence applied there) or by itself."""
+
+    temporary = False
+
+
+def check(fence: Fence | None, server: str, step: str) -> None:
+    """Raise ``FenceRefused`` when this controller no longer leads (before ``step`` on ``server``)."""
+    if fence is not None and not fence.valid():
+        raise FenceRefused(f"{step} on {server} not started: this controller (fence {fence.revision}) is no longer "
+                           "the leader", server)
 
 
 def holder(now: float | None = None) -> dict[str, Any]:
@@ -72,18 +106,24 @@ def is_stale(info: dict[str, Any] | None, now: float, me: dict[str, Any] | None 
 
 
 async def acquire(runner: Runner, target: Target, server: str, dirs: Sequence[str] = (), private: Sequence[str] = (),
-                  now: float | None = None) -> None:
+                  now: float | None = None, fence: Fence | None = None) -> None:
     """Take the server's lock (one round trip; ``dirs`` are created first, ``private`` ones made 0700).
 
-    A stale lock is taken over; a live one raises ``LockHeld`` naming its holder."""
+    A stale lock is taken over; a live one raises ``LockHeld`` naming its holder. With a ``fence``, the
+    server refuses it (``FenceRefused``) when a newer leader's fence has applied there."""
     now = time.time() if now is None else now
-    request = {"op": "acquire", "lock": LOCK_DIR, "holder_file": LOCK_FILE, "holder": json.dumps(holder(now)),
-               "dirs": list(dirs), "private": list(private), "take_over": False}
+    request: dict[str, Any] = {"op": "acquire", "lock": LOCK_DIR, "holder_file": LOCK_FILE, "holder": json.dumps(holder(now)),
+                               "dirs": list(dirs), "private": list(private), "take_over": False}
+    if fence is not None:
+        check(fence, server, "the apply")
+        request.update(fence=fence.revision, fence_file=FENCE_FILE)
     for take_over in (False, True):
         got = answer(await runner.script(target, remote.LOCK, {**request, "take_over": take_over}), target, remote.LOCK,
                      {"ok": bool})
         if got["ok"]:
             return
+        if got.get("refused"):
+            raise FenceRefused(f"{server}: {str(got['refused'])[:300]}", server)
         raw = str(got.get("holder") or "")[:400]
         info = parse_lock(raw)
         if take_over or not is_stale(info, now):

@@ -6,6 +6,12 @@ held; with ``take_over`` it removes a stale lock first. ``renew`` rewrites the h
 only while the lock is there and still names the same holder (``by`` and ``pid``): it never makes a lock
 that a commit released, nor touches another's. ``release`` removes it. The policy (who holds, the lease,
 when a lock is stale, how often to renew) is the controller's: ``reconciler.plan.lock``.
+
+Fencing (issue 17): an ``acquire`` that carries a ``fence`` (the leading controller's etcd revision; none
+from a controller without an election, nor from an operator's ``reconciler apply``) is checked under the
+lock, before anything changes: the server keeps the highest fence it has accepted in ``fence_file``
+(written atomically) and refuses a lower one — ``{"ok": false, "refused": <why>}``, the lock given back
+untouched — so a deposed leader never applies where a newer one has.
 """
 
 from __future__ import annotations
@@ -26,6 +32,33 @@ def at(root: str, path: str) -> str:
     return path if root == "/" else root.rstrip("/") + path
 
 
+def fenced(root: str, req: dict[str, Any]) -> str | None:
+    """Under the lock: why this request's fence is refused, or None (a newer fence is recorded first)."""
+    fence = req.get("fence")
+    if not fence:
+        return None
+    path = at(root, req["fence_file"])
+    try:
+        with open(path) as f:
+            seen = int(f.read(64).strip() or 0)
+    except (OSError, ValueError):
+        seen = 0
+    if int(fence) < seen:
+        return ("refused: a newer controller (fence %d) has applied here; this one (fence %d) is not the leader"
+                % (seen, int(fence)))
+    if int(fence) > seen:
+        folder = os.path.dirname(path)
+        if not os.path.isdir(folder):
+            os.makedirs(folder, 0o700)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write("%d\n" % int(fence))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return None
+
+
 def acquire(req: dict[str, Any]) -> dict[str, Any]:
     root = req.get("root", "/")
     for d in req.get("dirs", ()):
@@ -43,6 +76,14 @@ def acquire(req: dict[str, Any]) -> dict[str, Any]:
                 return {"ok": False, "holder": f.read(4096)}
         except OSError:
             return {"ok": False, "holder": ""}
+    try:
+        refused = fenced(root, req)
+    except BaseException:
+        shutil.rmtree(lock, ignore_errors=True)
+        raise
+    if refused:
+        shutil.rmtree(lock, ignore_errors=True)  # ours, just made: given back untouched
+        return {"ok": False, "refused": refused}
     with open(holder, "w") as f:
         f.write(req["holder"])
     return {"ok": True}
