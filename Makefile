@@ -9,9 +9,11 @@ BIN := $(VENV)/bin
 # git and rsync: gitlab-ci-local runs the CI example in a repository (node and npm, which install it, come with this machine);
 # pebble: Let's Encrypt's test ACME server (and its DNS stand-in) for the certificate lab test; openssl: the
 # TLS 1.3 site REALITY presents in the tests; chromium and zbar-tools: the subscription page opened in a real
-# headless browser, its screenshot's QR codes decoded by zbarimg (tests/test_page_browser.py).
+# headless browser, its screenshot's QR codes decoded by zbarimg (tests/test_page_browser.py); etcd-server: the
+# coordination service of standby controllers — the tests start their own `etcd` on loopback ports (tests/test_leader.py),
+# so the package's system service is disabled and stopped below (`apt`), never left running.
 APT_PACKAGES := graphviz openssh-client curl iproute2 nftables systemd-container debootstrap prometheus wrk nginx-light pebble openssl git rsync \
-	chromium zbar-tools
+	chromium zbar-tools etcd-server
 
 .PHONY: setup apt test demo bench schema clean
 
@@ -34,6 +36,10 @@ apt:
 	  echo "installing Debian packages:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	fi
+	@# etcd-server's package enables (and, under systemd, starts) a system etcd: not ours to run. Idempotent; without
+	@# systemd as init (containers, CI) the package starts nothing. Never by process name: a test's etcd may be running.
+	@if command -v systemctl >/dev/null && systemctl is-enabled --quiet etcd 2>/dev/null; then \
+	  systemctl disable --now etcd >/dev/null 2>&1 || true; fi
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
 test: setup

@@ -19,7 +19,10 @@ from reconciler.model.types import parse_listen
 
 def register(sub: Any) -> None:
     rn = add_command(sub, "run", "the reconcile loop: collect, verdicts, outlets, drift correction (GITOPS-5)",
-                     "reconciler run -f cluster.yaml --listen 127.0.0.1:8080")
+                     "reconciler run -f cluster.yaml --listen 127.0.0.1:8080",
+                     description="The reconcile loop: collect, verdicts, outlets, drift correction (GITOPS-5). With "
+                                 "settings.leader.etcd, several controllers run it: one leads, the others stand by and "
+                                 "serve subscriptions from its published state (docs/standby.md).")
     add_file(rn)
     rn.add_argument("--listen", type=_address, help="public HTTP address HOST:PORT (default: settings.outputs.listen)")
     rn.add_argument("--operations-listen", type=_address,
@@ -51,6 +54,7 @@ def setup_logging(level: str = "info") -> None:
                         format="%(asctime)s %(levelname)-7s %(message)s", datefmt="%H:%M:%S", force=True)
     logging.getLogger("asyncssh").setLevel(logging.WARNING)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logging.getLogger("urllib3").setLevel(logging.WARNING)  # etcd3gw's HTTP client (settings.leader), one line per request
 
 
 def cmd_run(args: argparse.Namespace) -> int:

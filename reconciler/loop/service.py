@@ -33,7 +33,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
@@ -49,19 +49,27 @@ from reconciler.engine.base import AGENT
 from reconciler.errors import LockHeld, RemoteError, ReportError, SecretError
 from reconciler.fleet import snapshot
 from reconciler.fleet.events import degraded_reason, fleet_event, user_events
+from reconciler.fleet.learned import Learned
 from reconciler.fleet.reality import with_reality_keys
 from reconciler.fleet.reports import Report, agent_request, parse_report
 from reconciler.health.verdicts import ServerVerdict, Verdicts
 from reconciler.loop.client_address import networks
-from reconciler.loop.http import HttpOutlet
+from reconciler.loop.http import HttpOutlet, status_document
 from reconciler.loop.listener import load_credential
 from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens, cluster_digest
 from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
 from reconciler.model import Cluster, Server
 from reconciler.model.types import parse_listen
+from reconciler.plan.lock import Fence
 from reconciler.plan.observe import observe
 from reconciler.ssh import Target
 from reconciler.state.folder import StateFolder
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from reconciler.apply.run import ServerResult
+    from reconciler.loop.leader import Election, StateChannel
 
 log = logging.getLogger("reconciler.loop")
 MAX_BACKOFF_TICKS = 16
@@ -139,6 +147,7 @@ class Loop:
         self._tasks: list[asyncio.Task[None]] = []
         self._posts: set[asyncio.Task[None]] = set()
         self._withheld: dict[str, str] | None = None  # user → standing, for those the servers refuse (issue 16)
+        self._leader_init()  # standby controllers (issue 17): the election, when settings.leader names an etcd
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -164,6 +173,8 @@ class Loop:
             return False, "failed and restarting: " + ", ".join(f"the {name} task" for name in sorted(self._failed))
         if self._interval_error:
             return False, self._interval_error
+        if self.election is not None and not self.election.is_leader:
+            return self._standby_health()
         if self.view is None:
             late = time.time() - self._started > 3 * interval + 60
             return (not late, "starting: the first interval has not finished" + (" (late)" if late else ""))
@@ -211,6 +222,8 @@ class Loop:
                 self._tasks.append(self._supervise("watch", self._watcher))
             if self.cluster.settings.git_pull_interval:
                 self._tasks.append(self._supervise("git", self._git_puller))
+            if self.election is not None:  # issue 17: lead or stand by
+                self._tasks.append(self._supervise("leader", self._elect))
             if self.duration is not None:
                 self._tasks.append(asyncio.create_task(self._deadline(self.duration), name="deadline"))
             await self.stop.wait()
@@ -221,6 +234,7 @@ class Loop:
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+            await self._leader_stop()  # issue 17: the last state published, the lease given back
             await asyncio.to_thread(self._save)
             await self.http.stop()
             await self.pool.close()
@@ -276,7 +290,7 @@ class Loop:
         interval = self.cluster.settings.health.report_interval
         next_at = time.monotonic()
         while not self.stop.is_set():
-            if await self.tick() is not None:
+            if await self._tick_by_role() is not None:
                 self._recovered("tick")
             if self.max_ticks is not None and self._tick_index >= self.max_ticks:
                 self.stop.set()
@@ -437,6 +451,10 @@ class Loop:
             self.plan_now.clear()
 
     async def plan_and_heal(self) -> None:
+        if self.election is not None:  # issue 17: only the leader plans and applies; a new one first takes over the state
+            if not self.election.is_leader:
+                return
+            await self._complete_takeover()
         async with self._busy:
             cluster = self.cluster
             started = time.perf_counter()
@@ -470,10 +488,24 @@ class Loop:
             progress = Progress([o.plan.server for o in pending], log=lambda line: log.info("apply %s", line))
             try:
                 with self.state.lock("run (self-heal)"):  # not while an `apply` from this folder runs
-                    results = await apply_all(pending, self.pool, progress)  # adds generated public keys to `pending`
+                    # issue 17: the leader's fence goes with it; stepping down cancels what is left of it
+                    self._applying: asyncio.Future[list[ServerResult]] | None = asyncio.ensure_future(
+                        apply_all(pending, self.pool, progress, fence=self._fence()))
+                    try:
+                        results = await self._applying  # adds generated public keys to `pending`
+                    finally:
+                        self._applying = None
                     await asyncio.to_thread(remember, self.state, cluster, pending, results)
             except LockHeld as exc:
                 log.warning("self-heal waits for the next plan: %s", exc)
+                return
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # the loop stops
+                log.warning("apply stopped: this controller is no longer the leader (servers finish or roll back a "
+                            "started commit on their own)")
+                self.stats.record("apply", False, time.perf_counter() - started, time.time())
                 return
             except Exception:  # noqa: BLE001
                 log.exception("apply failed")
@@ -554,6 +586,216 @@ class Loop:
                 log.error("git pull failed (%s): %s", proc.returncode, err.decode(errors="replace").strip()[-500:])
             else:
                 await self.reload()
+
+    # ------------------------------------------------------------------ standby controllers (issue 17)
+
+    def _leader_init(self) -> None:
+        """With ``settings.leader.etcd``: this controller's election and the channel of the learned state
+        (``reconciler.loop.leader``), started by ``run``; without, none — it leads alone, as before."""
+        self.election: Election | None = None
+        self.channel: StateChannel | None = None
+        self._state_generation: str | None = None  # the published state this controller has (read or written)
+        self._state_seen = 0.0  # when (monotonic) a leader's state last arrived here, as a standby
+        self._state_pointer: dict[str, Any] = {}  # that state's pointer: by whom, its fence, ticks, when
+        self._state_error = ""  # the last failure to read or publish it ("" after a success)
+        self._takeover_lock = asyncio.Lock()
+        self._takeover_pending = False
+        self._applying = None  # the apply in progress (plan_and_heal), cancelled when this controller steps down
+        settings = self.cluster.settings.leader
+        if not settings.etcd:
+            return
+        from reconciler.loop.leader import Election, Etcd, LeaderCollector, StateChannel
+
+        calls = max(0.5, min(5.0, settings.lease / 4))  # an etcd request of the election never outlasts a round
+        self.election = Election(Etcd.from_settings(settings, self.base_dir, calls), settings.prefix, settings.lease,
+                                 on_change=self._on_leadership)
+        self.channel = StateChannel(Etcd.from_settings(settings, self.base_dir, 30.0), settings.prefix)
+        self.registry.register(LeaderCollector(self.election))
+        self.http._pages["/status.json"] = self._status_json  # the status document says who leads
+        log.info("standby controllers: etcd %s, lease %gs, keys under %s; this one is %s", ", ".join(settings.etcd),
+                 settings.lease, settings.prefix, self.election.identity)
+
+    async def _status_json(self, request: web.BaseRequest) -> web.Response:
+        from aiohttp import web
+
+        doc = status_document(self.view)
+        if self.election is not None:
+            doc["leader"] = {**self.election.status(), "state": {
+                "generation": self._state_generation, "ticks": self.learned.ticks,
+                "published_by": self._state_pointer.get("by"), "error": self._state_error}}
+        return web.json_response(doc, dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
+    async def _elect(self) -> None:
+        assert self.election is not None
+        await self.election.run(self.stop)
+
+    def _on_leadership(self, leading: bool) -> None:
+        if leading:  # the state it continues from is read before its first interval or plan (_complete_takeover)
+            self._takeover_pending = True
+            self.plan_now.set()  # plan now: the new leader reconciles whatever its predecessor left half done
+            return
+        if self._applying is not None and not self._applying.done():
+            log.warning("stopping the apply in progress: its next steps are not this controller's to take")
+            self._applying.cancel()
+
+    def _fence(self) -> Fence | None:
+        """What this leader's applies carry (none without an election: not fenced, as before)."""
+        election = self.election
+        if election is None:
+            return None
+        return Fence(election.fence, lambda: election.is_leader)
+
+    async def _tick_by_role(self) -> Verdicts | None:
+        """The leader's interval collects (``tick``) and then publishes its learned state; a standby's follows it."""
+        if self.election is None:
+            return await self.tick()
+        if not self.election.is_leader:
+            return await self._follow_tick()
+        await self._complete_takeover()
+        verdicts = await self.tick()
+        if verdicts is not None:
+            await self._publish_state()
+        return verdicts
+
+    async def _complete_takeover(self) -> None:
+        """Once per election won: continue from the last state the previous leader published (it can publish
+        no more: its writes are guarded by the key it lost) — capacities, streaks, assignments, the usage ledger."""
+        async with self._takeover_lock:
+            if not self._takeover_pending:
+                return
+            self._takeover_pending = False
+            fresh = await self._read_state()
+            pointer = self._state_pointer
+            log.warning("leading from interval %d of the learned state (%s)", self.learned.ticks,
+                        f"published by {pointer.get('by')} at fence {pointer.get('fence')}" if fresh or pointer
+                        else "none published yet: this controller's own")
+
+    async def _read_state(self) -> bool:
+        """The leader's newest published state, when there is one newer than ours: it becomes ours."""
+        assert self.channel is not None
+        from reconciler.loop.leader import EtcdFailure, failure, unpack
+
+        try:
+            got = await self.channel.read(self._state_generation)
+        except EtcdFailure as exc:
+            self._state_trouble(f"cannot read the leader's published state: {failure(exc)}")
+            return False
+        if got is None:
+            return False
+        where = f"the state {got.pointer.get('by')} published"
+        try:
+            data, extras = unpack(got.blob)
+        except ValueError as exc:
+            self._state_generation = got.generation  # not read again; the next one may be good
+            self._state_trouble(f"ignoring {where}: {exc}")
+            return False
+        learned, note = Learned.restore(data, self.cluster, where)
+        self._state_generation = got.generation
+        if note:
+            self._state_trouble(note)
+            return False
+        self._state_error = ""
+        self.learned, self._state_seen, self._state_pointer = learned, time.monotonic(), got.pointer
+        await asyncio.to_thread(self._adopt_published, extras)
+        return True
+
+    def _state_trouble(self, text: str) -> None:
+        if text != self._state_error:
+            log.warning("%s", text)
+        self._state_error = text
+
+    def _adopt_published(self, extras: dict[str, Any]) -> None:
+        """The leader's managed servers and public facts, kept in this controller's state folder: a takeover
+        prunes and pins as the leader would have."""
+        try:
+            managed, facts = extras.get("managed"), extras.get("facts")
+            if isinstance(managed, dict) and managed != self.state.managed():
+                self.state.write_managed(managed)
+            if isinstance(facts, dict) and facts and facts != self.facts:
+                self.facts = self.state.remember_facts({k: v for k, v in facts.items() if isinstance(v, dict)})
+        except OSError as exc:
+            log.error("cannot keep the leader's managed servers and facts in %s: %s", self.state.path, exc)
+
+    def _bundle(self) -> bytes:
+        from reconciler.loop.leader import pack
+
+        return pack(self.learned.to_bytes(), {"managed": self.state.managed(), "facts": self.facts})
+
+    async def _publish_state(self) -> None:
+        """The leader's learned state after its interval, for a standby to serve from and take over."""
+        election, channel = self.election, self.channel
+        if election is None or channel is None or not election.is_leader:
+            return
+        from reconciler.loop.leader import EtcdFailure, failure
+
+        try:
+            blob = await asyncio.to_thread(self._bundle)
+            meta = {"by": election.identity, "ticks": self.learned.ticks, "last_tick": self.learned.last_tick}
+            generation = await channel.publish(election.guard(), election.fence, blob, meta)
+        except EtcdFailure as exc:
+            self._state_trouble(f"cannot publish the learned state: {failure(exc)}")
+            return
+        if generation is None:
+            self._state_trouble("the learned state was not published: this controller no longer leads")
+            return
+        self._state_error = ""
+        self._state_generation, self._state_pointer = generation, {**meta, "generation": generation, "fence": election.fence}
+        self._state_seen = time.monotonic()  # the newest state is ours: a deposed leader stays healthy as long as a standby
+
+    async def _follow_tick(self) -> Verdicts | None:
+        """A standby's interval: the leader's newest published state, served read-only — the live answers, the
+        files, the metrics view — from this controller's own checkout of the file; no collection, plan or apply."""
+        self._tick_index += 1
+        fresh = await self._read_state()
+        cluster, now = self.cluster, time.time()
+        try:
+            verdicts = self.learned.current_verdicts(cluster, now)
+            snap = snapshot(cluster, self.learned, with_reality_keys(self.facts, cluster, self.secret), now, verdicts)
+            self.answers.publish(snap)
+            live = getattr(self, "live", None)  # worker processes answering the public port, when there are
+            if live is not None:
+                live.publish(snap)
+            self.view = self._fleet_view(cluster, verdicts, snap)
+        except Exception as exc:  # noqa: BLE001 — as an interval's: logged, told by /healthz, tried again
+            log.exception("standby interval %d failed", self._tick_index)
+            self._interval_error = f"standby interval {self._tick_index} failed: {type(exc).__name__}: {exc}"[:300]
+            return None
+        self._interval_error = ""
+        self._last_tick_end = time.time()
+        try:
+            await asyncio.to_thread(self.files.write, snap)
+        except Exception as exc:  # noqa: BLE001 — the files stay as they were; the next interval writes them
+            log.error("cannot write subscription files to %s: %s: %s", self.files.directory, type(exc).__name__, exc)
+        if fresh:
+            await asyncio.to_thread(self._save)
+        return verdicts
+
+    def _standby_health(self) -> tuple[bool, str]:
+        """A standby is healthy while the leader's state keeps arriving (it serves from it)."""
+        assert self.election is not None
+        interval = self.cluster.settings.health.report_interval
+        leader = self.election.leader or "none yet"
+        if not self._state_seen:
+            late = time.time() - self._started > 3 * interval + 60
+            return (not late, f"standby (leader: {leader}): no state published yet" + (" (late)" if late else ""))
+        age = time.monotonic() - self._state_seen
+        if age > 3 * interval + 30:
+            return False, (f"standby (leader: {leader}): the newest published state arrived {age:.0f}s ago "
+                           f"(interval {interval:g}s){'; ' + self._state_error if self._state_error else ''}")
+        return True, (f"ok: standby (leader: {leader}); state of interval {self._state_pointer.get('ticks')} "
+                      f"arrived {age:.0f}s ago")
+
+    async def _leader_stop(self) -> None:
+        """On the way out: a leader publishes its last state and resigns, so a standby leads at its next look."""
+        election, channel = self.election, self.channel
+        if election is None or channel is None:
+            return
+        if election.is_leader:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._publish_state(), max(5.0, election.ttl))
+            await election.resign()
+        election.close()
+        channel.close()
 
 
 def _resolved(host: str) -> str:
