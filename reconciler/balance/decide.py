@@ -31,6 +31,23 @@ user in every pool of the route, remembered per user and pool under
 from the same sticky, policy-weighted placement as the files (LB-6, LB-9), never
 from one snapshot's deficits for every request alike (which herds).
 
+**Users by their demand.** Once the fleet has measured users' recent demand
+(``Snapshot.usage``, ``demand_mbps``), least-loaded placement counts demand
+(Mbps) instead of heads: a user without a measurement weighs the mean of the
+measured active users (else of everyone measured), a measured user at least
+``DEMAND_FLOOR`` of that mean (an idle user may wake up). The target of a candidate
+is its share of the route's demand, in proportion to the capacity left for
+our users, ``C − max(0, T − D)`` with ``D`` the demand of the route's users it holds
+(what remains of ``T`` is someone else's traffic); stickiness compares demand
+held with the target (same ``stickiness`` margin), the excess leaves by weakest
+hash until its demand is gone; free users are placed heaviest first — the
+heaviest (above ``1/HEAVY`` of the mean target) one at a time where they leave
+the lowest utilisation, so heavy users spread, the rest by the same hashing on
+the deficits (in Mbps), a chunk at a time, where a user who would overshoot its
+pick's deficit waits for the next chunk. With no demand measured (an empty
+``usage``), round-robin routes, and while a route is round-robin for want of an
+estimate (LB-5), users are counted as before.
+
 Pair-marked inbounds (HEALTH-8) count at ``PAIR_PENALTY`` of their weight. When no
 pool is healthy, the route balances over all its inbounds in rotation; with none
 in rotation, the best available inbound is served (LB-8, HEALTH-11).
@@ -38,7 +55,7 @@ in rotation, the best available inbound is served (LB-8, HEALTH-11).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,7 +63,7 @@ import numpy as np
 from reconciler.balance.hashing import exponentials, scores
 from reconciler.balance.snapshot import Snapshot
 from reconciler.balance.steer import choose_pool, healthy_pools
-from reconciler.model import InboundRef, Route
+from reconciler.model import InboundRef, Route, UserUsage
 
 PAIR_PENALTY = 0.5
 ADDRESS_STEERED = ("geo", "dynamic")  # steering modes where a live request's address can choose the pool
@@ -61,6 +78,9 @@ def held_inbounds(assignments: Mapping[tuple[str, str], str]) -> list[str]:
     """The inbound each user holds now, per (user, route): their places in other pools (``pool_key``) left out."""
     return [inbound for (_, route), inbound in assignments.items() if "@" not in route]
 SATURATED = 0.95  # traffic at this share of capacity: the server takes no new users (LB-2)
+DEMAND_FLOOR = 0.1  # a measured user weighs at least this share of the mean demand (an idle user may wake up)
+HEAVY = 16  # a free user above 1/HEAVY of the mean target is placed on its own, where it leaves the lowest utilisation
+HEAVY_MAX = 4096  # at most this many users per batch are placed one at a time
 
 
 @dataclass(frozen=True)
@@ -105,23 +125,40 @@ class Weights:
     closed: np.ndarray  # (K,) bool: takes no new users (saturated)
     mode: str
     detail: tuple[str, ...]  # per candidate, for the reason
+    by_demand: bool = False  # shares of the route's demand (Mbps), not of its users
+
+
+@dataclass(frozen=True)
+class Demand:
+    """A route's (pool's) users in demand units: the Mbps each candidate holds now, and the mean per user."""
+
+    held: np.ndarray  # (K,) Mbps of the route's users assigned to each candidate
+    per_user: float  # mean demand of the users being placed, Mbps (> 0)
 
 
 def weights(snapshot: Snapshot, route: Route, cands: tuple[InboundRef, ...], population: int,
-            held: np.ndarray | None = None) -> Weights:
+            held: np.ndarray | None = None, demand: Demand | None = None) -> Weights:
     """Target shares of ``population`` users over the candidates, by the route's policy.
 
     ``held``: users each candidate holds now (assignments); a saturated candidate's target is what it holds.
+    ``demand``: the users' measured demand; least-loaded shares are then shares of the route's demand
+    (``by_demand``), the capacity left for our users being ``C − max(0, T − demand.held)``.
     """
     held = np.zeros(len(cands)) if held is None else held
     traffic, users, cap, missing = _loads(snapshot, cands)
     marked = np.array([snapshot.marked(r.inbound.id) for r in cands])
     penalty = np.where(marked, PAIR_PENALTY, 1.0)
     closed = np.zeros(len(cands), dtype=bool)
+    by_demand = False
     if route.balance == "least-loaded" and not missing:
         saturated = traffic >= SATURATED * cap
+        by_demand = demand is not None
         if saturated.all():  # nobody has room: share by size rather than drop the route (LB-8)
             w, mode = cap.copy(), "least-loaded: every candidate is saturated; shared by capacity"
+        elif demand is not None:  # in users of mean demand: room for ours, held (Mbps) / mean
+            room = cap * penalty - np.maximum(0.0, traffic - demand.held)
+            w = _equal_spare(room, demand.per_user, saturated, population, demand.held / demand.per_user)
+            mode, closed = "least-loaded by demand", saturated
         else:
             w, mode = _equal_spare_per_user(cap * penalty, traffic, users, saturated, population, held), "least-loaded"
             closed = saturated
@@ -137,7 +174,7 @@ def weights(snapshot: Snapshot, route: Route, cands: tuple[InboundRef, ...], pop
             detail = (mode,) * len(cands)
     if w.sum() <= 0:
         w = np.ones(len(cands))
-    return Weights(share=w / w.sum(), closed=closed, mode=mode, detail=detail)
+    return Weights(share=w / w.sum(), closed=closed, mode=mode, detail=detail, by_demand=by_demand)
 
 
 def _equal_spare_per_user(cap: np.ndarray, traffic: np.ndarray, users: np.ndarray, closed: np.ndarray,
@@ -148,9 +185,16 @@ def _equal_spare_per_user(cap: np.ndarray, traffic: np.ndarray, users: np.ndarra
     traffic per user; its spare per user is (C - T - (n - U)·t̄) / (n + 1). Solve for the common
     value λ with Σ n = the users being placed, by bisection.
     """
-    population = max(population, 1)
     per_user = float(traffic.sum() / users.sum()) if users.sum() > 0 else 0.0
     room = cap - traffic + users * per_user  # capacity available to our users
+    return _equal_spare(room, per_user, closed, population, held)
+
+
+def _equal_spare(room: np.ndarray, per_user: float, closed: np.ndarray, population: float,
+                 held: np.ndarray) -> np.ndarray:
+    """Users per candidate (of ``per_user`` Mbps each) that leave every open one the same spare per user,
+    ``(room − n·per_user) / (n + 1)``, with ``Σ n = population``; a closed candidate keeps ``held``."""
+    population = max(population, 1)
 
     def counts(lam: float) -> np.ndarray:
         return np.where(closed, held, np.maximum(0.0, (room - lam) / (lam + per_user)))
@@ -230,8 +274,16 @@ def _placement(snapshot: Snapshot, route: Route, cands: tuple[InboundRef, ...]) 
     found = placements.get((route.id, ids))
     if found is None:
         held = _held(snapshot, route.id, ids)
-        w = weights(snapshot, route, cands, int(held.sum()) + 1, held)
         keys = np.array([snapshot.inbound_keys[i] for i in ids], dtype=np.uint64)
+        fill, assigned = _assignment_demand(snapshot)
+        if fill is not None and route.balance == "least-loaded":  # in demand units, as the batch places
+            held_mbps = np.array([assigned.get((route.id, i), 0.0) for i in ids], dtype=np.float64)
+            per_user = float(held_mbps.sum() / held.sum()) if held.sum() > 0 else fill
+            w = weights(snapshot, route, cands, int(held.sum()) + 1, held_mbps, Demand(held_mbps, per_user))
+            if w.by_demand:
+                found = placements[(route.id, ids)] = (w, keys, _deficit(w, held_mbps, float(held_mbps.sum()) + fill))
+                return found
+        w = weights(snapshot, route, cands, int(held.sum()) + 1, held)
         found = placements[(route.id, ids)] = (w, keys, _deficit(w, held, int(held.sum()) + 1))
     return found
 
@@ -252,8 +304,50 @@ def _assignment_counts(snapshot: Snapshot) -> dict[tuple[str, str], int]:
     return counts
 
 
-def _deficit(w: Weights, held: np.ndarray, population: int) -> np.ndarray:
-    """How many more users each candidate should take; never zero everywhere."""
+def _assignment_demand(snapshot: Snapshot) -> tuple[float | None, dict[tuple[str, str], float]]:
+    """What an unmeasured user weighs (None: nobody measured) and the Mbps assigned per (route, inbound);
+    computed once per snapshot, with the weights ``rebalance`` gives the same users."""
+    found = snapshot.memo.assignment_demand
+    if found is None:
+        usage, users = snapshot.usage, snapshot.cluster.users
+        active = [u for u in users if u.name in usage and snapshot.active(u)]
+        demand = _measured((usage[u.name] for u in active), len(active))
+        fill = _fill(snapshot, demand)
+        assigned: dict[tuple[str, str], float] = {}
+        if fill is not None:
+            weight = dict(zip([u.name for u in active], _weigh(demand, fill).tolist(), strict=True))
+            for (user, route), inbound in snapshot.assignments.items():
+                assigned[(route, inbound)] = assigned.get((route, inbound), 0.0) + weight.get(user, fill)
+        found = snapshot.memo.assignment_demand = (fill, assigned)
+    return found
+
+
+def _measured(usage: Iterable[UserUsage | None], count: int) -> np.ndarray:
+    """Each user's measured demand in Mbps; 0 where never measured (or not a sane number)."""
+    d = np.fromiter((0.0 if x is None else x.demand_mbps for x in usage), dtype=np.float64, count=count)
+    sane: np.ndarray = np.where(np.isfinite(d) & (d > 0), d, 0.0)
+    return sane
+
+
+def _fill(snapshot: Snapshot, measured: np.ndarray) -> float | None:
+    """What a user without a measurement weighs: the mean of the measured active users, else of everyone
+    measured; None when nobody was (balancing then counts users)."""
+    if (measured > 0).any():
+        return float(measured[measured > 0].mean())
+    if not snapshot.usage:
+        return None
+    fleet = _measured(snapshot.usage.values(), len(snapshot.usage))
+    return float(fleet[fleet > 0].mean()) if (fleet > 0).any() else None
+
+
+def _weigh(measured: np.ndarray, fill: float) -> np.ndarray:
+    """The users' weights in Mbps: measured (at least ``DEMAND_FLOOR`` of the mean), else the mean."""
+    weighed: np.ndarray = np.where(measured > 0, np.maximum(measured, DEMAND_FLOOR * fill), fill)
+    return weighed
+
+
+def _deficit(w: Weights, held: np.ndarray, population: float) -> np.ndarray:
+    """How many more users (Mbps, by demand) each candidate should take; never zero everywhere."""
     target = w.share * population
     deficit = np.where(w.closed, 0.0, np.maximum(0.0, target - held))
     if deficit.sum() <= 0:
@@ -283,6 +377,7 @@ def rebalance(snapshot: Snapshot, chunk: int | None = None) -> dict[tuple[str, s
     names = [u.name for u in users]
     ukeys = np.array([snapshot.user_keys[n] for n in names], dtype=np.uint64)
     regions = np.array([u.region or "" for u in users])
+    demand = _user_demand(snapshot, names)
     stick = 1.0 + cluster.settings.balance.stickiness
     out: dict[tuple[str, str], str] = {}
     for route in cluster.effective_routes:
@@ -297,7 +392,8 @@ def rebalance(snapshot: Snapshot, chunk: int | None = None) -> dict[tuple[str, s
                 for i in idx:
                     out[(names[i], route.id)] = fallback
                 continue
-            chosen = _batch(snapshot, route, cands, ukeys[idx], [names[i] for i in idx], stick, chunk)
+            chosen = _batch(snapshot, route, cands, ukeys[idx], [names[i] for i in idx], stick, chunk,
+                            demand=None if demand is None else demand[idx])
             for i, c in zip(idx, chosen, strict=True):
                 out[(names[i], route.id)] = cands[c].inbound.id
         if route.pools and route.steering in ADDRESS_STEERED:  # every user's place in every pool an address may choose
@@ -306,10 +402,19 @@ def rebalance(snapshot: Snapshot, chunk: int | None = None) -> dict[tuple[str, s
                 if not cands:
                     continue
                 key = pool_key(route.id, pool)
-                chosen = _batch(snapshot, route, cands, ukeys, names, stick, chunk, key)
+                chosen = _batch(snapshot, route, cands, ukeys, names, stick, chunk, key, demand)
                 for name, c in zip(names, chosen, strict=True):
                     out[(name, key)] = cands[c].inbound.id
     return out
+
+
+def _user_demand(snapshot: Snapshot, names: list[str]) -> np.ndarray | None:
+    """The active users' weights in Mbps (``_weigh``), None when no demand was measured (count users)."""
+    if not snapshot.usage:
+        return None
+    measured = _measured(map(snapshot.usage.get, names), len(names))
+    fill = _fill(snapshot, measured)
+    return None if fill is None else _weigh(measured, fill)
 
 
 def _pool_groups(snapshot: Snapshot, route: Route, ukeys: np.ndarray, regions: np.ndarray) -> list[tuple[str | None, np.ndarray]]:
@@ -332,13 +437,18 @@ def _pool_groups(snapshot: Snapshot, route: Route, ukeys: np.ndarray, regions: n
 
 
 def _batch(snapshot: Snapshot, route: Route, cands: tuple[InboundRef, ...], ukeys: np.ndarray, names: list[str],
-           stick: float, chunk: int | None, key: str | None = None) -> np.ndarray:
+           stick: float, chunk: int | None, key: str | None = None, demand: np.ndarray | None = None) -> np.ndarray:
     n, k = len(ukeys), len(cands)
     cand_keys = np.array([snapshot.inbound_keys[r.inbound.id] for r in cands], dtype=np.uint64)
     position = {r.inbound.id: i for i, r in enumerate(cands)}
     key = key or route.id
     prev = np.array([position.get(snapshot.assignments.get((u, key), ""), -1) for u in names], dtype=np.int64)
     sticky = prev >= 0
+    if demand is not None and route.balance == "least-loaded":
+        held_mbps = np.bincount(prev[sticky], weights=demand[sticky], minlength=k).astype(np.float64)
+        w = weights(snapshot, route, cands, n, held_mbps, Demand(held_mbps, float(demand.mean())))
+        if w.by_demand:
+            return _batch_by_demand(w, ukeys, cand_keys, prev, demand, held_mbps, stick, chunk)
     held = np.bincount(prev[sticky], minlength=k).astype(np.float64)
     w = weights(snapshot, route, cands, n, held)
     target = w.share * n
@@ -364,3 +474,84 @@ def _batch(snapshot: Snapshot, route: Route, cands: tuple[InboundRef, ...], ukey
         chosen[rows] = pick
         held += np.bincount(pick, minlength=k)
     return chosen
+
+
+def _batch_by_demand(w: Weights, ukeys: np.ndarray, cand_keys: np.ndarray, prev: np.ndarray, demand: np.ndarray,
+                     held: np.ndarray, stick: float, chunk: int | None) -> np.ndarray:
+    """``_batch`` in demand units (Mbps): targets, stickiness and deficits weigh each user by its demand."""
+    k = len(cand_keys)
+    total = float(demand.sum())
+    target = w.share * total
+    chosen = prev.copy()
+
+    # Stickiness: a server leaves its excess demand beyond (1 + stickiness) x its target, weakest hash
+    # first, until what left is (to within half the last user's demand) the excess (LB-6).
+    for i in np.flatnonzero(held > target * stick):
+        members = np.flatnonzero(prev == i)
+        strength = 1.0 / exponentials(ukeys[members], cand_keys[i:i + 1])[:, 0]
+        members = members[np.argsort(strength, kind="stable")]
+        weighs = demand[members]
+        leave = members[np.cumsum(weighs) - weighs / 2 < held[i] - target[i]]
+        chosen[leave] = -1
+        held[i] -= float(demand[leave].sum())
+
+    free = _heaviest_first(np.flatnonzero(chosen < 0), demand)
+
+    # The heaviest, one at a time, where they leave the lowest utilisation (heavy users spread).
+    usable = ~w.closed & (target > 0)
+    limit = float(target[usable].mean()) / HEAVY if usable.any() else np.inf
+    heavy = free[:min(int(np.searchsorted(-demand[free], -limit)), HEAVY_MAX)]
+    if heavy.size:
+        strength = 1.0 / exponentials(ukeys[heavy], cand_keys)
+        share = np.where(usable, target, 1.0)
+        for row, u in enumerate(heavy.tolist()):
+            after = np.where(usable, (held + demand[u]) / share, np.inf)
+            tied = np.flatnonzero(after <= after.min() * (1 + 1e-9))
+            c = int(tied[np.argmax(strength[row, tied])])
+            chosen[u] = c
+            held[c] += demand[u]
+
+    # The rest by rendezvous hashing on the remaining deficits (LB-9), a chunk at a time; who would
+    # overshoot its pick's deficit waits for the next chunk (at most a chunk waits; the last places everyone).
+    rest = free[len(heavy):]
+    size = chunk or max(64, min(20000, len(rest) // 32 + 1))
+    carry = rest[:0]
+    start = 0
+    while start < len(rest) or carry.size:
+        rows = np.concatenate([carry, rest[start:start + size]])
+        start += size
+        deficit = _deficit(w, held, total)
+        strengths = scores(ukeys[rows], cand_keys, deficit)
+        pick = strengths.argmax(axis=1)
+        carry = rows[:0]
+        room = np.maximum(0.0, target - held)
+        if start < len(rest) and (room > 0).any():
+            fits = _fits(strengths[np.arange(len(rows)), pick], pick, demand[rows], room)
+            if (~fits).sum() <= size:  # what waits is never more than a chunk: no pile-up when room runs out
+                carry, rows, pick = rows[~fits], rows[fits], pick[fits]
+        chosen[rows] = pick
+        held += np.bincount(pick, weights=demand[rows], minlength=k)
+    return chosen
+
+
+def _heaviest_first(users: np.ndarray, demand: np.ndarray) -> np.ndarray:
+    """``users`` by decreasing demand, ties in their order: one sort of unique 64-bit keys, the demand's
+    leading bits (a positive float's bits order as it does) above the position (several times faster
+    than a stable argsort of 1M floats; demands within a few parts per billion count as equal)."""
+    shift = np.uint64(max(1, (len(users) - 1).bit_length()))
+    keys = (~demand[users].view(np.uint64) >> shift << shift) | np.arange(len(users), dtype=np.uint64)
+    ordered: np.ndarray = users[(np.sort(keys) & ((np.uint64(1) << shift) - np.uint64(1))).astype(np.int64)]
+    return ordered
+
+
+def _fits(strength: np.ndarray, pick: np.ndarray, demand: np.ndarray, room: np.ndarray) -> np.ndarray:
+    """Which users of a chunk fit their pick's room: per pick, strongest first, while the demand before a
+    user plus half its own stays within the room."""
+    order = np.argsort(pick + 0.5 / (1.0 + strength))  # by pick, then strongest first
+    picked, weighs = pick[order], demand[order]
+    before = np.cumsum(weighs) - weighs
+    starts = np.flatnonzero(np.r_[True, picked[1:] != picked[:-1]])
+    before -= np.repeat(before[starts], np.diff(np.r_[starts, len(picked)]))
+    fits = np.empty(len(pick), dtype=bool)
+    fits[order] = before + weighs / 2 <= room[picked]
+    return fits

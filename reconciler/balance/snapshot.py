@@ -49,15 +49,16 @@ class SnapshotMemo:
     one mutable part, owned by the snapshot (a new snapshot, also one made by ``dataclasses.replace``,
     starts empty) and never compared or shown. Each consumer has its own named slot:
 
-    - ``members``, ``healthy``, ``candidates``, ``placements``, ``assignment_counts`` — ``balance.decide``:
-      a route's usable members, its pools' health, the candidates of a (route, pool), the weights, keys and
-      deficits for placing a new user on a candidate set, and the users assigned per (route, inbound);
+    - ``members``, ``healthy``, ``candidates``, ``placements``, ``assignment_counts``, ``assignment_demand`` —
+      ``balance.decide``: a route's usable members, its pools' health, the candidates of a (route, pool), the
+      weights, keys and deficits for placing a new user on a candidate set, the users assigned per (route,
+      inbound), and their demand (what an unmeasured user weighs, and the Mbps assigned per (route, inbound));
     - ``header_bases``, ``header_json_heads``, ``document_templates`` — ``subscriptions.document``: the
       user-independent headers of a format, their JSON encoding, and a document per (format, entries)
       with stand-ins for the user's credentials.
     """
 
-    __slots__ = ("assignment_counts", "candidates", "document_templates", "header_bases", "header_json_heads",
+    __slots__ = ("assignment_counts", "assignment_demand", "candidates", "document_templates", "header_bases", "header_json_heads",
                  "healthy", "members", "placements")
 
     def __init__(self) -> None:
@@ -66,6 +67,8 @@ class SnapshotMemo:
         self.candidates: dict[tuple[str, str | None], tuple[InboundRef, ...]] = {}  # (route id, pool)
         self.placements: dict[tuple[str, tuple[str, ...]], Placement] = {}  # (route id, candidate ids)
         self.assignment_counts: dict[tuple[str, str], int] | None = None  # (route id, inbound id) → users
+        # (what an unmeasured user weighs in Mbps, None: nobody measured; (route id, inbound id) → Mbps assigned)
+        self.assignment_demand: tuple[float | None, dict[tuple[str, str], float]] | None = None
         self.header_bases: dict[str, dict[str, str]] = {}  # format → headers
         self.header_json_heads: dict[str, str] = {}  # format → JSON text
         self.document_templates: dict[tuple[str, tuple[tuple[str, str], ...]], bytes] = {}  # (format, entries)
