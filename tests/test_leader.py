@@ -466,12 +466,12 @@ def test_two_controllers_one_leads_a_killed_or_stopped_leader_is_replaced_and_co
         old = _leader(a)
         fence_a, ticks_a = int(old["fence"]), int(old["state"]["ticks"])
         a.kill()
-        killed = time.monotonic()
+        killed, killed_at = time.monotonic(), time.time()
         seen_serving = []
         while _leader(b).get("role") != "leader":
             seen_serving.append(serves(b))
-            assert time.monotonic() - killed < 3 * LEASE, (tmp_path / "b.log").read_text()[-3000:]
-        takeover = time.monotonic() - killed
+            assert time.monotonic() - killed < 3 * LEASE + 5, (tmp_path / "b.log").read_text()[-3000:]
+        takeover = float(_leader(b)["since"]) - killed_at  # when it won, by its own clock (this machine's): no polling lag
         assert takeover < 2 * LEASE, takeover
         assert all(seen_serving), "the standby stopped answering subscriptions during the takeover"
         st = _wait(lambda: (lb := _leader(b)).get("state", {}).get("generation") and lb["state"]["published_by"] == lb["identity"]
@@ -487,11 +487,11 @@ def test_two_controllers_one_leads_a_killed_or_stopped_leader_is_replaced_and_co
         assert _wait(lambda: _leader(a2).get("role") == "standby" and _leader(a2).get("leader") == _leader(b)["identity"], 60)
         fence_b = int(_leader(b)["fence"])
         b.proc.send_signal(signal.SIGSTOP)
-        stopped = time.monotonic()
+        stopped, stopped_at = time.monotonic(), time.time()
         while _leader(a2).get("role") != "leader":
             assert serves(a2)
-            assert time.monotonic() - stopped < 3 * LEASE, (tmp_path / "a.log").read_text()[-3000:]
-        takeover2 = time.monotonic() - stopped
+            assert time.monotonic() - stopped < 3 * LEASE + 5, (tmp_path / "a.log").read_text()[-3000:]
+        takeover2 = float(_leader(a2)["since"]) - stopped_at
         assert takeover2 < 2 * LEASE, takeover2
         assert int(_leader(a2)["fence"]) > fence_b
         b.proc.send_signal(signal.SIGCONT)
@@ -504,10 +504,10 @@ def test_two_controllers_one_leads_a_killed_or_stopped_leader_is_replaced_and_co
         assert "applying:" not in log_b  # it never reached a server (none answers here; the fence test shows the rest)
 
         # 3. A clean stop of the leader resigns: the standby leads at its next look, well within one lease.
+        stopped_at = time.time()
         a2.stop()
-        stopped = time.monotonic()
         assert _wait(lambda: _leader(b).get("role") == "leader", 2 * LEASE)
-        handover = time.monotonic() - stopped
+        handover = float(_leader(b)["since"]) - stopped_at  # from the SIGTERM: its last publish, resign and exit included
         print(f"takeover after SIGKILL {takeover:.2f}s, after SIGSTOP {takeover2:.2f}s, after SIGTERM {handover:.2f}s "
               f"(lease {LEASE}s)")
         assert b.stop() == 0
