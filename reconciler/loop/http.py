@@ -21,6 +21,10 @@ loopback by default, optionally behind a bearer token or basic credentials):
   servers with their verdicts and reasons, routes with their active inbounds;
 - ``/status.json``: the same as JSON.
 
+With ``settings.outputs.workers`` above 1 the public side runs in worker processes sharing the
+port (``reconciler.loop.workers``), each with this class's ``public`` over its own copy of the
+snapshot; this process keeps the operations listener.
+
 Both listeners are guarded (``reconciler.loop.listener``): a connection cap, header and
 idle timeouts, malformed requests logged once per client per minute.
 """
@@ -100,11 +104,17 @@ class HttpOutlet:
         return await self.operations(request)
 
     async def start(self, host: str, port: int, operations: tuple[str, int] | None = None,
-                    credential: Credential | None = None, limits: Limits | None = None) -> None:
+                    credential: Credential | None = None, limits: Limits | None = None, public: bool = True) -> None:
         """Listen on (host, port) for the public side and on ``operations`` for the rest; without
-        ``operations``, or with the same address, one listener serves both."""
+        ``operations``, or with the same address, one listener serves both. ``public=False``: the operations
+        listener only (worker processes answer the public port: ``reconciler.loop.workers``)."""
         self.credential = credential
-        if operations is None or operations == (host, port):
+        if not public:
+            if operations is None or operations == (host, port):
+                raise ValueError("the operations listener needs an address of its own when workers answer the public one")
+            self.listeners = [Listener("operations", self.operations, limits)]
+            addresses = [operations]
+        elif operations is None or operations == (host, port):
             self.listeners = [Listener("http", self.both, limits)]
             addresses = [(host, port)]
         else:

@@ -91,15 +91,18 @@ class Listener:
         self.open: dict[RequestHandler, _Connection] = {}
         self.refused = 0  # connections closed at once: over the cap
         self.timed_out = 0  # connections closed for slow headers or idleness
+        self.served = 0  # requests handed to ``handle``
         self._logged: dict[str, float] = {}
         self._runner: web.ServerRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> None:
+        """Listen on (host, port); ``reuse_port``: share the port with other processes of ours that listen on it
+        with the same option (SO_REUSEPORT: the kernel spreads new connections among them)."""
         server = _Server(self, self._dispatch, access_log=None, keepalive_timeout=self.limits.header_timeout)
         self._runner = web.ServerRunner(server, handle_signals=False)
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port, reuse_address=True).start()
+        await web.TCPSite(self._runner, host, port, reuse_address=True, reuse_port=reuse_port or None).start()
         self._sweeper = asyncio.create_task(self._sweep(), name=f"{self.name}-sweeper")
 
     async def stop(self) -> None:
@@ -111,6 +114,7 @@ class Listener:
             self._runner = None
 
     async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
+        self.served += 1
         conn = self.open.get(request.protocol)
         if conn is not None:
             conn.busy += 1

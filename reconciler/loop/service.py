@@ -57,6 +57,7 @@ from reconciler.loop.client_address import networks
 from reconciler.loop.http import HttpOutlet, status_document
 from reconciler.loop.listener import load_credential
 from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens, cluster_digest
+from reconciler.loop.workers import LiveWorkers, worker_count
 from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
 from reconciler.model import Cluster, Server
 from reconciler.model.types import parse_listen
@@ -136,6 +137,7 @@ class Loop:
         self.registry.register(ReconcilerCollector(lambda: self.view, self.stats))
         self.http = HttpOutlet(self.answers, self.registry, lambda: self.view, self._healthy, self._region_lookup(),
                                networks(cluster.settings.outputs.trusted_proxies))
+        self.live: LiveWorkers | None = None  # worker processes answering the public port (settings.outputs.workers > 1)
         self._digest = cluster_digest(cluster)
         self._last_status: dict[str, str] = {}
         self._tick_index = 0
@@ -204,9 +206,20 @@ class Loop:
             log.error("%s", exc)
             return 1
         host, operations = host or "127.0.0.1", (operations[0] or "127.0.0.1", operations[1])
+        workers = worker_count(self.cluster.settings.outputs.workers)
+        if workers > 1 and operations == (host, port):
+            log.warning("settings.outputs.workers asks for %d processes, but operations_listen is listen and the "
+                        "operations pages are answered by the loop's own process: one process answers both", workers)
+            workers = 1
         try:
-            await self.http.start(host, port, operations=operations, credential=credential)
+            if workers > 1:
+                self.live = LiveWorkers(workers, host, port, self.secret, self.state.path, self.base_dir, self._healthy)
+                await self.live.start()
+            await self.http.start(host, port, operations=operations, credential=credential, public=self.live is None)
         except OSError as exc:
+            if self.live is not None:
+                await self.live.stop()
+                self.live = None
             log.error("cannot listen on %s or %s: %s (set settings.outputs.listen and operations_listen, or --listen "
                       "and --operations-listen)", self.listen, self.operations_listen, exc.strerror)
             return 1
@@ -237,6 +250,8 @@ class Loop:
             await self._leader_stop()  # issue 17: the last state published, the lease given back
             await asyncio.to_thread(self._save)
             await self.http.stop()
+            if self.live is not None:
+                await self.live.stop()
             await self.pool.close()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
@@ -315,6 +330,8 @@ class Loop:
             self.learned.assignments = dict(snap.assignments)  # stickiness (LB-6): the next interval starts here
             self.stats.record("collect", True, time.perf_counter() - started, now)
             self.answers.publish(snap)
+            if self.live is not None:  # the worker processes answer from the same snapshot (written in a thread)
+                self.live.publish(snap)
             self.view = self._fleet_view(cluster, verdicts, snap)
             self._report_changes(verdicts)
             self._enforce(snap)
