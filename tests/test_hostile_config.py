@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from reconciler.config.yamlread import MAX_FILE_BYTES, MAX_NODES
+from reconciler.config.yamlread import MAX_FILE_BYTES, MAX_TOTAL_BYTES
 from reconciler.safe_read import read_regular_file
 from tests.conftest import capable_example_text, example_text, plant
 
@@ -129,7 +129,9 @@ WHOLE: list[tuple[str, str, str, int]] = [
     ("deep-block", "".join(" " * i + "- \n" for i in range(200)), "nesting is deeper than", 65),
     ("alias-bomb", "a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n"
      + "".join(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]\n" for i in range(1, 9)), "expands to more than", 1),
-    ("node-flood", "users: [" + "a, " * (MAX_NODES + 10) + "]\n", "expands to more than", 1),
+    # A flood its bytes do not pay for (the budget is MAX_NODES plus one node per byte read): a list of
+    # 1000 items, aliased 100 times, is 100 000 values from 7 KB.
+    ("node-flood", "a: &a [" + "x, " * 1000 + "]\nusers: [" + "*a, " * 100 + "]\n", "expands to more than", 1),
     ("tag-directive", "%TAG !e! tag:evil.example,2000:\n---\nservers: !e!thing []\n", "tag:evil.example,2000:thing is not", 3),
     ("undefined-alias", "servers: *nope\n", "found undefined alias", 1),
     ("include-flood", "includes: [" + "a.yaml, " * 1000 + "]\n", "more than 256", 1),
@@ -234,17 +236,20 @@ def test_a_fifo_is_refused_without_blocking(cli, tmp_path):
 def test_a_file_over_the_size_cap_is_refused_before_parsing(cli, tmp_path):
     path = tmp_path / "cluster.yaml"
     with open(path, "wb") as fh:
-        fh.write(b"servers: []\n# " + b"x" * (16 * 1024 * 1024) + b"\n")  # the red team's 16 MB file
+        fh.write(b"servers: []\n# ")
+        fh.truncate(MAX_FILE_BYTES + 1)  # sparse: refused by its size, never read
     run = _validate(cli, path)
     assert f"more than the {MAX_FILE_BYTES} allowed" in run.err
 
 
 def test_a_1mb_host_name_is_refused(cli, tmp_path):
-    text, _ = plant(example_text(), HOST, "    host: " + "a" * 1_000_000)
+    # Within the file size cap now: refused by the host name's own rule, at its place, and not echoed.
+    text, line = plant(example_text(), HOST, "    host: " + "a" * 1_000_000)
     path = tmp_path / "cluster.yaml"
     path.write_text(text)
     run = _validate(cli, path)
-    assert "allowed" in run.err and len(run.err) < 2000
+    assert any(int(e["line"]) == line for e in _located(run, "host: is too long")), run.err[:2000]
+    assert len(run.err) < 2000
 
 
 def test_the_shared_reader_refuses_what_is_not_a_regular_file(tmp_path):
@@ -354,7 +359,8 @@ def test_a_wide_glob_is_bounded(cli, tmp_path, monkeypatch):
 def test_includes_share_one_byte_budget(cli, tmp_path):
     path = _with_include(tmp_path, "'users.d/*.yaml'")
     (tmp_path / "repo" / "users.d").mkdir()
-    for i in range(5):
-        (tmp_path / "repo" / "users.d" / f"u{i}.yaml").write_text("users: []\n# " + "x" * 400_000 + "\n")
+    each = MAX_TOTAL_BYTES // 3  # each file within MAX_FILE_BYTES, the three of them over the total
+    for i in range(3):
+        (tmp_path / "repo" / "users.d" / f"u{i}.yaml").write_bytes(b"users: []\n# " + b"x" * each + b"\n")
     run = _validate(cli, path)
-    assert "more than 1048576 bytes together" in run.err
+    assert f"more than {MAX_TOTAL_BYTES} bytes together" in run.err

@@ -4,49 +4,103 @@ Called by the loader for the cluster file and each include (and for any document
 ``load_document`` reads). The file is hostile input until proven otherwise:
 
 - it is read through ``safe_read`` (regular files only, at most ``MAX_FILE_BYTES``);
-- the parser counts nodes *while composing* and stops at the shared ``Budget``, and
+- the composer counts nodes *while composing* and stops at the shared ``Budget``, and
   the conversion counts again as it expands aliases ("billion laughs");
-- ruamel only tokenises and composes; the values are built here, from the plain
-  YAML 1.2 core types — str, int, float, bool, null, timestamp, seq, map and the
-  ``<<`` merge key. Any other tag (``!!binary``, ``!!python/...``, ``!!set``,
-  ``!custom``) and any scalar its tag cannot hold (``!!int abc``, ``2026-13-01``)
-  is a ``Problem`` at the node's ``file:line:col``, never an exception.
+- the parsers only produce events; the composer here builds the nodes (iteratively:
+  nesting is counted as it goes and refused beyond ``MAX_DEPTH``, never a recursion),
+  and the values are built here, from the plain YAML 1.2 core types — str, int, float,
+  bool, null, timestamp, seq, map and the ``<<`` merge key. Any other tag (``!!binary``,
+  ``!!python/...``, ``!!set``, ``!custom``) and any scalar its tag cannot hold
+  (``!!int abc``, ``2026-13-01``) is a ``Problem`` at the node's ``file:line:col``,
+  never an exception.
 
-Limits, and why: pure-Python ruamel composes about 35 000 nodes or 1 MB of
-comments per second on one core, and a cluster file is small — the example is
-6 KB and 700 nodes; 5 000 users with a region each are 25 000 nodes. So one
-cluster (the file and all its includes together) may hold ``MAX_NODES`` = 60 000
-nodes and ``MAX_TOTAL_BYTES`` = 1 MiB, one file at most ``MAX_FILE_BYTES`` =
-512 KiB: the worst accepted or refused load takes about 2 s, and a 16 MB file is
-refused before a byte of it is parsed (it took 40 s and over 1 GB).
+Events come from one of two parsers, composed by the same code into the same nodes. A
+file of up to ``RUAMEL_BYTES`` (the old cap of one file) is parsed by ruamel's pure
+parser, as it always was, so every such file loads, or fails with the diagnostic, word
+for word and position for position, as before. A larger file is parsed by libyaml (the C
+parser, through PyYAML): its events come thirty times as fast as ruamel's, and 100 000
+users (3.8 MB) are composed and converted in 2 s of one core, not 10 (17 before this
+composer). The two scanners differ in corners, and there libyaml's reading holds for a
+large file: it takes a tab as white space where YAML allows one (ruamel refuses any tab
+outside quotes, block scalars, comments and flow collections; both refuse tabs in
+indentation), counts NEL, LS and PS as line breaks, reads a BOM inside the text, an
+anchor name ending in ``:`` and tags such as ``!!!int`` its own way, refuses a few
+things ruamel reads (``: x`` with no key, ``[:7]``), and words its errors (and sometimes
+places them) differently. The bounds (depth, nodes, bytes) are the composer's and the
+converter's, the same for both. Where the two agree on the text, the composer makes them
+agree on the nodes: plain scalars are resolved by ruamel's own YAML 1.2 rule table (1.1
+under a ``%YAML 1.1`` directive), so ``yes``, ``on``, ``0o17`` and ``1:30`` mean what
+they always meant here, and libyaml's empty values are placed where ruamel places them
+(``_Marks``).
+
+Memory: a node's start mark is the ``Pos`` the source map keeps, the converter lets each
+item's nodes go once converted, and the cyclic collector waits while a file is composed
+and converted (``gc_paused``). A million users (39 MB) load, validated, in 2.2 GB at the
+peak.
+
+Limits, and why: a cluster of a million users is about 38 MB of YAML and 10 million
+nodes composed and converted (each user five, counted twice), so one file may be
+``MAX_FILE_BYTES`` = 64 MiB and the file and its includes together
+``MAX_TOTAL_BYTES`` = 128 MiB. The node budget grows with the text actually read:
+``MAX_NODES`` = 60 000 plus one node per byte. Honest YAML spends well under one node
+per byte (a user line spends one per four), a flood of the densest text (``a,`` in a
+flow list) at most one, while an alias bomb expands far beyond its bytes and is
+refused as before — within 60 000 nodes for a small file.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import errno
+import gc
 import math
 import os
 import re
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ruamel.yaml import YAML
-from ruamel.yaml.composer import Composer
+from ruamel.yaml import events as ruamel_events
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
 from ruamel.yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+from ruamel.yaml.resolver import VersionedResolver
+from ruamel.yaml.tag import Tag
 
 from reconciler.config.diagnostics import Diagnostic, Path, Pos, SourceMap, at
 from reconciler.safe_read import read_regular_file
 
-#: Nodes (after alias expansion) the cluster file and all its includes may hold together.
+try:  # libyaml's event parser, through PyYAML (no type stubs are installed for it: its objects are Any here)
+    import yaml as pyyaml  # type: ignore[import-untyped]
+
+    _C_LOADER: Any = pyyaml.CSafeLoader if pyyaml.__with_libyaml__ else None
+except ImportError:  # pragma: no cover — PyYAML is a dependency; without it (or its libyaml) ruamel reads every file
+    pyyaml = None
+    _C_LOADER = None
+
+#: Nodes (after alias expansion) the cluster file and all its includes may hold together,
+#: besides ``NODES_PER_BYTE`` for every byte read: ``Budget`` grows as files are read.
 MAX_NODES = 60_000
+#: Nodes the budget grows by for each byte read (see the module's docstring).
+NODES_PER_BYTE = 1
 #: Bytes of one file, checked before parsing starts.
-MAX_FILE_BYTES = 512 * 1024
+MAX_FILE_BYTES = 64 * 1024 * 1024
 #: Bytes of the cluster file and all its includes together.
-MAX_TOTAL_BYTES = 1024 * 1024
+MAX_TOTAL_BYTES = 128 * 1024 * 1024
 #: Nesting depth of collections; a cluster file needs about 8.
 MAX_DEPTH = 64
+#: Texts up to this size are parsed by ruamel's pure parser, as every file was while this was the cap of one
+#: file (the same data, positions and diagnostics; at most about 1 s), larger ones by libyaml.
+RUAMEL_BYTES = 512 * 1024
+
+#: Seconds a load may take for each MB of YAML it may read, besides the caller's base (``load_seconds``):
+#: a million users (39 MB) take about 30 s of one core here, parsed, converted and validated.
+LOAD_SECONDS_PER_MB = 2.0
+#: Entries of the cluster's folder tree ``load_seconds`` looks at (a time budget's guess, so bounded).
+SIZE_WALK_ENTRIES = 20_000
 
 _TAG = "tag:yaml.org,2002:"
 _INT = re.compile(r"^[-+]?(0|[1-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+|0b[01_]+|[0-9][0-9_]*)$")
@@ -57,6 +111,9 @@ _TIMESTAMP = re.compile(
     r"(?:[ \t]*(?P<tz>Z|(?P<tz_sign>[-+])(?P<tz_hour>[0-9]{1,2})(?::?(?P<tz_minute>[0-9]{2}))?))?)?$"
 )
 _BOOLS = {"true": True, "false": False}
+_SEQ, _MAP, _MERGE = _TAG + "seq", _TAG + "map", _TAG + "merge"
+#: The core tags a scalar may carry → the kind ``_Converter.scalar`` makes of it; any other tag is refused.
+_KIND = {_TAG + kind: kind for kind in ("str", "null", "bool", "int", "float", "timestamp")}
 
 
 class Problem(Exception):
@@ -73,10 +130,15 @@ class _TooLarge(Exception):
 
 @dataclass
 class Budget:
-    """Nodes and bytes left for the cluster file and its includes together."""
+    """Nodes and bytes left for the cluster file and its includes together.
+
+    ``allowed`` is what the nodes started from: ``MAX_NODES`` plus ``NODES_PER_BYTE``
+    for every byte read so far.
+    """
 
     nodes: int = MAX_NODES
     bytes: int = MAX_TOTAL_BYTES
+    allowed: int = MAX_NODES
 
     def spend(self) -> None:
         self.nodes -= 1
@@ -88,11 +150,13 @@ class Budget:
         if self.bytes < 0:
             raise Problem(Diagnostic("error", f"the cluster file and its includes are more than {MAX_TOTAL_BYTES} bytes together",
                                      "keep the cluster smaller; move what is not cluster state out of it", file=display, code="size"))
+        self.nodes += n * NODES_PER_BYTE
+        self.allowed += n * NODES_PER_BYTE
 
 
-def _too_large(display: str) -> Problem:
+def _too_large(display: str, budget: Budget) -> Problem:
     return Problem(Diagnostic(
-        "error", f"the cluster expands to more than {MAX_NODES} values (this file and its includes together)",
+        "error", f"the cluster expands to more than {budget.allowed} values (this file and its includes together)",
         "anchors and aliases multiply content; write the data out, or split the cluster", display, 1, 1, "size"))
 
 
@@ -125,6 +189,36 @@ def read_text(path: str, display: str, overrides: dict[str, str] | None = None, 
         raise Problem(Diagnostic("error", "not UTF-8 text", "save the file as UTF-8", display, line, 1, "encoding")) from None
 
 
+def load_seconds(path: str, base: float) -> float:
+    """How long loading the cluster at ``path`` may take: ``base`` and ``LOAD_SECONDS_PER_MB`` for each MB of it.
+
+    The MB are the file's and those of the YAML files in its folder tree, where its
+    includes are (hidden folders skipped, at most ``SIZE_WALK_ENTRIES`` entries looked
+    at; ``include_roots`` elsewhere are not counted). A bound on how long to wait for a
+    load, not on the load itself: ``Budget`` bounds that.
+    """
+    main = os.path.abspath(path)
+    total = 0
+    try:
+        total = os.path.getsize(main)
+    except OSError:
+        pass
+    seen = 0
+    for root, dirs, files in os.walk(os.path.dirname(main)):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        seen += len(dirs) + len(files)
+        for name in files:
+            full = os.path.join(root, name)
+            if name.endswith((".yaml", ".yml")) and full != main:
+                try:
+                    total += os.path.getsize(full)
+                except OSError:
+                    pass
+        if seen > SIZE_WALK_ENTRIES:
+            break
+    return base + LOAD_SECONDS_PER_MB * total / 1e6
+
+
 def read_yaml(path: str, display: str, overrides: dict[str, str] | None = None,
               budget: Budget | None = None) -> tuple[Any, SourceMap]:
     """Parse one file into plain data and its source map; ``Problem`` on any failure.
@@ -137,83 +231,513 @@ def read_yaml(path: str, display: str, overrides: dict[str, str] | None = None,
     return parse_yaml(text, display, budget)
 
 
-def parse_yaml(text: str, display: str, budget: Budget) -> tuple[Any, SourceMap]:
-    class CountingComposer(Composer):
-        def __init__(self, loader: Any = None) -> None:
-            super().__init__(loader)
-            self.warn_double_anchors = False  # a warning would be an exception under -W error
+def parse_yaml(text: str, display: str, budget: Budget, *, parser: str | None = None) -> tuple[Any, SourceMap]:
+    """``text`` → plain data and its source map, paid from ``budget``; ``Problem`` on any failure.
 
-        def compose_node(self, parent: Any, index: Any) -> Any:
-            budget.spend()
-            return super().compose_node(parent, index)
+    ``parser``: ``"ruamel"`` or ``"libyaml"`` for the events; by default the size of the text decides
+    (``compose_yaml``).
+    """
+    with gc_paused():
+        node = compose_yaml(text, display, budget, parser=parser)
+        source = SourceMap(root=Pos(display, 1, 1))
+        if node is None:
+            return None, source
+        try:
+            return _Converter(display, source, budget, consume=True).value(node, ()), source
+        except _TooLarge:
+            raise _too_large(display, budget) from None
+        except RecursionError:  # aliases nest expansions past Python's stack: each alias adds up to MAX_DEPTH levels
+            raise Problem(Diagnostic("error", "nesting is too deep", file=display, line=1, col=1, code="yaml")) from None
 
-    yaml = YAML(typ="safe", pure=True)
-    yaml.Composer = CountingComposer
-    yaml.max_depth = MAX_DEPTH
+
+def compose_yaml(text: str, display: str, budget: Budget, *, parser: str | None = None) -> Node | None:
+    """The document's root node (None for an empty stream), every node paid from ``budget``; ``Problem`` on failure.
+
+    A text of up to ``RUAMEL_BYTES`` is parsed by ruamel's pure parser, as every file
+    always was; a larger one by libyaml (``parser`` forces either). The nodes' start
+    marks are the ``Pos`` each will have in the source map (``display``, 1-based).
+    """
+    if parser is None:
+        parser = "libyaml" if _C_LOADER is not None and len(text) > RUAMEL_BYTES else "ruamel"
+    if parser == "libyaml":
+        if _C_LOADER is None:
+            raise ValueError("libyaml is not available")
+        try:
+            return _compose(_c_events(text), display, budget, text)
+        except _TooLarge:
+            raise _too_large(display, budget) from None
+        except (pyyaml.YAMLError, _Refused) as exc:
+            raise Problem(_error(exc, text, display)) from None
+        except UnicodeEncodeError:  # a lone surrogate (in an override's text): libyaml reads UTF-8 only, ruamel reads it
+            pass  # nothing was spent: the text is encoded before the first event
     try:
-        node = yaml.compose(text)
+        return _compose(_pure_events(text), display, budget)
     except _TooLarge:
-        raise _too_large(display) from None
-    except MarkedYAMLError as exc:
-        raise Problem(yaml_error(exc, text, display)) from None
-    except YAMLError as exc:
-        raise Problem(Diagnostic("error", f"YAML error: {str(exc)[:200]}", file=display, line=1, col=1, code="yaml")) from None
-    except RecursionError:
-        raise Problem(Diagnostic("error", "nesting is too deep", file=display, line=1, col=1, code="yaml")) from None
-    source = SourceMap(root=Pos(display, 1, 1))
-    if node is None:
-        return None, source
-    try:
-        return _Converter(display, source, budget).value(node, ()), source
-    except _TooLarge:
-        raise _too_large(display) from None
-    except RecursionError:
-        raise Problem(Diagnostic("error", "nesting is too deep", file=display, line=1, col=1, code="yaml")) from None
+        raise _too_large(display, budget) from None
+    except (MarkedYAMLError, YAMLError, _Refused) as exc:
+        raise Problem(_error(exc, text, display)) from None
+    except AssertionError as exc:  # ruamel asserts a %YAML directive's minor version is 1 or 2 (libyaml refuses it)
+        if "version minor part" not in str(exc):
+            raise
+        directive = re.search(r"^%YAML", text, re.M)
+        line = text.count("\n", 0, directive.start()) + 1 if directive else 1
+        raise Problem(Diagnostic("error", "YAML syntax: found incompatible YAML document (version 1.1 or 1.2 is required)",
+                                 "write %YAML 1.2, or leave the directive out", display, line, 1, "yaml")) from None
 
 
-def yaml_error(exc: MarkedYAMLError, text: str, display: str) -> Diagnostic:
+class _GCPause:
+    """The cyclic collector off while a file is composed and converted, for every thread at once (it is global).
+
+    Composing a million users makes some twenty million objects that all live on; the
+    collector would walk all of them again and again as they pile up (measured: 10 s of
+    a 15 s load of 100 000 users, superlinear). Nothing made here is cyclic garbage
+    except an alias cycle, refused and freed at the next collection. Loads in several
+    threads nest: the collector comes back when the last one is done, as it was before.
+    Validating what a load made suffers the same (a million users: 14 s with the
+    collector, 2.4 s without): ``with gc_paused():`` around it is the cure there too.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.holders = 0
+        self.was_enabled = False
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self.lock:
+            if self.holders == 0:
+                self.was_enabled = gc.isenabled()
+                gc.disable()
+            self.holders += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                if self.holders:  # (0 in a child forked during this load: ``forked`` ended the pause)
+                    self.holders -= 1
+                    if self.holders == 0 and self.was_enabled:
+                        gc.enable()
+
+    def forked(self) -> None:
+        """In a child forked while a thread loaded: that load is not the child's, so neither is its pause."""
+        self.lock = threading.Lock()
+        if self.holders and self.was_enabled:
+            gc.enable()
+        self.holders = 0
+
+
+gc_paused = _GCPause()
+os.register_at_fork(after_in_child=gc_paused.forked)
+
+
+def _error(exc: Exception, text: str, display: str) -> Diagnostic:
+    if isinstance(exc, _Refused) or hasattr(exc, "problem_mark"):
+        return yaml_error(exc, text, display)  # type: ignore[arg-type]  # a marked error of either library or ours
+    return Diagnostic("error", f"YAML error: {str(exc)[:200]}", file=display, line=1, col=1, code="yaml")
+
+
+class _Mark(Protocol):
+    line: int
+    column: int
+
+
+class _Marked(Protocol):
+    """A parser error with marks: ruamel's and PyYAML's ``MarkedYAMLError``, and ``_Refused``."""
+
+    context: str | None
+    context_mark: _Mark | None
+    problem: str | None
+    problem_mark: _Mark | None
+
+
+class _Refused(Exception):
+    """The composer's own refusal (undefined alias, a second document, nesting too deep), marked as the parsers' errors are."""
+
+    def __init__(self, context: str | None, context_mark: Any, problem: str, problem_mark: Any):
+        super().__init__(problem)
+        self.context = context
+        self.context_mark = context_mark
+        self.problem = problem
+        self.problem_mark = problem_mark
+
+
+def yaml_error(exc: _Marked, text: str, display: str) -> Diagnostic:
     """A parser error as a diagnostic at its mark, with a hint for the common slips."""
     mark = exc.problem_mark or exc.context_mark
     line = (mark.line + 1) if mark else 1
     col = (mark.column + 1) if mark else 1
     problem = (exc.problem or exc.context or "invalid YAML").strip()
-    lines = text.splitlines()
-    offending = lines[line - 1] if 0 < line <= len(lines) else ""
+    offending = _line(text, line)
     code = "yaml"
     if "\t" in offending or "'\\t'" in problem:
         code = "tab"
         col = (offending.index("\t") + 1) if "\t" in offending else col
         problem = "tab character in indentation"
         hint = "YAML indents with spaces only; replace the tab with spaces"
-    elif "maximum depth" in problem:
+    elif "maximum depth" in problem or "maximum nesting depth" in problem:  # ruamel's and ours, libyaml's (past 1000)
         problem = f"nesting is deeper than {MAX_DEPTH} levels"
         hint = "a cluster file needs a handful of levels; check the brackets"
     elif "mapping values are not allowed" in problem:
         hint = "a ':' inside a value needs quotes, or the indentation is off"
-    elif "expected <block end>" in problem or "could not find expected ':'" in problem:
+    elif any(s in problem for s in ("expected <block end>", "could not find expected ':'", "did not find expected key",
+                                    "did not find expected '-' indicator")):  # the last two: libyaml's wording
         hint = "check the indentation of this line against the lines above"
     else:
         hint = "fix the YAML syntax at this position"
     return Diagnostic("error", f"YAML syntax: {problem[:200]}", hint, display, line, col, code)
 
 
-class _Converter:
-    """Composed nodes → plain data, positions into the source map, every node paid from the budget."""
+def _line(text: str, line: int) -> str:
+    """Line ``line`` (1-based) of ``text`` as ``str.splitlines`` counts lines, without splitting all of a large text."""
+    if line < 1:
+        return ""
+    if len(text) <= RUAMEL_BYTES:  # as ruamel's diagnostics always counted them
+        lines = text.splitlines()
+        return lines[line - 1] if line <= len(lines) else ""
+    start = 0
+    for _ in range(line - 1):  # libyaml's line breaks (\r, \n, \r\n) are the ones a large file is counted by
+        nl = text.find("\n", start)
+        if nl < 0:
+            return ""
+        start = nl + 1
+    end = text.find("\n", start)
+    return text[start:end if end >= 0 else len(text)].rstrip("\r")
 
-    def __init__(self, display: str, source: SourceMap, budget: Budget):
+
+# --------------------------------------------------------------------------- events → nodes
+
+# Event kinds, for both parsers' event classes.
+_SCALAR, _SEQUENCE, _MAPPING, _ALIAS, _END, _DOCUMENT, _DOCUMENT_END, _STREAM, _STREAM_END = range(9)
+_KINDS: dict[type, int] = {
+    ruamel_events.ScalarEvent: _SCALAR, ruamel_events.SequenceStartEvent: _SEQUENCE,
+    ruamel_events.MappingStartEvent: _MAPPING, ruamel_events.AliasEvent: _ALIAS,
+    ruamel_events.SequenceEndEvent: _END, ruamel_events.MappingEndEvent: _END,
+    ruamel_events.DocumentStartEvent: _DOCUMENT, ruamel_events.DocumentEndEvent: _DOCUMENT_END,
+    ruamel_events.StreamStartEvent: _STREAM, ruamel_events.StreamEndEvent: _STREAM_END,
+}
+if pyyaml is not None:
+    _KINDS.update({
+        pyyaml.ScalarEvent: _SCALAR, pyyaml.SequenceStartEvent: _SEQUENCE, pyyaml.MappingStartEvent: _MAPPING,
+        pyyaml.AliasEvent: _ALIAS, pyyaml.SequenceEndEvent: _END, pyyaml.MappingEndEvent: _END,
+        pyyaml.DocumentStartEvent: _DOCUMENT, pyyaml.DocumentEndEvent: _DOCUMENT_END,
+        pyyaml.StreamStartEvent: _STREAM, pyyaml.StreamEndEvent: _STREAM_END,
+    })
+
+
+def _c_events(text: str) -> Iterator[Any]:
+    parser = _C_LOADER(text)
+    try:
+        get = parser.get_event
+        end = pyyaml.StreamEndEvent
+        while True:
+            event = get()
+            yield event
+            if event.__class__ is end:
+                return
+    finally:
+        parser.dispose()
+
+
+def _pure_events(text: str) -> Iterator[Any]:
+    yield from YAML(typ="safe", pure=True).parse(text)
+
+
+class _FixedTag(Tag):
+    """A ruamel ``Tag`` that is exactly the given tag, already resolved (libyaml decodes ``%xx`` itself)."""
+
+    def __init__(self, tag: str):
+        super().__init__(suffix=tag)
+        self._trval = self.text = tag
+
+
+def _tag_text(node: Node) -> str | None:
+    """``node.tag``, without three calls through ruamel's ``Tag`` for the composer's own tags."""
+    tag = node.ctag
+    return tag.text if tag.__class__ is _FixedTag else node.tag
+
+
+_TAGS: dict[str, Tag] = {}
+
+
+def _tag(tag: str) -> Tag:
+    """One shared ``Tag`` per tag: a node holds a reference, not an object of its own."""
+    found = _TAGS.get(tag)
+    if found is None:
+        if len(_TAGS) > 1000:  # tags are the file's to choose: bound what they keep alive
+            _TAGS.clear()
+        found = _TAGS[tag] = _FixedTag(tag)
+    return found
+
+
+_RULES: dict[tuple[int, int], Callable[[str], Tag]] = {}
+
+
+def _resolver(version: tuple[int, int] | None) -> Callable[[str], Tag]:
+    """Plain scalar → its implicit tag, by ruamel's rule table for ``version`` (YAML 1.2 unless a directive says 1.1)."""
+    version = (1, 1) if version == (1, 1) else (1, 2)  # both parsers refuse any other %YAML directive
+    found = _RULES.get(version)
+    if found is not None:
+        return found
+    table: dict[Any, list[tuple[str, Any]]] = VersionedResolver(version=version).versioned_resolver
+    anywhere = list(table.get(None, []))
+    rules = {first: [(_tag(tag), regexp.match) for tag, regexp in [*resolvers, *anywhere]]
+             for first, resolvers in table.items() if first is not None}
+    default = [(_tag(tag), regexp.match) for tag, regexp in anywhere]
+    plain_str = _tag(_TAG + "str")
+
+    def resolve(value: str) -> Tag:
+        for tag, match in rules.get(value[:1], default):
+            if match(value):
+                return tag
+        return plain_str
+
+    _RULES[version] = resolve
+    return resolve
+
+
+def _compose(events: Iterable[Any], display: str, budget: Budget, text: str | None = None) -> Node | None:
+    """One document's events → its root node, as ruamel's ``Composer.get_single_node`` builds it, without recursion.
+
+    Every node (an alias too) is paid from ``budget`` as it is composed; a node nested
+    deeper than ``MAX_DEPTH`` (a scalar counts as a level, as in ruamel) is refused at
+    its start. An anchor names the node object itself: an alias returns the same node
+    (its expansion is paid by ``_Converter``), and a collection's anchor is known while
+    its items are composed (an alias inside it is a cycle, refused by ``_Converter``).
+    A node's start mark is its ``Pos`` (made once, kept by the source map); no end marks
+    are kept: nothing reads them, and a million users would keep five million.
+
+    ``text``: the events are libyaml's, for this text. libyaml starts some empty values
+    (``key:`` with nothing after it) and nodes with a tag before their anchor elsewhere
+    than ruamel, and gives ``!`` on an empty node another meaning; those are put as
+    ruamel has them (``_Marks``), so both parsers' events compose to the same nodes.
+    """
+    kinds = _KINDS
+    new_scalar = ScalarNode.__new__
+    seq_tag, map_tag, str_tag = _tag(_SEQ), _tag(_MAP), _tag(_TAG + "str")
+    resolve = _resolver(None)
+    empties = _Marks(text) if text is not None else None
+    anchors: dict[Any, Node] = {}
+    parents: list[Any] = []  # the collections being composed, innermost last
+    keys: list[Any] = []  # for each of them: the key waiting for its value (a mapping's), else None
+    key_end: Any = None  # where the last key of a flow mapping ended (libyaml's mark)
+    waiting: Any = None  # an empty block mapping value: ruamel places it where the next token ends
+    root: Node | None = None
+    root_mark = None
+    last_line = 0
+    documents = 0
+    left = budget.nodes
+    node: Any
+    try:
+        for event in events:
+            kind = kinds[event.__class__]
+            if waiting is not None:
+                waiting.start_mark = empties.after_empty_value(event.start_mark, display)  # type: ignore[union-attr]
+                waiting = None
+            if kind <= _ALIAS:
+                left -= 1
+                if left < 0:
+                    raise _TooLarge
+                if kind == _ALIAS:
+                    node = anchors.get(event.anchor)
+                    if node is None:
+                        raise _Refused(None, None, f"found undefined alias {event.anchor!r}", event.start_mark)
+                else:
+                    mark = event.start_mark
+                    if len(parents) >= MAX_DEPTH:
+                        raise _Refused(None, None, f"maximum depth of data structure exceeded ({len(parents) + 1}), "
+                                                   "if necessary increase YAML().max_depth", mark)
+                    if root_mark is None:
+                        root_mark = mark
+                    line = mark.line + 1
+                    if line == last_line:  # the nodes of one line share its number (a million users: 130 MB)
+                        line = last_line
+                    else:
+                        last_line = line
+                    tag = event.tag
+                    anchor = event.anchor
+                    if kind == _SCALAR:
+                        value = event.value
+                        if tag is None or tag == "!":  # ruamel resolves a value tagged `!` as if plain, an empty one too
+                            ctag = resolve(value) if event.implicit[0] or tag else str_tag
+                        else:
+                            ctag = _tag(tag)
+                        node = new_scalar(ScalarNode)  # the slots ScalarNode.__init__ sets, without its checks
+                        if empties is not None and tag is not None and anchor is not None:
+                            pos = empties.tag_then_anchor(mark, display)
+                        elif value or empties is None or tag is not None or anchor is not None or event.style:
+                            pos = Pos(display, line, mark.column + 1)
+                        else:  # an empty node, from libyaml
+                            parent = parents[-1] if parents else None
+                            if parent.__class__ is not MappingNode:
+                                pos = empties.at(mark, display)
+                            elif parent.flow_style:
+                                pos = empties.in_flow_mapping(mark, key_end if keys[-1] is not None else None, display)
+                            else:
+                                pos = empties.at(mark, display)
+                                if keys[-1] is not None and empties.after_indicator(mark):
+                                    waiting = node
+                        node.ctag, node.value, node.start_mark, node.end_mark = ctag, value, pos, None
+                        node.comment, node.anchor, node.style = None, anchor, event.style
+                        if anchor is not None:  # a later anchor of the same name replaces it, as in ruamel
+                            anchors[anchor] = node
+                    else:
+                        ctag = (seq_tag if kind == _SEQUENCE else map_tag) if tag is None or tag == "!" else _tag(tag)
+                        if empties is not None and tag is not None and anchor is not None:
+                            pos = empties.tag_then_anchor(mark, display)
+                        else:
+                            pos = Pos(display, line, mark.column + 1)
+                        node = (SequenceNode if kind == _SEQUENCE else MappingNode)(
+                            ctag, [], pos, None, flow_style=event.flow_style, anchor=anchor)
+                        if anchor is not None:
+                            anchors[anchor] = node
+                        parents.append(node)
+                        keys.append(None)
+                        continue
+            elif kind == _END:
+                node = parents.pop()
+                keys.pop()
+            elif kind == _DOCUMENT:
+                if documents:
+                    raise _Refused("expected a single document in the stream", root_mark,
+                                   "but found another document", event.start_mark)
+                documents += 1
+                anchors = {}
+                resolve = _resolver(event.version)
+                continue
+            else:
+                continue
+            # ``node`` is complete: it is the root, an item, a key, or the value of the waiting key.
+            if not parents:
+                root = node
+                continue
+            parent = parents[-1]
+            if parent.__class__ is SequenceNode:
+                parent.value.append(node)
+            else:
+                key = keys[-1]
+                if key is None:
+                    keys[-1] = node
+                    if empties is not None and parent.flow_style:
+                        key_end = event.end_mark
+                else:
+                    parent.value.append((key, node))
+                    keys[-1] = None
+    finally:
+        budget.nodes = left
+    return root
+
+
+_BREAKS = "\n\r\x85\u2028\u2029"
+
+
+class _Marks:
+    """Where ruamel's parser starts a node that libyaml starts elsewhere, from libyaml's marks and the text.
+
+    The parsers agree on every node's start but these:
+
+    - an empty value of a block mapping: libyaml puts it just after the ``:``, ruamel
+      where the next token ends — the next key (or the end of the mapping), often on a
+      later line, and just after the ``?`` of an explicit key;
+    - an empty value of a flow mapping: libyaml puts it where the next token starts
+      (the ``,`` or ``}``), ruamel just after the ``:``; an empty key of a flow mapping:
+      libyaml at the ``:``, ruamel just after the ``?``;
+    - at the end of a text without a final line break, libyaml counts one more line;
+    - a node with a tag and then an anchor (``!!str &a x``): ruamel starts it at the anchor.
+    """
+
+    def __init__(self, text: str):
+        self.text = text
+        self.eof: tuple[int, int] | None = None  # ruamel's (line, column) at the end, once needed
+
+    def at(self, mark: Any, display: str, line: int | None = None, column: int | None = None) -> Pos:
+        line = mark.line if line is None else line
+        column = mark.column if column is None else column
+        text = self.text
+        if mark.index >= len(text) and text and text[-1] not in _BREAKS:
+            if self.eof is None:
+                start = max(text.rfind(b) for b in _BREAKS) + 1
+                self.eof = (line - 1 if column == 0 else line, len(text) - start)
+            line, column = self.eof
+        return Pos(display, line + 1, column + 1)
+
+    def tag_then_anchor(self, mark: Any, display: str) -> Pos:
+        """Ruamel's start of a node with both a tag and an anchor: the anchor's, when the tag comes first."""
+        text, index = self.text, mark.index
+        if text[index:index + 1] != "!":
+            return self.at(mark, display)
+        end = index
+        while end < len(text) and text[end] not in " \t\n\r\x85\u2028\u2029":
+            end += 1
+        anchor = end
+        while anchor < len(text) and text[anchor] in " \t":
+            anchor += 1
+        if text[anchor:anchor + 1] != "&":  # on another line (or not there): left as libyaml has it
+            return self.at(mark, display)
+        return self.at(mark, display, column=mark.column + anchor - index)
+
+    def after_indicator(self, mark: Any) -> bool:
+        """Whether libyaml's mark of an empty block mapping value is just after its ``:`` (not a key without one)."""
+        return mark.index > 0 and self.text[mark.index - 1] == ":"
+
+    def after_empty_value(self, mark: Any, display: str) -> Pos:
+        """Ruamel's mark of an empty block mapping value, from the start of the next event (``mark``)."""
+        text, index = self.text, mark.index
+        back = index
+        while back > 0 and text[back - 1] == " ":
+            back -= 1
+        if back < index and text[back - 1:back] == "?" and (back < 2 or text[back - 2] in " \n\r\x85\u2028\u2029-"):
+            return self.at(mark, display, column=mark.column - (index - back))  # the next key is explicit: after its '?'
+        return self.at(mark, display)
+
+    def in_flow_mapping(self, mark: Any, key_end: Any, display: str) -> Pos:
+        """Ruamel's mark of an empty value (after the key that ended at ``key_end``) or empty key (None) of a flow mapping."""
+        text, index = self.text, mark.index
+        if key_end is not None:  # just after the ':' that follows the key on its line
+            colon = key_end.index
+            while colon < index and text[colon] == " ":
+                colon += 1
+            if colon < index and text[colon] == ":":
+                return self.at(key_end, display, key_end.line, key_end.column + colon + 1 - key_end.index)
+            return self.at(mark, display)
+        back = index
+        while back > 0 and text[back - 1] == " ":
+            back -= 1
+        if text[back - 1:back] == "?":
+            return self.at(mark, display, column=mark.column - (index - back))
+        return self.at(mark, display)
+
+
+class _Converter:
+    """Composed nodes → plain data, positions into the source map, every node paid from the budget.
+
+    It runs once per node of a cluster (ten million for a million users), so the hot paths
+    read a node's tag through ``_tag_text`` and make a position only where one is kept.
+    """
+
+    def __init__(self, display: str, source: SourceMap, budget: Budget, consume: bool = False):
         self.display = display
         self.source = source
         self.budget = budget
         self.open: set[int] = set()  # collections being converted: an alias to one of them is a cycle
+        # Let go of each item once converted, where nothing can reach it again (no anchor on or above it),
+        # so the nodes are freed as the data grows: a million users' nodes and data need not be held at once.
+        self.consume = consume
+        self.shared = 0  # anchored nodes being converted (an alias may convert what is below them again)
 
     def pos(self, node: Node) -> Pos:
-        return Pos(self.display, node.start_mark.line + 1, node.start_mark.column + 1)
+        mark = node.start_mark
+        if mark.__class__ is Pos:  # the composer's nodes carry their position
+            return mark
+        return Pos(self.display, mark.line + 1, mark.column + 1)
 
     def fail(self, node: Node, message: str, hint: str | None, code: str = "yaml") -> Problem:
         return Problem(at("error", self.pos(node), message, hint, code))
 
     def value(self, node: Node, path: Path) -> Any:
-        self.budget.spend()
+        budget = self.budget
+        budget.nodes -= 1
+        if budget.nodes < 0:
+            raise _TooLarge
         if isinstance(node, ScalarNode):
             try:
                 return self.scalar(node)
@@ -227,53 +751,69 @@ class _Converter:
             raise self.fail(node, "an alias refers to a list or mapping that contains it",
                             "a cluster file cannot hold a cycle; write the data out", "alias")
         self.open.add(id(node))
+        anchored = node.anchor is not None
+        self.shared += anchored
         try:
             if isinstance(node, SequenceNode):
-                self.expect(node, "seq")
+                self.expect(node, _SEQ)
+                keys, values, pos, value = self.source.keys, self.source.values, self.pos, self.value
+                consume = self.consume and not self.shared
                 items = []
-                for i, item in enumerate(node.value):
-                    child = (*path, i)
-                    self.source.keys[child] = self.source.values[child] = self.pos(item)
-                    items.append(self.value(item, child))
+                seq = node.value
+                for i, item in enumerate(seq):
+                    child = path + (i,)
+                    keys[child] = values[child] = pos(item)
+                    items.append(value(item, child))
+                    if consume:
+                        seq[i] = None
                 return items
             if isinstance(node, MappingNode):
-                self.expect(node, "map")
+                self.expect(node, _MAP)
                 return self.mapping(node, path)
         finally:
             self.open.discard(id(node))
-        raise self.fail(node, "unexpected YAML node", None)  # pragma: no cover — ruamel composes only these three
+            self.shared -= anchored
+        raise self.fail(node, "unexpected YAML node", None)  # pragma: no cover — the composer makes only these three
 
-    def expect(self, node: Node, kind: str) -> None:
-        if node.tag != _TAG + kind:
-            raise self.fail(node, f"the YAML tag {_short(node.tag)} is not accepted here", _TAG_HINT, "tag")
+    def expect(self, node: Node, tag: str) -> None:
+        found = _tag_text(node)
+        if found != tag:
+            raise self.fail(node, f"the YAML tag {_short(found)} is not accepted here", _TAG_HINT, "tag")
 
     def mapping(self, node: MappingNode, path: Path) -> dict[Any, Any]:
         out: dict[Any, Any] = {}
         explicit: dict[Any, Node] = {}
         merged: list[tuple[Any, Any, Pos | None, Pos | None]] = []
-        for key_node, value_node in node.value:
-            if key_node.tag == _TAG + "merge":
+        keys, values, pos, budget = self.source.keys, self.source.values, self.pos, self.budget
+        consume = self.consume and not self.shared
+        pairs = node.value
+        for index, (key_node, value_node) in enumerate(pairs):
+            if consume:
+                pairs[index] = None
+            if _tag_text(key_node) == _MERGE:
                 merged.extend(self.merge(value_node, path))
                 continue
             if not isinstance(key_node, ScalarNode):
                 raise self.fail(key_node, "a key must be text, not a list or mapping", "write the key as plain text", "type")
-            self.budget.spend()
+            budget.nodes -= 1
+            if budget.nodes < 0:
+                raise _TooLarge
             key = self.key(key_node)
             if key in explicit:
                 first = explicit[key]
-                raise self.fail(key_node, f"duplicate key {key!r} (first at line {first.start_mark.line + 1})",
+                raise self.fail(key_node, f"duplicate key {key!r} (first at line {self.pos(first).line})",
                                 "each key may appear once in a mapping; remove or rename one of them", "duplicate-key")
             explicit[key] = key_node
-            child = (*path, key)
-            self.source.keys[child] = self.pos(key_node)
-            self.source.values[child] = self.pos(value_node)
+            child = path + (key,)
+            keys[child] = pos(key_node)
+            values[child] = pos(value_node)
             out[key] = self.value(value_node, child)
         for key, value, kpos, vpos in merged:  # YAML merge: keys written out win over merged ones
             if key not in out:
                 out[key] = value
                 if kpos and vpos:
-                    self.source.keys[(*path, key)] = kpos
-                    self.source.values[(*path, key)] = vpos
+                    keys[path + (key,)] = kpos
+                    values[path + (key,)] = vpos
         return out
 
     def merge(self, node: Node, path: Path) -> list[tuple[Any, Any, Pos | None, Pos | None]]:
@@ -284,8 +824,8 @@ class _Converter:
                 raise self.fail(src, "`<<` merges a mapping (or a list of mappings) into this one",
                                 "write `<<: *anchor` where the anchor names a mapping", "merge")
             scratch = SourceMap(root=self.source.root)
-            sub = _Converter(self.display, scratch, self.budget)
-            sub.open = self.open
+            sub = _Converter(self.display, scratch, self.budget, self.consume)
+            sub.open, sub.shared = self.open, self.shared
             data = sub.value(src, ())
             for key, value in data.items():
                 pairs.append((key, value, scratch.keys.get((key,)), scratch.values.get((key,))))
@@ -297,6 +837,8 @@ class _Converter:
 
     def key(self, node: ScalarNode) -> Any:
         value = self.scalar(node)
+        if value.__class__ is str:
+            return sys.intern(value)  # a million users' "name" keys are one string, not a million
         if isinstance(value, bool) or value is None:
             return "null" if value is None else str(value).lower()
         if isinstance(value, (int, float, str)):
@@ -304,13 +846,11 @@ class _Converter:
         return str(value)
 
     def scalar(self, node: ScalarNode) -> Any:
-        tag = node.tag or ""
+        tag = _tag_text(node) or ""
         text: str = node.value
-        if not tag.startswith(_TAG):
-            raise self.fail(node, f"the YAML tag {_short(tag)} is not accepted here", _TAG_HINT, "tag")
-        kind = tag[len(_TAG):]
+        kind = _KIND.get(tag)
         if kind == "str":
-            return _clean_text(text, self.pos(node))
+            return _clean_text(text, node, self.pos)
         if kind == "null":
             if text not in ("", "~", "null", "Null", "NULL"):
                 raise self.fail(node, f"!!null holds nothing, not {_shown(text)}", "remove the tag or the value", "tag")
@@ -381,16 +921,16 @@ def _shown(text: str) -> str:
     return repr(text if len(text) <= 40 else text[:40] + "…")
 
 
-def _clean_text(text: str, pos: Pos | None) -> str:
-    """Join UTF-16 surrogate pairs written as escapes ("\\ud83c\\udde9"); refuse lone surrogates and NUL."""
+def _clean_text(text: str, node: Node, pos_of: Callable[[Node], Pos]) -> str:
+    """Join UTF-16 surrogate pairs written as escapes ("\\ud83c\\udde9"); refuse lone surrogates and NUL (at ``node``)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         try:
             text = text.encode("utf-16", "surrogatepass").decode("utf-16")
         except UnicodeDecodeError:
-            raise Problem(at("error", pos, "text contains an invalid \\u escape (a lone UTF-16 surrogate)",
+            raise Problem(at("error", pos_of(node), "text contains an invalid \\u escape (a lone UTF-16 surrogate)",
                              "write the character itself, or a valid escape", "encoding")) from None
     if "\x00" in text:
-        raise Problem(at("error", pos, "text contains a NUL character", "remove the \\0 escape", "encoding"))
+        raise Problem(at("error", pos_of(node), "text contains a NUL character", "remove the \\0 escape", "encoding"))
     return text
