@@ -44,6 +44,7 @@ from reconciler.apply.session import Progress, pool_for, remember
 from reconciler.balance import Snapshot
 from reconciler.balance.decide import held_inbounds
 from reconciler.config import load_cluster
+from reconciler.config.yamlread import load_seconds
 from reconciler.credentials import Secret, clash_api_secret
 from reconciler.engine.base import AGENT
 from reconciler.errors import LockHeld, RemoteError, ReportError, SecretError
@@ -74,7 +75,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("reconciler.loop")
 MAX_BACKOFF_TICKS = 16
-LOAD_BUDGET = 30  # seconds a reload of the cluster file may take (loading is bounded; this bounds the wait)
+LOAD_BUDGET = 30  # seconds a reload may take, and 2 s more a MB of YAML it reads (load_seconds; loading is bounded, this bounds the wait)
 
 
 @dataclass
@@ -541,13 +542,14 @@ class Loop:
     # ------------------------------------------------------------------ the file: watch and git pull
 
     async def reload(self) -> bool:
-        """Load the file again, in a thread within ``LOAD_BUDGET`` seconds (the event loop keeps serving);
+        """Load the file again, in a thread within ``LOAD_BUDGET`` seconds and 2 a MB (the event loop keeps serving);
         keep the last good cluster when the new one is invalid or takes too long."""
         started = time.perf_counter()
+        budget = await asyncio.to_thread(load_seconds, self.path, LOAD_BUDGET)  # a million users: 39 MB, 108 s
         try:
-            result = await asyncio.wait_for(asyncio.to_thread(load_cluster, self.path), LOAD_BUDGET)
+            result = await asyncio.wait_for(asyncio.to_thread(load_cluster, self.path), budget)
         except TimeoutError:
-            log.error("loading the changed file took more than %ds: keeping the last good version", LOAD_BUDGET)
+            log.error("loading the changed file took more than %ds: keeping the last good version", budget)
             self.stats.record("load", False, time.perf_counter() - started, time.time())
             return False
         if result.cluster is None:
