@@ -295,3 +295,17 @@ def test_the_reload_budget_grows_with_the_yaml_it_may_read(tmp_path):
     (tmp_path / "notes.txt").write_text("x" * 5_000_000)  # not YAML: not counted
     assert yamlread.load_seconds(str(main), 30) == pytest.approx(38, abs=0.1)
     assert yamlread.load_seconds(str(tmp_path / "nowhere" / "cluster.yaml"), 30) == 30
+
+
+def test_a_flood_of_bad_records_is_told_not_hoarded(tmp_path):
+    # A small file with thousands of broken users gets the first 200 errors and a count, never one error object
+    # per record kept (at 64 MiB that would be tens of millions).
+    from reconciler.config.loader import MAX_ERRORS
+
+    for name, text in (("items", "users: [" + "a, " * 5000 + "]\n"),
+                       ("fields", "users:\n" + "".join(f"  - {{name: 'BAD NAME {i}'}}\n" for i in range(5000)))):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text)
+        result = load_cluster(str(path))
+        assert result.cluster is None and len(result.diagnostics) == MAX_ERRORS + 1, name
+        assert any("more" in d.message and "4800" in d.message for d in result.diagnostics), name

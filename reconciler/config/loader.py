@@ -253,6 +253,26 @@ def load_cluster(path: str, display: str | None = None, overrides: dict[str, str
     return result
 
 
+MAX_ERRORS = 200  # diagnostics kept from one validation: a flood of bad records is told, never hoarded
+
+
+def _not_records(result: LoadResult, data: dict[str, Any], source: SourceMap) -> bool:
+    """A list of servers or users whose items are not mappings, by the thousand: told (the first few) before the
+    model would build an error for each of millions."""
+    for key in ("servers", "users"):
+        items = data.get(key)
+        if not isinstance(items, list) or len(items) <= MAX_ERRORS:
+            continue
+        bad = [i for i, item in enumerate(items) if not isinstance(item, dict)]
+        if len(bad) > MAX_ERRORS:
+            result.diagnostics.extend(at("error", source.value((key, i)), f"{key}[{i}] must be a mapping, not "
+                                         f"{_describe(items[i])}", None, "type") for i in bad[:MAX_ERRORS])
+            result.diagnostics.append(at("error", source.key((key,)), f"… and {len(bad) - MAX_ERRORS} more {key} that "
+                                         "are not mappings", f"each of {key} is a mapping, e.g. `- name: alice`", "many"))
+            return True
+    return False
+
+
 def _load_into(result: LoadResult, path: str, display: str, overrides: dict[str, str] | None) -> None:
     budget = Budget()  # shared by the main file and its includes
     try:
@@ -273,10 +293,17 @@ def _load_into(result: LoadResult, path: str, display: str, overrides: dict[str,
         result.diagnostics.append(at("error", source.key((key,)), f"key {shown(key)} must be text", None, "type"))
         return
     result.diagnostics.extend(includes.merge_includes(data, path, display, source, overrides, budget))
+    if _not_records(result, data, source):
+        return
     try:
-        cluster = Cluster.model_validate(data)
+        with yamlread.gc_paused():  # millions of users: the collector would walk them again and again
+            cluster = Cluster.model_validate(data)
     except ValidationError as exc:
-        result.diagnostics.extend(_pydantic_diagnostic(e, data, source) for e in exc.errors())
+        count = exc.error_count()
+        result.diagnostics.extend(_pydantic_diagnostic(e, data, source) for e in exc.errors()[:MAX_ERRORS])
+        if count > MAX_ERRORS:
+            result.diagnostics.append(at("error", source.root, f"… and {count - MAX_ERRORS} more errors",
+                                         f"fix the first {MAX_ERRORS} and validate again", "many"))
         return
     if result.errors:
         return
