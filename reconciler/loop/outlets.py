@@ -352,12 +352,15 @@ def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tup
 class LiveAnswers:
     """Per-snapshot cache of rendered documents for the HTTP endpoint (same function as the files)."""
 
+    FREEZE_EVERY = 2000  # newly cached documents between two freezes (see ``answer``)
+
     def __init__(self, secret: Secret, tokens: Tokens):
         self.secret = secret
         self.tokens = tokens
         self.snapshot: Snapshot | None = None
         self._cache: dict[tuple[str, str, str | None], Document] = {}
         self._published = 0
+        self._fresh = 0  # documents cached since the last freeze
 
     def publish(self, snapshot: Snapshot) -> None:
         self.snapshot = snapshot
@@ -392,4 +395,13 @@ class LiveAnswers:
                 return render(snapshot, user, fmt, self.secret, region=region)
             creds = self.tokens.credentials(user, rotate)  # derived on the user's first request, then kept
             doc = self._cache[key] = render_formats(snapshot, user, (fmt,), self.secret, region, credentials=creds)[fmt]
+            self._fresh += 1
+            if self._fresh >= self.FREEZE_EVERY:
+                # The cache lives as long as the snapshot, as the snapshot does: out of the cyclic GC's sight too.
+                # Left in it, 100k users' documents made every full collection a ~200 ms pause under load (p99
+                # 180 ms at 100k users against 1.6 ms without one). The young generations are collected first
+                # so that little garbage is frozen with them (``publish`` clears it every 100 snapshots).
+                self._fresh = 0
+                gc.collect(1)
+                gc.freeze()
         return doc
