@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -19,6 +20,11 @@ PROTOCOL_INBOUNDS = [
     ("p-hy2", "hysteria2", 443, "tls: {server_name: www.lab.test}"),
     ("p-tuic", "tuic", 8444, "tls: {server_name: www.lab.test}"),
 ]
+
+
+def _has_firewall(ruleset: str) -> bool:
+    """The hardening table (``table inet reconciler``) is in ``nft list ruleset``'s output — by its exact name."""
+    return re.search(r"^table inet reconciler \{", ruleset, re.M) is not None
 
 
 def every_protocol_cluster(lab, users=("alice", "bob"), extra_inbound: str = "") -> str:
@@ -46,8 +52,9 @@ def test_bare_hosts_plan_apply_replan(lab, env):
     assert reconciler("validate", "c.yaml").returncode == 0
     plan = reconciler("plan", "-f", "c.yaml")
     assert plan.returncode == 2, plan.stdout + plan.stderr
-    # per server: the engine, its configuration, unit, agent, TLS certificate and key (derived: issue 14); a restart
-    assert plan.stdout.strip().endswith("Plan: 18 to add, 3 to change, 0 to destroy.")
+    # per server: the engine, its configuration, unit, agent, TLS certificate and key (derived: issue 14), the
+    # per-user counting table (issue 16); a restart
+    assert plan.stdout.strip().endswith("Plan: 21 to add, 3 to change, 0 to destroy."), plan.stdout
     # Credentials show as fingerprints, never as themselves (the users' uuids are derived from the lab secret).
     alice = user_credentials(Secret(SECRET.encode()), "alice")
     assert "\"uuid\": \"sha256:" in plan.stdout and alice.uuid not in plan.stdout and alice.password not in plan.stdout
@@ -319,7 +326,7 @@ def test_harden_allows_ssh_and_inbounds_only_and_never_locks_us_out(lab, env):
         assert "+ harden nftables: allow SSH and the inbound ports only (443/tcp)" in plan.stdout, plan.stdout
         apply = reconciler("apply", "-f", "c.yaml")
         assert apply.returncode == 0, apply.stdout + apply.stderr
-        assert "table inet reconciler" in ssh(lab, h, "nft list ruleset").stdout
+        assert _has_firewall(ssh(lab, h, "nft list ruleset").stdout)
         assert ssh(lab, h, "systemctl is-enabled reconciler-firewall").stdout.strip() == "enabled"
         socket.create_connection((h.ip, 443), timeout=3).close()  # the inbound
         try:
@@ -337,7 +344,8 @@ def test_harden_allows_ssh_and_inbounds_only_and_never_locks_us_out(lab, env):
                       "-o", "LogLevel=ERROR", f"root@{h.ip}", f"python3 -I -S -c {shlex_quote(text)}; cat /tmp/fw.out"],
                      capture_output=True, text=True, timeout=60)
         assert json.loads(out.stdout.strip().splitlines()[-1])["ok"] is False and "rolled back" in out.stdout
-        assert "table inet reconciler" not in ssh(lab, h, "nft list ruleset").stdout
+        # the firewall's table is gone; the per-user counting table (inet reconciler_usage) is not the firewall
+        assert not _has_firewall(ssh(lab, h, "nft list ruleset").stdout)
     finally:
         ssh(lab, h, "systemctl stop other-service; nft delete table inet reconciler; "
                     "systemctl disable reconciler-firewall; true")
