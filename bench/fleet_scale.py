@@ -17,6 +17,8 @@ received per interval, probes per server, and the process's peak memory. Targets
 interval's work ≤ 10% of a 60 s interval on one core, memory ≤ 2 GB.
 
     python bench/fleet_scale.py [--quick] [--json]     (--quick: U = 100k only; the full run adds U = 1M)
+
+FLEET_SCALE_PROFILE=FILE (with py-spy on PATH) writes a sampling profile of the measured intervals (all threads).
 """
 
 from __future__ import annotations
@@ -153,8 +155,13 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
 
     service.parse_report = counting  # type: ignore[assignment]
     samples = []
+    profiler: subprocess.Popen[bytes] | None = None
     try:
         for i in range(intervals + 1):
+            if i == 1 and os.environ.get("FLEET_SCALE_PROFILE"):  # a sampling profile of the measured intervals
+                profiler = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--format", "raw",
+                                             "--rate", "50", "-o", os.environ["FLEET_SCALE_PROFILE"]])
+                await asyncio.sleep(1.0)
             received[0] = 0
             c0, w0 = _cpu(), time.perf_counter()
             verdicts = await loop.tick()
@@ -165,6 +172,9 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
             if i:  # the first interval connects to every server and writes every user's files: a warm-up
                 samples.append((cpu, wall, received[0], len(metrics), ok))
     finally:
+        if profiler is not None:
+            profiler.send_signal(2)
+            profiler.wait(60)
         service.parse_report = parse  # type: ignore[assignment]
         await loop.pool.close()
     ordinary = "s5"  # s0 and s1 are probers: they probe everyone (HEALTH-9)
