@@ -54,11 +54,11 @@ def serve(port_file: str, host_key: str, client_pub: str, servers: int, users: i
     """An asyncssh server answering every server's agent request (the servers are told apart by the SSH user)."""
     import asyncssh
 
-    from reconciler.engine.base import _marks  # the marks the controller gives the users (the same function)
+    from reconciler.engine.base import marks_for  # the marks the controller gives the users (the same function)
 
     rng = random.Random(17)
 
-    marks = _marks(tuple(f"u{i}" for i in range(users)))
+    marks = marks_for(tuple(f"u{i}" for i in range(users)))
     rows: dict[str, list[list[Any]]] = {f"s{i}": [] for i in range(servers)}
     connected: dict[str, list[str]] = {f"s{i}": [] for i in range(servers)}
     for i in range(users):

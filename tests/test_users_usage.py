@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import reconciler.fleet.reports as reports_module
 from reconciler.balance import Snapshot
 from reconciler.config import load_cluster
 from reconciler.credentials import Secret, user_credentials
@@ -22,7 +23,7 @@ from reconciler.engine.adapters import desired
 from reconciler.engine.base import MARK_BASE, usage_marks
 from reconciler.fleet import parse_report
 from reconciler.fleet.events import user_events
-from reconciler.fleet.usage import HEADER_BYTES, Ledger
+from reconciler.fleet.usage import HEADER_BYTES, Ledger, owner_id
 from reconciler.model import Cluster, UserUsage
 from reconciler.model.cluster import Reset
 from reconciler.plan.actions import withheld_text
@@ -156,7 +157,8 @@ def test_the_ledger_counts_each_users_payload_exactly_over_thousands_of_interval
         ledger.fold(c, reports, now)
     ledger.fold(c, {name: k.report(name, now + 60) for name, k in kernels.items()}, now + 60)  # the last missed ones
     # Persisted and read back: the same figures.
-    ledger = Ledger.from_json(json.loads(json.dumps(ledger.as_json())))
+    meta, arrays = ledger.pack()
+    ledger = Ledger.unpack(json.loads(json.dumps(meta)), {k: v.copy() for k, v in arrays.items()})
     view = ledger.view(c, now + 60)
     for n in names:
         assert (ledger.users[n].total, view[n].total) == (sum(truth[n]),) * 2, n
@@ -182,7 +184,7 @@ def test_a_mark_that_changes_owner_is_a_baseline_and_periods_start_from_zero():
     assert (ledger.users["alice"].up, ledger.users["alice"].down) == (MB, 0)
     # Alice's mark now belongs to bob (as if a collision moved it): a baseline, none of it bob's.
     owner_swapped = {"s0": k.report("s0", ts(2026, 12, 1, 0, 2))}
-    ledger.counters["s0"] = {key: ("bob", p, b) for key, (_u, p, b) in ledger.counters["s0"].items()}
+    ledger.counters["s0"] = ledger.counters["s0"].with_owners(owner_id("bob"))
     k.carry(rng, marks["alice"], 1, 2 * MB)
     ledger.fold(c, owner_swapped, ts(2026, 12, 1, 0, 2))
     assert ledger.users["bob"].total == 0
@@ -208,6 +210,114 @@ def test_hostile_usage_costs_that_servers_usage_never_its_report():
     assert rep.usage is None and rep.usage_error == "no nft"
     rep = parse_report("s0", json.dumps({"service": "active", "usage": {"tx": [[1, 2, 6, 1, 100]], "rx": []}}), 1.0)
     assert rep.usage is not None and rep.usage.tx == ((1, "2", "6", 1, 100),)  # older nft: numbers
+
+
+def test_a_ledger_written_by_state_format_1_is_read_and_counting_goes_on_exactly():
+    # Format 1 kept the counters as JSON ("side:mark:family:transport" → [owner, packets, bytes]).
+    c = cluster([{"name": "alice"}, {"name": "bob"}])
+    marks = usage_marks(c)
+    old = {"counters": {"s0": {f"0:{marks['alice']}:ipv4:tcp": ["alice", 10, 10 * 52 + 5 * MB],
+                               f"1:{marks['bob']}:2:6": ["bob", 4, 4 * 52 + MB],  # older nft: numbers
+                               f"0:{marks['alice']}:ipv4:icmp": ["alice", 1, 56]}},
+           "epochs": {"s0": "e"}, "users": {"alice": [0.0, 5 * MB, 0, 5 * MB, 1.0, 0.5, {}, ["s0"]]},
+           "by_server": {"s0": [5 * MB, 0]}, "by_route": {"r": [5 * MB, 0]}, "last_fold": 1.0, "said": {}}
+    ledger = Ledger.from_json(old)
+    rows = {"tx": [[marks["alice"], "ipv4", "tcp", 20, 20 * 52 + 7 * MB], [marks["alice"], "ipv4", "icmp", 2, 112]],
+            "rx": [[marks["bob"], "ipv4", "tcp", 6, 6 * 52 + 3 * MB]]}
+    rep = parse_report("s0", json.dumps({"service": "active", "usage": {**rows, "epoch": "e"}}), 61.0)
+    assert ledger.fold(c, {"s0": rep}, 61.0) == {"alice": (2 * MB, 0), "bob": (0, 2 * MB)}
+    assert (ledger.users["alice"].up, ledger.users["bob"].down) == (7 * MB, 2 * MB)
+
+
+def test_a_hostile_ledger_in_the_state_is_refused_whole():
+    c = cluster([{"name": "alice"}])
+    ledger = Ledger()
+    k = Kernel()
+    ledger.fold(c, {"s0": k.report("s0", 1.0)}, 1.0)
+    for side in (0, 1):
+        k.carry(random.Random(2), usage_marks(c)["alice"], side, MB)
+    ledger.fold(c, {"s0": k.report("s0", 61.0)}, 61.0)
+    meta, arrays = ledger.pack()
+    assert len(arrays["c_keys"]) >= 2 and Ledger.unpack(meta, arrays).users["alice"].total == 2 * MB
+    for broken_meta, broken in (
+            (meta, {**arrays, "u_up": arrays["u_up"][:0]}),  # a column shorter than the names
+            ({**meta, "counter_rows": [len(arrays["c_keys"]) + 1]}, arrays),  # rows that are not there
+            (meta, {**arrays, "c_keys": arrays["c_keys"][::-1].copy()}),  # unsorted keys (searches would lie)
+            (meta, {**arrays, "c_owners": arrays["c_owners"].reshape(-1, 1)}),  # a column of another shape
+            (meta, {**arrays, "u_up": arrays["u_up"].astype(object)})):  # not numbers
+        with pytest.raises(ValueError):
+            Ledger.unpack(broken_meta, broken)
+
+
+def test_a_state_that_overflows_is_a_fresh_start_and_totals_saturate_instead_of_breaking_the_save(monkeypatch):
+    from reconciler.fleet.learned import Learned
+    c = cluster([{"name": "alice"}])
+    learned = Learned.fresh(c)
+    marks = usage_marks(c)
+    learned.ledger = Ledger.from_json({"counters": {}, "users": {"alice": [0.0, 2**64, 0, 2**64, None, 0.0, {}, []]},
+                                       "by_server": {}, "by_route": {}, "last_fold": 0.0})
+    assert Ledger.unpack(*learned.ledger.pack()).users["alice"].total == 2**63 - 1  # saturated, saved
+    blob = learned.to_bytes()
+    assert Learned.restore(blob, c)[1] is None
+    # A format-1 counter beyond 64 bits cannot be read: OverflowError, which restore takes as a fresh start.
+    with pytest.raises(OverflowError):
+        Ledger.from_json({"counters": {"s0": {f"0:{marks['alice']}:ipv4:tcp": ["alice", 2**64, 1]}}, "users": {},
+                          "by_server": {}, "by_route": {}, "last_fold": 0.0})
+    monkeypatch.setattr(Learned, "from_bytes", classmethod(lambda cls, data: Ledger.from_json(
+        {"counters": {"s0": {"0:1:ipv4:tcp": ["alice", 2**64, 1]}}, "users": {}, "by_server": {}, "by_route": {},
+         "last_fold": 0.0})))
+    fresh, why = Learned.restore(blob, c)
+    assert why is not None and "OverflowError" in why and fresh.ticks == 0
+
+
+def test_the_snapshot_travels_to_workers_without_its_standings_memo():
+    import pickle
+    c = cluster([{"name": "alice", "enabled": False}, {"name": "bob"}])
+    snap = Snapshot(cluster=c, now=1.0)
+    assert [snap.standing(u) for u in c.users] == ["disabled", "active"]
+    copy = pickle.loads(pickle.dumps(snap))
+    assert "_standings" not in copy.__dict__ and [copy.standing(u) for u in copy.cluster.users] == ["disabled", "active"]
+
+
+def test_counters_reported_twice_or_beyond_belief_count_once_and_bounded():
+    c = cluster([{"name": "alice"}, {"name": "bob"}])
+    marks = usage_marks(c)
+    ledger = Ledger()
+
+    def report(rows: dict[str, list[list[object]]], at: float) -> object:
+        return parse_report("s0", json.dumps({"service": "active", "usage": {**rows, "epoch": "e"}}), at)
+
+    ledger.fold(c, {"s0": report({"tx": [[marks["alice"], "ipv4", "udp", 1, 28 + 100]], "rx": []}, 1.0)}, 1.0)
+    twice = {"tx": [[marks["alice"], "ipv4", "udp", 2, 56 + 200], [marks["alice"], "ipv4", "udp", 3, 84 + 400]],
+             "rx": [[marks["bob"], "ipv4", "tcp", 10, 2**63 - 1]]}
+    got = ledger.fold(c, {"s0": report(twice, 61.0)}, 61.0)
+    assert got["alice"] == (300, 0)  # the last row of a key counts, once
+    assert 0 < got["bob"][1] <= 2**56  # a counter beyond belief is bounded, never negative, never someone else's
+
+
+def test_the_column_check_of_counters_agrees_with_the_row_check():
+    # The fast path (columns) must accept exactly what the row-by-row check accepts, and read it the same.
+    rng = random.Random(5)
+    values = [0, 1, 2**31, 2**32 - 1, 2**32, -1, 2**63 - 1, 2**63, True, 1.5, "7", None]
+    names = ["ipv4", "tcp", "x" * 16, "y" * 17, 2, 6, "", True, None, ["a"]]
+    for _ in range(3000):
+        rows = [[rng.choice(values[:4]), rng.choice(names[:3]), rng.choice(names[:3]), rng.choice(values[:4]),
+                 rng.choice(values[:4])] for _ in range(rng.randrange(0, 4))]
+        if rows and rng.random() < 0.7:
+            row = rng.choice(rows)
+            col = rng.randrange(5)
+            row[col] = rng.choice(names if col in (1, 2) else values)
+            if rng.random() < 0.1:
+                row.append(0)
+        text = json.dumps({"service": "active", "usage": {"tx": rows, "rx": []}})
+        fast = parse_report("s0", text, 1.0)
+        original = reports_module._usage_rows_fast
+        reports_module._usage_rows_fast = lambda items: None  # the row-by-row check alone
+        try:
+            slow = parse_report("s0", text, 1.0)
+        finally:
+            reports_module._usage_rows_fast = original
+        assert (fast.usage, fast.usage_error) == (slow.usage, slow.usage_error), rows
 
 
 def test_devices_are_counted_across_servers_within_the_window():

