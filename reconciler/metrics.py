@@ -312,9 +312,11 @@ def _user_metrics(view: FleetView) -> Iterator[Metric]:
     states = dict.fromkeys(STATES, 0)
     near = expiring = over_devices = 0
     warn_quota, warn_expiry = settings.warn_quota, settings.warn_expiry
+    snap = view.snapshot
+    same = snap is not None and snap.cluster is cluster and snap.usage is usage  # its standings are decided already
     for u in cluster.users:  # counts only: no label object per user, whatever the number of users
         used = usage.get(u.name)
-        states[u.standing(now, used)] += 1
+        states[snap.standing(u) if same and snap is not None else u.standing(now, used)] += 1
         if not u.enabled:
             continue
         end = u.expires_at

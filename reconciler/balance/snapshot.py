@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import TYPE_CHECKING
+from functools import cached_property, lru_cache
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -91,7 +91,22 @@ class Snapshot:
 
     def standing(self, user: User) -> Standing:
         """The user's standing at this snapshot's time with what the fleet measured (``User.standing`` decides)."""
-        return user.standing(self.now, self.usage.get(user.name))
+        known = self._standings.get(id(user))
+        return known if known is not None else user.standing(self.now, self.usage.get(user.name))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (to the worker processes) without the standings memo: its keys are this process's objects."""
+        state = dict(self.__dict__)
+        state.pop("_standings", None)
+        return state
+
+    @cached_property
+    def _standings(self) -> dict[int, Standing]:
+        """Every user of the cluster's standing, decided once per snapshot (the balancer, the outlets, the
+        enforcement, the events and the metrics each ask for every user; a million users took seconds each time).
+        Keyed by the User object (the cluster's, which this snapshot keeps alive): another User is decided afresh."""
+        now, usage = self.now, self.usage
+        return {id(u): u.standing(now, usage.get(u.name)) for u in self.cluster.users}
 
     def active(self, user: User) -> bool:
         return self.standing(user) == "active"
@@ -139,7 +154,7 @@ class Snapshot:
 
     @cached_property
     def user_keys(self) -> dict[str, int]:
-        return {u.name: key64(u.name) for u in self.cluster.users}
+        return _user_keys(tuple(u.name for u in self.cluster.users))
 
     @cached_property
     def inbound_keys(self) -> dict[str, int]:
@@ -148,6 +163,12 @@ class Snapshot:
 
     def load(self, server: str) -> ServerLoad:
         return self.loads.get(server, ServerLoad())
+
+
+@lru_cache(maxsize=2)
+def _user_keys(names: tuple[str, ...]) -> dict[str, int]:
+    """The users' balancing keys, computed once per set of names, not once per interval (read only)."""
+    return {n: key64(n) for n in names}
 
 
 def key_array(keys: list[int]) -> np.ndarray:
