@@ -33,7 +33,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 
@@ -54,6 +54,7 @@ from reconciler.fleet.learned import Learned
 from reconciler.fleet.reality import with_reality_keys
 from reconciler.fleet.reports import Report, agent_request, parse_report
 from reconciler.health.verdicts import ServerVerdict, Verdicts
+from reconciler.loop import gcpause
 from reconciler.loop.client_address import networks
 from reconciler.loop.http import HttpOutlet, status_document
 from reconciler.loop.listener import load_credential
@@ -74,6 +75,7 @@ if TYPE_CHECKING:
     from reconciler.loop.leader import Election, StateChannel
 
 log = logging.getLogger("reconciler.loop")
+T = TypeVar("T")
 MAX_BACKOFF_TICKS = 16
 LOAD_BUDGET = 30  # seconds a reload may take, and 2 s more a MB of YAML it reads (load_seconds; loading is bounded, this bounds the wait)
 
@@ -325,17 +327,18 @@ class Loop:
         self._tick_index += 1
         try:
             reports = await self.collect(cluster)
-            now = time.time()
-            verdicts = self.learned.fold(cluster, reports, now)
-            snap = snapshot(cluster, self.learned, with_reality_keys(self.facts, cluster, self.secret), now, verdicts)
-            self.learned.assignments = dict(snap.assignments)  # stickiness (LB-6): the next interval starts here
-            self.stats.record("collect", True, time.perf_counter() - started, now)
-            self.answers.publish(snap)
-            if self.live is not None:  # the worker processes answer from the same snapshot (written in a thread)
-                self.live.publish(snap)
-            self.view = self._fleet_view(cluster, verdicts, snap)
-            self._report_changes(verdicts)
-            self._enforce(snap)
+            with gcpause.paused():  # the interval's CPU work, without the cyclic collector walking the heap
+                now = time.time()
+                verdicts = self.learned.fold(cluster, reports, now)
+                snap = snapshot(cluster, self.learned, with_reality_keys(self.facts, cluster, self.secret), now, verdicts)
+                self.learned.assignments = dict(snap.assignments)  # stickiness (LB-6): the next interval starts here
+                self.stats.record("collect", True, time.perf_counter() - started, now)
+                self.answers.publish(snap)
+                if self.live is not None:  # the worker processes answer from the same snapshot (written in a thread)
+                    self.live.publish(snap)
+                self.view = self._fleet_view(cluster, verdicts, snap)
+                self._report_changes(verdicts)
+                self._enforce(snap)
         except Exception as exc:  # noqa: BLE001 — a bug in one interval must not end the loop; it is logged with its traceback
             log.exception("interval %d failed", self._tick_index)
             self.stats.record("collect", False, time.perf_counter() - started, time.time())
@@ -345,7 +348,7 @@ class Loop:
         self._last_tick_end = time.time()
         out_start = time.perf_counter()
         try:
-            stats = await asyncio.to_thread(self.files.write, snap)
+            stats = await asyncio.to_thread(_gc_paused, self.files.write, snap)
             if stats.written or stats.removed:
                 log.info("subscriptions: %d user(s) rewritten, %d unchanged, %d removed (%.2fs)",
                          stats.written, stats.unchanged, stats.removed, stats.seconds)
@@ -357,7 +360,7 @@ class Loop:
             else:
                 log.exception("cannot write subscription files to %s", self.files.directory)
             self.stats.record("outlets", False, time.perf_counter() - out_start, time.time())
-        await asyncio.to_thread(self._save)
+        await asyncio.to_thread(_gc_paused, self._save)
         return verdicts
 
     async def collect(self, cluster: Cluster) -> dict[str, Report | None]:
@@ -377,7 +380,8 @@ class Loop:
                 if res.code != 0:
                     hint = " (the agent is not installed yet: apply first)" if "No such file" in res.stderr else ""
                     raise ReportError(f"the agent exited {res.code}{hint}: {res.stderr.strip()[-300:]}")
-                report = parse_report(name, res.stdout, time.time())
+                with gcpause.paused():
+                    report = parse_report(name, res.stdout, time.time())
             except Exception as exc:  # noqa: BLE001 — one server's failure, whatever it is, is that server's no_data
                 wait = self.backoff.failed(name, self._tick_index)
                 self.stats.server_error(name)
@@ -786,7 +790,7 @@ class Loop:
         except Exception as exc:  # noqa: BLE001 — the files stay as they were; the next interval writes them
             log.error("cannot write subscription files to %s: %s: %s", self.files.directory, type(exc).__name__, exc)
         if fresh:
-            await asyncio.to_thread(self._save)
+            await asyncio.to_thread(_gc_paused, self._save)
         return verdicts
 
     def _standby_health(self) -> tuple[bool, str]:
@@ -844,3 +848,8 @@ async def _post(url: str, payload: dict[str, Any]) -> None:
 async def run_loop(path: str, cluster: Cluster, secret: Secret, **kw: Any) -> int:
     return await Loop(path, cluster, secret, **kw).run()
 
+
+def _gc_paused(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` (in a worker thread) with the cyclic collector paused (``reconciler.loop.gcpause``)."""
+    with gcpause.paused():
+        return fn(*args)
