@@ -245,6 +245,8 @@ def main() -> int:
 def run_case(servers: int, users: int, intervals: int) -> int:
     import asyncssh
 
+    from reconciler.lab.processes import stop
+
     # The subscription files on tmpfs up to 100k users; a million users' five million files exceed /dev/shm's
     # inodes, so they go to the disk under .bench/ (only changed users are rewritten after the warm-up).
     shm = os.path.isdir("/dev/shm") and users <= 200_000
@@ -272,11 +274,7 @@ def run_case(servers: int, users: int, intervals: int) -> int:
         print(json.dumps(result))
         return 0
     finally:
-        server.terminate()
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop(server)
         subprocess.run(["rm", "-rf", str(work)], check=False)
 
 

@@ -35,6 +35,7 @@ from reconciler.errors import SecretError
 from reconciler.fleet import parse_report
 from reconciler.fleet.learned import Learned
 from reconciler.lab.demo import LoopProcess, free_port
+from reconciler.lab.processes import stop, wait_until
 from reconciler.loop.leader import Election, Etcd, StateChannel, failure, pack, unpack
 from reconciler.loop.service import Loop
 from reconciler.model import Cluster
@@ -75,12 +76,7 @@ def running_etcd(folder: Path) -> Iterator[str]:
             time.sleep(0.1)
         yield client
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop(proc)
         log.close()
 
 
@@ -424,13 +420,7 @@ def _leader(proc: LoopProcess) -> dict[str, object]:
 
 
 def _wait(predicate, timeout: float, poll: float = 0.05):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(poll)
-    return None
+    return wait_until(predicate, timeout, poll)
 
 
 @needs_etcd

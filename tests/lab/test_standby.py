@@ -18,6 +18,7 @@ from reconciler.config import load_cluster
 from reconciler.credentials import Secret, user_token
 from reconciler.lab import lab_cluster_yaml
 from reconciler.lab.demo import LoopProcess, free_port
+from reconciler.lab.processes import wait_until
 from reconciler.plan import lock
 from reconciler.ssh import Target
 from reconciler.state.folder import StateFolder
@@ -42,13 +43,7 @@ def _leader(p: LoopProcess) -> dict:
 
 
 def _wait(predicate, timeout: float, poll: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(poll)
-    return None
+    return wait_until(predicate, timeout, poll)
 
 
 def _checkout(work: Path, name: str, text: str) -> Path:
