@@ -312,11 +312,12 @@ def _user_metrics(view: FleetView) -> Iterator[Metric]:
     states = dict.fromkeys(STATES, 0)
     near = expiring = over_devices = 0
     warn_quota, warn_expiry = settings.warn_quota, settings.warn_expiry
-    snap = view.snapshot
-    same = snap is not None and snap.cluster is cluster and snap.usage is usage  # its standings are decided already
+    snap = view.snapshot  # its standings are decided already, when it is the one these figures come from
+    standing = snap.standing if snap is not None and snap.cluster is cluster and snap.usage is usage else \
+        (lambda u: u.standing(now, usage.get(u.name)))
     for u in cluster.users:  # counts only: no label object per user, whatever the number of users
         used = usage.get(u.name)
-        states[snap.standing(u) if same and snap is not None else u.standing(now, used)] += 1
+        states[standing(u)] += 1
         if not u.enabled:
             continue
         end = u.expires_at

@@ -8,11 +8,13 @@ the pure parts through every case a fleet meets, fast."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import random
 from datetime import UTC, datetime
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import reconciler.fleet.reports as reports_module
@@ -249,8 +251,8 @@ def test_a_hostile_ledger_in_the_state_is_refused_whole():
             Ledger.unpack(broken_meta, broken)
 
 
-def test_a_state_that_overflows_is_a_fresh_start_and_totals_saturate_instead_of_breaking_the_save(monkeypatch):
-    from reconciler.fleet.learned import Learned
+def test_a_state_that_overflows_is_a_fresh_start_and_totals_saturate_instead_of_breaking_the_save():
+    from reconciler.fleet.learned import Learned, _npz
     c = cluster([{"name": "alice"}])
     learned = Learned.fresh(c)
     marks = usage_marks(c)
@@ -263,10 +265,13 @@ def test_a_state_that_overflows_is_a_fresh_start_and_totals_saturate_instead_of_
     with pytest.raises(OverflowError):
         Ledger.from_json({"counters": {"s0": {f"0:{marks['alice']}:ipv4:tcp": ["alice", 2**64, 1]}}, "users": {},
                           "by_server": {}, "by_route": {}, "last_fold": 0.0})
-    monkeypatch.setattr(Learned, "from_bytes", classmethod(lambda cls, data: Ledger.from_json(
-        {"counters": {"s0": {"0:1:ipv4:tcp": ["alice", 2**64, 1]}}, "users": {}, "by_server": {}, "by_route": {},
-         "last_fold": 0.0})))
-    fresh, why = Learned.restore(blob, c)
+    # A state file (format 2) whose counter row count is not a number: the same.
+    with np.load(io.BytesIO(blob)) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    meta = json.loads(arrays["meta"].tobytes())
+    meta["usage"]["counter_rows"] = [float("inf")]
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    fresh, why = Learned.restore(_npz(arrays), c)
     assert why is not None and "OverflowError" in why and fresh.ticks == 0
 
 

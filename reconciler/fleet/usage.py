@@ -26,13 +26,13 @@ cumulative, so the next fold after a restart counts everything since the counter
 from __future__ import annotations
 
 import functools
-import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from reconciler.balance.hashing import key64
 from reconciler.engine.base import marks_for
 from reconciler.fleet.reports import Report, UsageCounters
 from reconciler.model import Cluster, UserUsage
@@ -63,12 +63,6 @@ DELTA_CAP = 1 << 40
 TOTAL_CAP = 2**63 - 1  # a user's bytes saturate here (the state keeps them as 64-bit integers)
 
 
-def payload(family: str, transport: str, packets: int, nbytes: int) -> int:
-    """The bytes of user data in ``packets`` packets of ``nbytes`` bytes on the wire."""
-    header = HEADER_BYTES.get((NAMES.get(family, family), NAMES.get(transport, transport)))
-    return 0 if header is None else max(0, nbytes - header * packets)
-
-
 @dataclass
 class UserBook:
     """What the controller has counted of one user."""
@@ -82,19 +76,16 @@ class UserBook:
     devices: dict[str, float] = field(default_factory=dict)  # address fingerprint → last seen
     servers: tuple[str, ...] = ()
 
-    def as_json(self) -> list[Any]:
-        return [self.period_start, self.up, self.down, self.total, self.last_seen, self.demand_mbps, self.devices,
-                list(self.servers)]
-
     @classmethod
     def from_json(cls, v: list[Any]) -> UserBook:
+        """A book as state format 1 kept it."""
         return cls(float(v[0]), int(v[1]), int(v[2]), int(v[3]), None if v[4] is None else float(v[4]), float(v[5]),
                    {str(k): float(t) for k, t in dict(v[6]).items()}, tuple(str(s) for s in v[7]))
 
 
 def owner_id(name: str) -> int:
-    """A user's identity in the counters (a 63-bit hash of the name, never 0: 0 is nobody's)."""
-    return (int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big") >> 1) or 1
+    """A user's identity in the counters: the balancer's key of the name, in 63 bits (int64), never 0 (nobody's)."""
+    return (key64(name) >> 1) or 1
 
 
 @dataclass(frozen=True)
@@ -156,13 +147,14 @@ def read_counters(usage: UsageCounters, index: UserIndex) -> tuple[CounterTable,
     last = np.ones(n, bool)
     last[:-1] = keys[1:] != keys[:-1]
     order, keys = order[last], keys[last]
-    mark = keys & 0xFFFFFFFF
-    at = np.searchsorted(index.sorted_marks, mark)
-    atc = np.minimum(at, max(len(index.sorted_marks) - 1, 0))
-    found = (at < len(index.sorted_marks)) & (index.sorted_marks[atc] == mark) if len(index.sorted_marks) else \
-        np.zeros(len(keys), bool)
-    user = np.where(found, index.mark_user[atc] if len(index.mark_user) else 0, -1)
-    owners = np.where(found, index.owners[np.maximum(user, 0)] if len(index.owners) else 0, 0)
+    user = np.full(len(keys), -1, np.int64)
+    owners = np.zeros(len(keys), np.int64)
+    if len(index.names):
+        mark = keys & 0xFFFFFFFF
+        at = np.minimum(np.searchsorted(index.sorted_marks, mark), len(index.names) - 1)
+        found = index.sorted_marks[at] == mark
+        user[found] = index.mark_user[at[found]]
+        owners[found] = index.owners[user[found]]
     return CounterTable(keys, owners, np.fromiter(packets, np.int64, n)[order],
                         np.fromiter(nbytes, np.int64, n)[order]), user
 
@@ -210,9 +202,7 @@ class Ledger:
         known = set(index.names)
         routes = _routes_on_servers(cluster, assignments or {}, index)
         server_at = {s.name: i for i, s in enumerate(cluster.servers)}
-        rows_user: list[np.ndarray] = []
-        rows_side: list[np.ndarray] = []
-        rows_got: list[np.ndarray] = []
+        up, down = np.zeros(len(index.names), np.int64), np.zeros(len(index.names), np.int64)
         open_on: dict[str, list[str]] = {}
         for server, rep in reports.items():
             if rep is None:
@@ -244,10 +234,9 @@ class Ledger:
             for s in (0, 1):
                 sums[s] += int(got[side == s].sum())
             _count_routes(self.by_route, routes, server_at.get(server, -1), row_user, side, got)
-            rows_user.append(row_user)
-            rows_side.append(side)
-            rows_got.append(got)
-        up, down = _per_user(len(index.names), rows_user, rows_side, rows_got)
+            counts = got > 0  # only rows of known users count (counted): their index is >= 0
+            for s, per_user in ((0, up), (1, down)):
+                np.add.at(per_user, row_user[counts & (side == s)], got[counts & (side == s)])
         window = cluster.settings.users.device_window
         dt = now - self.last_fold if self.last_fold else 0.0
         alpha = 1.0 - 2.0 ** (-dt / DEMAND_HALF_LIFE) if dt > 0 else 0.0
@@ -275,8 +264,7 @@ class Ledger:
                 book.last_seen = now
             if book.devices:
                 book.devices = {fp: t for fp, t in book.devices.items() if now - t <= window}
-            view[name] = UserUsage(book.up, book.down, book.total, start, nxt, len(book.devices), book.last_seen,
-                                   book.servers, book.demand_mbps)
+            view[name] = _usage(book, start, nxt, now, window)
         self.last_fold = now
         self._view = (cluster, now, view)  # what view(cluster, now) would build, built in the same pass
         return deltas
@@ -290,14 +278,8 @@ class Ledger:
         for user in cluster.users:
             book = self.users.get(user.name)
             start, nxt = user.reset.bounds(now)
-            if book is None:
-                out[user.name] = UserUsage(period_start=start, next_reset=nxt)
-                continue
-            fresh = book.period_start == start
-            out[user.name] = UserUsage(
-                up=book.up if fresh else 0, down=book.down if fresh else 0, total=book.total, period_start=start,
-                next_reset=nxt, devices=sum(1 for t in book.devices.values() if now - t <= window),
-                last_seen=book.last_seen, servers=book.servers, demand_mbps=book.demand_mbps)
+            out[user.name] = UserUsage(period_start=start, next_reset=nxt) if book is None else \
+                _usage(book, start, nxt, now, window)
         return out
 
     def adopt(self, cluster: Cluster) -> None:
@@ -392,6 +374,15 @@ class Ledger:
                    last_fold=float(raw["last_fold"]), said={str(k): str(v) for k, v in dict(raw.get("said") or {}).items()})
 
 
+def _usage(book: UserBook, start: float, nxt: float | None, now: float, window: float) -> UserUsage:
+    """A book as decisions read it at ``now``, in the period [start, nxt) (one that began since the book's reads
+    as zero)."""
+    fresh = book.period_start == start
+    devices = sum(1 for t in book.devices.values() if now - t <= window) if book.devices else 0
+    return UserUsage(book.up if fresh else 0, book.down if fresh else 0, book.total, start, nxt, devices,
+                     book.last_seen, book.servers, book.demand_mbps)
+
+
 def _old_key(text: str) -> int:
     side, mark, family, transport = text.split(":", 3)
     return (int(side) << SIDE_SHIFT) | (KIND_OF.get((family, transport), 0) << KIND_SHIFT) | (int(mark) & 0xFFFFFFFF)
@@ -445,12 +436,3 @@ def _add_route(by_route: dict[str, list[int]], route: str, side: np.ndarray, got
             sums[s] += int(got[side == s].sum())
 
 
-def _per_user(n: int, users: Iterable[np.ndarray], sides: Iterable[np.ndarray], gots: Iterable[np.ndarray]
-              ) -> tuple[np.ndarray, np.ndarray]:
-    """Sum the rows' bytes per user and direction (integers all the way: no float rounding)."""
-    up, down = np.zeros(n, np.int64), np.zeros(n, np.int64)
-    for user, side, got in zip(users, sides, gots, strict=True):
-        m = (user >= 0) & (got > 0)
-        np.add.at(up, user[m & (side == 0)], got[m & (side == 0)])
-        np.add.at(down, user[m & (side == 1)], got[m & (side == 1)])
-    return up, down
