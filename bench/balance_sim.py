@@ -212,14 +212,14 @@ def batch_seconds(n_users: int, n_servers: int) -> tuple[float, float, float]:
     cap = np.random.default_rng(2).uniform(100, 2500, n_servers)
     loads = {f"s{i}": ServerLoad(0.0, 0, cap[i]) for i in range(n_servers)}
     snap = Snapshot(cluster=cluster, now=0.0, loads=loads)
-    snap.user_keys  # noqa: B018 - user hashes are computed when the cluster loads, not per batch
+    snap.user_key_array  # noqa: B018 - user hashes are computed when the cluster loads, not per batch
     t0 = time.perf_counter()
     table = rebalance(snap)
     took = time.perf_counter() - t0
     assert len(table) == n_users
     aware = Snapshot(cluster=cluster, now=0.0, loads=loads,
                      usage=usage_from(np.random.default_rng(4).lognormal(0.0, 1.0, n_users)))
-    aware.user_keys  # noqa: B018
+    aware.user_key_array  # noqa: B018
     t0 = time.perf_counter()
     table = rebalance(aware)
     took_aware = time.perf_counter() - t0

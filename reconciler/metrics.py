@@ -19,7 +19,6 @@ label never holds a credential, token or client address.
 from __future__ import annotations
 
 import bisect
-import heapq
 import math
 import threading
 import time
@@ -36,7 +35,8 @@ from reconciler import __version__
 from reconciler.balance import Snapshot
 from reconciler.health.verdicts import STATUS_NAMES, Verdicts
 from reconciler.model import Cluster, UserUsage
-from reconciler.model.cluster import Standing
+from reconciler.model.roster import NO_LIMIT, STANDINGS, Standing
+from reconciler.model.usage import UsageView
 
 KINDS = ("collect", "plan", "apply", "load", "git", "outlets")
 RESULTS = ("ok", "error")
@@ -309,27 +309,19 @@ def _user_metrics(view: FleetView) -> Iterator[Metric]:
     cluster, usage = view.cluster, view.usage
     settings = cluster.settings.users
     now = view.snapshot.now if view.snapshot is not None else time.time()
-    states = dict.fromkeys(STATES, 0)
-    near = expiring = over_devices = 0
-    warn_quota, warn_expiry = settings.warn_quota, settings.warn_expiry
     snap = view.snapshot  # its standings are decided already, when it is the one these figures come from
-    standing = snap.standing if snap is not None and snap.cluster is cluster and snap.usage is usage else \
-        (lambda u: u.standing(now, usage.get(u.name)))
-    for u in cluster.users:  # counts only: no label object per user, whatever the number of users
-        used = usage.get(u.name)
-        states[standing(u)] += 1
-        if not u.enabled:
-            continue
-        end = u.expires_at
-        if end is not None and now <= end and end - now <= warn_expiry:
-            expiring += 1
-        if used is None:
-            continue
-        limit = u.data_limit
-        if limit and warn_quota * limit <= used.used < limit:
-            near += 1
-        if u.device_limit is not None and used.devices > u.device_limit:
-            over_devices += 1
+    roster = cluster.roster
+    codes = snap.standings if snap is not None and snap.cluster is cluster and snap.usage is usage else \
+        roster.standings(now, usage)
+    counts = np.bincount(codes, minlength=len(STANDINGS))
+    states = dict.fromkeys(STATES, 0) | {st: int(counts[i]) for i, st in enumerate(STANDINGS)}
+    used, devices = roster.measured(usage)  # counts only: no label object per user, whatever the number of users
+    on, limit, ends = roster.enabled, roster.data_limit, roster.expires_at
+    expiring = int((on & (now <= ends) & (ends - now <= settings.warn_expiry)).sum())
+    near = int((on & (limit > 0) & (settings.warn_quota * limit <= used) & (used < limit)).sum())
+    over_devices = int((on & (roster.device_limit != NO_LIMIT) & (devices > roster.device_limit)).sum())
+    connected = sum(1 for x in usage.servers.values() if x) if isinstance(usage, UsageView) else \
+        sum(1 for x in usage.values() if x.servers)
     g = GaugeMetricFamily("reconciler_users", "Users in the cluster file by state (User.standing): active, disabled, "
                           "expired, over_quota, device_limit (refused over its device limit).", labels=["state"])
     for st in STATES:
@@ -342,7 +334,7 @@ def _user_metrics(view: FleetView) -> Iterator[Metric]:
         ("reconciler_users_over_device_limit", "Users seen on more devices than their device_limit (refused or "
                                                "only reported, as on_device_limit says).", over_devices),
         ("reconciler_users_connected", "Users with open connections on at least one server.",
-         sum(1 for x in usage.values() if x.servers)),
+         connected),
     ):
         g = GaugeMetricFamily(name, help_)
         g.add_metric([], float(n))
@@ -384,8 +376,11 @@ def _per_user_metrics(cluster: Cluster, usage: Mapping[str, UserUsage], cap: int
     """Series per user for the ``cap`` heaviest users this period; the others' traffic is summed as ``other``
     (a user named ``other`` is always counted there). At most cap + 1 user label values per family."""
     empty = UserUsage()
-    candidates = [u for u in cluster.users if u.name != OTHER]
-    heaviest = heapq.nlargest(cap, candidates, key=lambda u: usage.get(u.name, empty).used)
+    roster = cluster.roster
+    heavy = roster.measured(usage)[0].astype(np.float64)
+    heavy[[i for i in (roster.index.get(OTHER),) if i is not None]] = -1.0  # never a series of its own
+    top = np.argsort(-heavy, kind="stable")[:min(cap, int((heavy >= 0).sum()))]  # the heaviest, the file's order in a tie
+    heaviest = [cluster.users[i] for i in top.tolist()]
     chosen = {u.name for u in heaviest}
     traffic = GaugeMetricFamily("reconciler_user_traffic_period_bytes",
                                 "Payload bytes the user carried this period (both count against data_limit), by "
@@ -403,10 +398,15 @@ def _per_user_metrics(cluster: Cluster, usage: Mapping[str, UserUsage], cap: int
             ratio.add_metric([u.name], used.used / u.data_limit)
         devices.add_metric([u.name], float(used.devices))
     rest_up = rest_down = 0
-    for u in cluster.users:
-        if u.name not in chosen and (rest := usage.get(u.name)) is not None:
-            rest_up += rest.up
-            rest_down += rest.down
+    if isinstance(usage, UsageView) and usage.names == roster.names:
+        rest = np.ones(len(roster), bool)
+        rest[top] = False
+        rest_up, rest_down = int(usage.up[rest].sum()), int(usage.down[rest].sum())
+    else:
+        for u in cluster.users:
+            if u.name not in chosen and (other := usage.get(u.name)) is not None:
+                rest_up += other.up
+                rest_down += other.down
     traffic.add_metric([OTHER, "up"], float(rest_up))
     traffic.add_metric([OTHER, "down"], float(rest_down))
     dropped = GaugeMetricFamily("reconciler_user_series_dropped", "Users without series of their own (over "

@@ -25,6 +25,7 @@ from reconciler.engine.adapters import desired
 from reconciler.engine.base import MARK_BASE, usage_marks
 from reconciler.fleet import parse_report
 from reconciler.fleet.events import user_events
+from reconciler.fleet.reports import KIND_OF, CounterRows
 from reconciler.fleet.usage import HEADER_BYTES, Ledger, owner_id
 from reconciler.model import Cluster, UserUsage
 from reconciler.model.cluster import Reset
@@ -163,7 +164,7 @@ def test_the_ledger_counts_each_users_payload_exactly_over_thousands_of_interval
     ledger = Ledger.unpack(json.loads(json.dumps(meta)), {k: v.copy() for k, v in arrays.items()})
     view = ledger.view(c, now + 60)
     for n in names:
-        assert (ledger.users[n].total, view[n].total) == (sum(truth[n]),) * 2, n
+        assert (ledger.book(n).total, view[n].total) == (sum(truth[n]),) * 2, n
     assert sum(v[0] + v[1] for v in ledger.by_server.values()) == sum(sum(t) for t in truth.values())
 
 
@@ -183,13 +184,13 @@ def test_a_mark_that_changes_owner_is_a_baseline_and_periods_start_from_zero():
     assert view["alice"].used == 0 and view["alice"].total == 4 * MB
     k.carry(rng, marks["alice"], 0, 1 * MB)
     ledger.fold(c, {"s0": k.report("s0", ts(2026, 12, 1, 0, 1))}, ts(2026, 12, 1, 0, 1))
-    assert (ledger.users["alice"].up, ledger.users["alice"].down) == (MB, 0)
+    assert (ledger.book("alice").up, ledger.book("alice").down) == (MB, 0)
     # Alice's mark now belongs to bob (as if a collision moved it): a baseline, none of it bob's.
     owner_swapped = {"s0": k.report("s0", ts(2026, 12, 1, 0, 2))}
     ledger.counters["s0"] = ledger.counters["s0"].with_owners(owner_id("bob"))
     k.carry(rng, marks["alice"], 1, 2 * MB)
     ledger.fold(c, owner_swapped, ts(2026, 12, 1, 0, 2))
-    assert ledger.users["bob"].total == 0
+    assert ledger.book("bob").total == 0
 
 
 def test_marks_are_unique_stable_and_leave_room_for_the_operators_marks():
@@ -211,7 +212,8 @@ def test_hostile_usage_costs_that_servers_usage_never_its_report():
     rep = parse_report("s0", json.dumps({"service": "active", "usage": {"error": "no nft"}}), 1.0)
     assert rep.usage is None and rep.usage_error == "no nft"
     rep = parse_report("s0", json.dumps({"service": "active", "usage": {"tx": [[1, 2, 6, 1, 100]], "rx": []}}), 1.0)
-    assert rep.usage is not None and rep.usage.tx == ((1, "2", "6", 1, 100),)  # older nft: numbers
+    assert rep.usage is not None and rep.usage.tx == CounterRows.of([(1, "ipv4", "tcp", 1, 100)])  # older nft: numbers
+    assert rep.usage.tx.kinds.tolist() == [KIND_OF[("ipv4", "tcp")]] and KIND_OF[("ipv4", "tcp")] != 0
 
 
 def test_a_ledger_written_by_state_format_1_is_read_and_counting_goes_on_exactly():
@@ -228,7 +230,7 @@ def test_a_ledger_written_by_state_format_1_is_read_and_counting_goes_on_exactly
             "rx": [[marks["bob"], "ipv4", "tcp", 6, 6 * 52 + 3 * MB]]}
     rep = parse_report("s0", json.dumps({"service": "active", "usage": {**rows, "epoch": "e"}}), 61.0)
     assert ledger.fold(c, {"s0": rep}, 61.0) == {"alice": (2 * MB, 0), "bob": (0, 2 * MB)}
-    assert (ledger.users["alice"].up, ledger.users["bob"].down) == (7 * MB, 2 * MB)
+    assert (ledger.book("alice").up, ledger.book("bob").down) == (7 * MB, 2 * MB)
 
 
 def test_a_hostile_ledger_in_the_state_is_refused_whole():
@@ -240,7 +242,7 @@ def test_a_hostile_ledger_in_the_state_is_refused_whole():
         k.carry(random.Random(2), usage_marks(c)["alice"], side, MB)
     ledger.fold(c, {"s0": k.report("s0", 61.0)}, 61.0)
     meta, arrays = ledger.pack()
-    assert len(arrays["c_keys"]) >= 2 and Ledger.unpack(meta, arrays).users["alice"].total == 2 * MB
+    assert len(arrays["c_keys"]) >= 2 and Ledger.unpack(meta, arrays).book("alice").total == 2 * MB
     for broken_meta, broken in (
             (meta, {**arrays, "u_up": arrays["u_up"][:0]}),  # a column shorter than the names
             ({**meta, "counter_rows": [len(arrays["c_keys"]) + 1]}, arrays),  # rows that are not there
@@ -258,7 +260,7 @@ def test_a_state_that_overflows_is_a_fresh_start_and_totals_saturate_instead_of_
     marks = usage_marks(c)
     learned.ledger = Ledger.from_json({"counters": {}, "users": {"alice": [0.0, 2**64, 0, 2**64, None, 0.0, {}, []]},
                                        "by_server": {}, "by_route": {}, "last_fold": 0.0})
-    assert Ledger.unpack(*learned.ledger.pack()).users["alice"].total == 2**63 - 1  # saturated, saved
+    assert Ledger.unpack(*learned.ledger.pack()).book("alice").total == 2**63 - 1  # saturated, saved
     blob = learned.to_bytes()
     assert Learned.restore(blob, c)[1] is None
     # A format-1 counter beyond 64 bits cannot be read: OverflowError, which restore takes as a fresh start.

@@ -55,15 +55,18 @@ in rotation, the best available inbound is served (LB-8, HEALTH-11).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from reconciler.balance.hashing import exponentials, scores
+from reconciler.balance.assignments import NONE, Assignments
+from reconciler.balance.hashing import exponentials, key64, scores
 from reconciler.balance.snapshot import Snapshot
 from reconciler.balance.steer import choose_pool, healthy_pools
-from reconciler.model import InboundRef, Route, UserUsage
+from reconciler.model import Cluster, InboundRef, Route
+from reconciler.model.roster import ACTIVE
+from reconciler.model.usage import UsageView
 
 PAIR_PENALTY = 0.5
 ADDRESS_STEERED = ("geo", "dynamic")  # steering modes where a live request's address can choose the pool
@@ -74,9 +77,25 @@ def pool_key(route_id: str, pool: str) -> str:
     return f"{route_id}@{pool}"
 
 
-def held_inbounds(assignments: Mapping[tuple[str, str], str]) -> list[str]:
-    """The inbound each user holds now, per (user, route): their places in other pools (``pool_key``) left out."""
-    return [inbound for (_, route), inbound in assignments.items() if "@" not in route]
+def held_by_server(cluster: Cluster, assignments: Mapping[tuple[str, str], str]) -> dict[str, int]:
+    """server → how many (user, route) pairs hold one of its inbounds now (the users' places in other pools,
+    ``pool_key``, left out)."""
+    per_inbound: dict[str, int] = {}
+    if isinstance(assignments, Assignments):
+        for (key, inbound), n in assignments.counts().items():
+            if "@" not in key:
+                per_inbound[inbound] = per_inbound.get(inbound, 0) + n
+    else:
+        for (_, route), inbound in assignments.items():
+            if "@" not in route:
+                per_inbound[inbound] = per_inbound.get(inbound, 0) + 1
+    out: dict[str, int] = {}
+    for ref in cluster.inbounds:
+        if (held := per_inbound.get(ref.inbound.id, 0)) > 0:
+            out[ref.server.name] = out.get(ref.server.name, 0) + held
+    return out
+
+
 SATURATED = 0.95  # traffic at this share of capacity: the server takes no new users (LB-2)
 DEMAND_FLOOR = 0.1  # a measured user weighs at least this share of the mean demand (an idle user may wake up)
 HEAVY = 16  # a free user above 1/HEAVY of the mean target is placed on its own, where it leaves the lowest utilisation
@@ -226,7 +245,7 @@ def decide(snapshot: Snapshot, user_name: str, region: str | None = None) -> lis
     if not snapshot.active(user):
         return []
     region = region or user.region
-    ukey = snapshot.user_keys[user.name]
+    ukey = key64(user.name)
     entries: list[Entry] = []
     memo = snapshot.memo
     for route in cluster.effective_routes:
@@ -297,9 +316,13 @@ def _assignment_counts(snapshot: Snapshot) -> dict[tuple[str, str], int]:
     """(route, inbound) → users assigned in the snapshot; computed once per snapshot."""
     counts = snapshot.memo.assignment_counts
     if counts is None:
-        counts = {}
-        for (_, route), inbound in snapshot.assignments.items():
-            counts[(route, inbound)] = counts.get((route, inbound), 0) + 1
+        held = snapshot.assignments
+        if isinstance(held, Assignments):
+            counts = held.counts()
+        else:
+            counts = {}
+            for (_, route), inbound in held.items():
+                counts[(route, inbound)] = counts.get((route, inbound), 0) + 1
         snapshot.memo.assignment_counts = counts
     return counts
 
@@ -309,24 +332,28 @@ def _assignment_demand(snapshot: Snapshot) -> tuple[float | None, dict[tuple[str
     computed once per snapshot, with the weights ``rebalance`` gives the same users."""
     found = snapshot.memo.assignment_demand
     if found is None:
-        usage, users = snapshot.usage, snapshot.cluster.users
-        active = [u for u in users if u.name in usage and snapshot.active(u)]
-        demand = _measured((usage[u.name] for u in active), len(active))
-        fill = _fill(snapshot, demand)
+        usage, roster = snapshot.usage, snapshot.cluster.roster
+        counted = np.ones(len(roster), bool) if isinstance(usage, UsageView) and usage.names == roster.names else \
+            np.fromiter((n in usage for n in roster.names), bool, len(roster))
+        active = counted & (snapshot.standings == ACTIVE)
+        measured = _measured_all(snapshot)
+        fill = _fill(snapshot, measured[active])
         assigned: dict[tuple[str, str], float] = {}
         if fill is not None:
-            weight = dict(zip([u.name for u in active], _weigh(demand, fill).tolist(), strict=True))
-            for (user, route), inbound in snapshot.assignments.items():
-                assigned[(route, inbound)] = assigned.get((route, inbound), 0.0) + weight.get(user, fill)
+            weight = np.where(active, _weigh(measured, fill), fill)
+            held = snapshot.assignments
+            if isinstance(held, Assignments) and (held.names is roster.names or held.names == roster.names):
+                for key, col in held.columns.items():
+                    on = col >= 0
+                    sums = np.bincount(col[on], weights=weight[on], minlength=len(held.inbounds))
+                    assigned.update({(key, held.inbounds[t]): float(sums[t]) for t in np.flatnonzero(sums).tolist()})
+            else:
+                at, weights_ = roster.index, weight.tolist()
+                for (user, route), inbound in held.items():
+                    i = at.get(user)
+                    assigned[(route, inbound)] = assigned.get((route, inbound), 0.0) + (fill if i is None else weights_[i])
         found = snapshot.memo.assignment_demand = (fill, assigned)
     return found
-
-
-def _measured(usage: Iterable[UserUsage | None], count: int) -> np.ndarray:
-    """Each user's measured demand in Mbps; 0 where never measured (or not a sane number)."""
-    d = np.fromiter((0.0 if x is None else x.demand_mbps for x in usage), dtype=np.float64, count=count)
-    sane: np.ndarray = np.where(np.isfinite(d) & (d > 0), d, 0.0)
-    return sane
 
 
 def _fill(snapshot: Snapshot, measured: np.ndarray) -> float | None:
@@ -336,7 +363,7 @@ def _fill(snapshot: Snapshot, measured: np.ndarray) -> float | None:
         return float(measured[measured > 0].mean())
     if not snapshot.usage:
         return None
-    fleet = _measured(snapshot.usage.values(), len(snapshot.usage))
+    fleet = _measured_all(snapshot)
     return float(fleet[fleet > 0].mean()) if (fleet > 0).any() else None
 
 
@@ -368,18 +395,27 @@ def _entry(snapshot: Snapshot, route: Route, ref: InboundRef, pool: str | None, 
 # --------------------------------------------------------------------------- the batch
 
 
-def rebalance(snapshot: Snapshot, chunk: int | None = None) -> dict[tuple[str, str], str]:
+def rebalance(snapshot: Snapshot, chunk: int | None = None) -> Assignments:
     """Assign every active user on every route; returns (user, route) → inbound id."""
     cluster = snapshot.cluster
-    users = [u for u in cluster.users if snapshot.active(u)]
-    if not users:
-        return {}
-    names = [u.name for u in users]
-    ukeys = np.array([snapshot.user_keys[n] for n in names], dtype=np.uint64)
-    regions = np.array([u.region or "" for u in users])
-    demand = _user_demand(snapshot, names)
+    roster = cluster.roster
+    inbound_ids = cluster.inbound_ids
+    active = np.flatnonzero(snapshot.standings == ACTIVE)
+    columns: dict[str, np.ndarray] = {}
+    if not len(active):
+        return Assignments(roster.names, inbound_ids, columns, roster.index)
+    inbound_at = {t: i for i, t in enumerate(inbound_ids)}
+    ukeys = snapshot.user_key_array[active]
+    regions = roster.regions[active]
+    demand = _user_demand(snapshot, active)
     stick = 1.0 + cluster.settings.balance.stickiness
-    out: dict[tuple[str, str], str] = {}
+
+    def column(key: str) -> np.ndarray:
+        col = columns.get(key)
+        if col is None:
+            col = columns[key] = np.full(len(roster), NONE, np.int32)
+        return col
+
     for route in cluster.effective_routes:
         members = _usable_members(snapshot, route)
         if not members:
@@ -388,33 +424,42 @@ def rebalance(snapshot: Snapshot, chunk: int | None = None) -> dict[tuple[str, s
         for pool, idx in groups:
             cands = _candidates(snapshot, members, pool)
             if not cands:
-                fallback = snapshot.best_available(members).inbound.id
-                for i in idx:
-                    out[(names[i], route.id)] = fallback
+                column(route.id)[active[idx]] = inbound_at[snapshot.best_available(members).inbound.id]
                 continue
-            chosen = _batch(snapshot, route, cands, ukeys[idx], [names[i] for i in idx], stick, chunk,
+            chosen = _batch(snapshot, route, cands, ukeys[idx], active[idx], stick, chunk,
                             demand=None if demand is None else demand[idx])
-            for i, c in zip(idx, chosen, strict=True):
-                out[(names[i], route.id)] = cands[c].inbound.id
+            column(route.id)[active[idx]] = np.array([inbound_at[r.inbound.id] for r in cands], np.int32)[chosen]
         if route.pools and route.steering in ADDRESS_STEERED:  # every user's place in every pool an address may choose
             for pool in dict.fromkeys([*route.pools, *([route.fallback_pool] if route.fallback_pool else [])]):
                 cands = _candidates(snapshot, members, pool)
                 if not cands:
                     continue
                 key = pool_key(route.id, pool)
-                chosen = _batch(snapshot, route, cands, ukeys, names, stick, chunk, key, demand)
-                for name, c in zip(names, chosen, strict=True):
-                    out[(name, key)] = cands[c].inbound.id
-    return out
+                chosen = _batch(snapshot, route, cands, ukeys, active, stick, chunk, key, demand)
+                column(key)[active] = np.array([inbound_at[r.inbound.id] for r in cands], np.int32)[chosen]
+    return Assignments(roster.names, inbound_ids, columns, roster.index)
 
 
-def _user_demand(snapshot: Snapshot, names: list[str]) -> np.ndarray | None:
-    """The active users' weights in Mbps (``_weigh``), None when no demand was measured (count users)."""
+def _user_demand(snapshot: Snapshot, active: np.ndarray) -> np.ndarray | None:
+    """The active users' weights in Mbps (``_weigh``), None when no demand was measured (count users).
+    ``active``: their positions in the cluster's users."""
     if not snapshot.usage:
         return None
-    measured = _measured(map(snapshot.usage.get, names), len(names))
+    measured = _measured_all(snapshot)[active]
     fill = _fill(snapshot, measured)
     return None if fill is None else _weigh(measured, fill)
+
+
+def _measured_all(snapshot: Snapshot) -> np.ndarray:
+    """Every user's measured demand in Mbps in the cluster's order; 0 where never measured (or not a sane number)."""
+    usage, roster = snapshot.usage, snapshot.cluster.roster
+    if isinstance(usage, UsageView) and usage.names == roster.names:
+        d = usage.demand_mbps
+    else:
+        d = np.fromiter((0.0 if (x := usage.get(n)) is None else x.demand_mbps for n in roster.names), np.float64,
+                        len(roster))
+    sane: np.ndarray = np.where(np.isfinite(d) & (d > 0), d, 0.0)
+    return sane
 
 
 def _pool_groups(snapshot: Snapshot, route: Route, ukeys: np.ndarray, regions: np.ndarray) -> list[tuple[str | None, np.ndarray]]:
@@ -436,13 +481,29 @@ def _pool_groups(snapshot: Snapshot, route: Route, ukeys: np.ndarray, regions: n
     return out
 
 
-def _batch(snapshot: Snapshot, route: Route, cands: tuple[InboundRef, ...], ukeys: np.ndarray, names: list[str],
+def _previous(snapshot: Snapshot, key: str, users: np.ndarray, cands: tuple[InboundRef, ...]) -> np.ndarray:
+    """Which candidate each user (positions in the cluster's users) held on the route key (-1: none of them)."""
+    held, roster = snapshot.assignments, snapshot.cluster.roster
+    if not isinstance(held, Assignments) or not (held.names is roster.names or held.names == roster.names):
+        held = Assignments.of(held, roster.names, snapshot.cluster.inbound_ids, roster.index)
+    col = held.column(key)
+    if col is None:
+        return np.full(len(users), -1, np.int64)
+    at = {t: i for i, t in enumerate(held.inbounds)}
+    candidate_of = np.full(len(held.inbounds) + 1, -1, np.int64)  # the last: NONE's
+    for c, r in enumerate(cands):
+        if (t := at.get(r.inbound.id)) is not None:
+            candidate_of[t] = c
+    prev: np.ndarray = candidate_of[col[users]]
+    return prev
+
+
+def _batch(snapshot: Snapshot, route: Route, cands: tuple[InboundRef, ...], ukeys: np.ndarray, users: np.ndarray,
            stick: float, chunk: int | None, key: str | None = None, demand: np.ndarray | None = None) -> np.ndarray:
+    """The candidate (an index into ``cands``) of each user (``users``: positions in the cluster's users)."""
     n, k = len(ukeys), len(cands)
     cand_keys = np.array([snapshot.inbound_keys[r.inbound.id] for r in cands], dtype=np.uint64)
-    position = {r.inbound.id: i for i, r in enumerate(cands)}
-    key = key or route.id
-    prev = np.array([position.get(snapshot.assignments.get((u, key), ""), -1) for u in names], dtype=np.int64)
+    prev = _previous(snapshot, key or route.id, users, cands)
     sticky = prev >= 0
     if demand is not None and route.balance == "least-loaded":
         held_mbps = np.bincount(prev[sticky], weights=demand[sticky], minlength=k).astype(np.float64)

@@ -10,6 +10,7 @@ Envoy's and mcrouter's weighted rendezvous hashing.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import numpy as np
@@ -26,6 +27,14 @@ def key64(text: str) -> int:
 
 def keys64(texts: list[str]) -> np.ndarray:
     return np.array([key64(t) for t in texts], dtype=np.uint64)
+
+
+@functools.lru_cache(maxsize=4)
+def name_keys(names: tuple[str, ...]) -> np.ndarray:
+    """``key64`` of every name, computed once per set of names (a cluster's users), not once per interval. Read only."""
+    keys = np.fromiter((key64(t) for t in names), np.uint64, len(names))
+    keys.flags.writeable = False
+    return keys
 
 
 def _mix(x: np.ndarray) -> np.ndarray:

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
-from typing import TYPE_CHECKING, Any
+from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from reconciler.balance.hashing import key64, keys64
+from reconciler.balance.hashing import keys64, name_keys
 from reconciler.health.verdicts import Verdicts
 from reconciler.model import Cluster, InboundRef, User, UserUsage
-from reconciler.model.cluster import Standing
+from reconciler.model.roster import STANDINGS, Standing
 
 if TYPE_CHECKING:
     from reconciler.balance.decide import Placement
@@ -90,23 +90,17 @@ class Snapshot:
     # ------------------------------------------------------------------ users
 
     def standing(self, user: User) -> Standing:
-        """The user's standing at this snapshot's time with what the fleet measured (``User.standing`` decides)."""
-        known = self._standings.get(id(user))
-        return known if known is not None else user.standing(self.now, self.usage.get(user.name))
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled (to the worker processes) without the standings memo: its keys are this process's objects."""
-        state = dict(self.__dict__)
-        state.pop("_standings", None)
-        return state
+        """The user's standing at this snapshot's time with what the fleet measured (``roster.standings`` decides)."""
+        i = self.cluster.roster.index.get(user.name)
+        if i is not None and self.cluster.users[i] is user:
+            return STANDINGS[int(self.standings[i])]
+        return user.standing(self.now, self.usage.get(user.name))  # a user this snapshot's cluster does not hold
 
     @cached_property
-    def _standings(self) -> dict[int, Standing]:
-        """Every user of the cluster's standing, decided once per snapshot (the balancer, the outlets, the
-        enforcement, the events and the metrics each ask for every user; a million users took seconds each time).
-        Keyed by the User object (the cluster's, which this snapshot keeps alive): another User is decided afresh."""
-        now, usage = self.now, self.usage
-        return {id(u): u.standing(now, usage.get(u.name)) for u in self.cluster.users}
+    def standings(self) -> np.ndarray:
+        """Every user's standing code (``STANDINGS``), in the cluster's order: decided once per snapshot, for all
+        users at once (the balancer, the outlets, the enforcement, the events and the metrics each ask for all)."""
+        return self.cluster.roster.standings(self.now, self.usage)
 
     def active(self, user: User) -> bool:
         return self.standing(user) == "active"
@@ -152,9 +146,10 @@ class Snapshot:
 
     # ------------------------------------------------------------------ users
 
-    @cached_property
-    def user_keys(self) -> dict[str, int]:
-        return _user_keys(tuple(u.name for u in self.cluster.users))
+    @property
+    def user_key_array(self) -> np.ndarray:
+        """The users' balancing keys in the cluster's order (``name_keys``: computed once per set of names)."""
+        return name_keys(self.cluster.roster.names)
 
     @cached_property
     def inbound_keys(self) -> dict[str, int]:
@@ -163,12 +158,6 @@ class Snapshot:
 
     def load(self, server: str) -> ServerLoad:
         return self.loads.get(server, ServerLoad())
-
-
-@lru_cache(maxsize=2)
-def _user_keys(names: tuple[str, ...]) -> dict[str, int]:
-    """The users' balancing keys, computed once per set of names, not once per interval (read only)."""
-    return {n: key64(n) for n in names}
 
 
 def key_array(keys: list[int]) -> np.ndarray:

@@ -52,7 +52,7 @@ def emit(fmt: str, data: dict[str, Any], title: str, columns: list[str], rows: l
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from reconciler.balance.decide import held_inbounds
+    from reconciler.balance.decide import held_by_server
     from reconciler.config import load_cluster
 
     path = cluster_file(args)
@@ -92,11 +92,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         emit(fmt, data, f"{name} ({server.host}): {sv.status} — {sv.reason}",
              ["inbound", "protocol", "port", "status", "in_rotation", "reason", "marks", "failing_witnesses"], inbounds)
         return 0
-    assigned: dict[str, int] = {}
-    server_of = {r.inbound.id: r.server.name for r in cluster.inbounds}
-    for inbound in held_inbounds(learned.assignments):
-        if inbound in server_of:
-            assigned[server_of[inbound]] = assigned.get(server_of[inbound], 0) + 1
+    assigned = held_by_server(cluster, learned.assignments)
     rows = []
     for s in cluster.servers:
         sv = verdicts.server(s.name)

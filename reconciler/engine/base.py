@@ -21,9 +21,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+import numpy as np
+
 from reconciler.certificates import derived_certificate
 from reconciler.credentials import Redactor, Secret
 from reconciler.model import Cluster, Server, User, UserUsage
+from reconciler.model.roster import ACTIVE, STANDINGS
 from reconciler.safe_read import read_regular_file
 from reconciler.text import size_text
 
@@ -197,9 +200,11 @@ def withheld_users(cluster: Cluster, now: float, usage: Mapping[str, UserUsage] 
     """(user, why in the operator's words) for every user the servers refuse at ``now`` (the plan shows them)."""
     usage = usage or {}
     out = []
-    for u in cluster.users:
+    codes = cluster.roster.standings(now, usage)
+    for i in np.flatnonzero(codes).tolist():
+        u = cluster.users[i]
         used = usage.get(u.name)
-        standing = u.standing(now, used)
+        standing = STANDINGS[codes[i]]
         if standing == "disabled":
             out.append((u.name, "disabled"))
         elif standing == "expired":
@@ -215,8 +220,8 @@ def withheld_users(cluster: Cluster, now: float, usage: Mapping[str, UserUsage] 
 def active_users(cluster: Cluster, now: float, usage: Mapping[str, UserUsage] | None = None) -> list[User]:
     """The users whose credentials the servers accept at ``now`` with what the fleet measured (``User.standing``
     decides: an expired, disabled or over-quota user is left out of every server's configuration)."""
-    usage = usage or {}
-    return [u for u in cluster.users if u.active(now, usage.get(u.name))]
+    users = cluster.users
+    return [users[i] for i in np.flatnonzero(cluster.roster.standings(now, usage) == ACTIVE).tolist()]
 
 
 ACME_FOLDER = "acme"  # in the state folder: the ACME account key and the certificates it was issued

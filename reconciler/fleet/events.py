@@ -15,8 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from reconciler.balance import Snapshot
 from reconciler.model import Cluster, UserUsage
+from reconciler.model.roster import NO_LIMIT
 from reconciler.text import size_text
 
 
@@ -45,9 +48,16 @@ def user_events(cluster: Cluster, usage: Mapping[str, UserUsage], now: float, sa
             said[key] = value
             events.append(event)
 
-    for user in cluster.users:
-        if not user.enabled:
-            continue
+    roster = cluster.roster
+    used_bytes, devices = roster.measured(usage)
+    limit, ends = roster.data_limit, roster.expires_at
+    due = roster.enabled & (((limit > 0) & (used_bytes >= settings.warn_quota * limit)) | (ends - now <= settings.warn_expiry)
+                            | ((roster.device_limit != NO_LIMIT) & (devices > roster.device_limit)))
+    for key in said:  # a device-limit breach that may have ended
+        if key.startswith("device_limit:") and (i := roster.index.get(key.split(":", 1)[1])) is not None:
+            due[i] = roster.enabled[i]
+    for i in np.flatnonzero(due).tolist():  # only users with something to say (a million otherwise, every interval)
+        user = cluster.users[i]
         used = usage.get(user.name)
         name = user.name
         if user.data_limit and used is not None:
@@ -79,7 +89,7 @@ def user_events(cluster: Cluster, usage: Mapping[str, UserUsage], now: float, sa
                                                                             "limit": user.device_limit}))
             elif said.get(key) == "over":
                 said[key] = "under"
-    known = {u.name for u in cluster.users}
+    known = roster.index
     for key in [k for k in said if k.split(":", 1)[-1] not in known and not k.startswith("fleet")]:
         del said[key]  # users that left the file
     return events

@@ -17,12 +17,14 @@ from __future__ import annotations
 import io
 import json
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from reconciler.balance import RTTProfile, ServerLoad
+from reconciler.balance.assignments import Assignments
 from reconciler.balance.capacity import CapacityEstimator
 from reconciler.fleet.reports import Counter, Report, observation, traffic_rate
 from reconciler.fleet.usage import Ledger
@@ -31,7 +33,8 @@ from reconciler.health.topology import Topology
 from reconciler.health.verdicts import Verdicts
 from reconciler.model import Cluster
 
-FORMAT = 2  # 2: the users' ledger and the assignments as arrays (1: as JSON, still read)
+FORMAT = 3  # 3: the assignments as one column per route; 2: the users' ledger and the assignments as arrays; 1: as JSON
+READS = (1, 2, FORMAT)
 # Which axes the engine's arrays run along: s = servers (witnesses), m = inbounds (targets).
 _HEALTH_AXES = {"fail": "sm", "hazard": "s", "cont": "s", "last_report": "s", "last_service_ok": "s",
                 "last_listener_ok": "m", "unreach_on": "m", "unreach_clear": "m", "blocked_on": "m", "blocked_clear": "m",
@@ -49,7 +52,7 @@ class Learned:
     counters: dict[str, Counter] = field(default_factory=dict)
     traffic_mbps: dict[str, float] = field(default_factory=dict)
     connected: dict[str, list[str]] = field(default_factory=dict)  # server → users with open connections
-    assignments: dict[tuple[str, str], str] = field(default_factory=dict)
+    assignments: Mapping[tuple[str, str], str] = field(default_factory=dict)  # an Assignments once balanced
     bytes_total: dict[str, int] = field(default_factory=dict)  # server → bytes the engine carried, across restarts
     ledger: Ledger = field(default_factory=Ledger)  # per-user traffic, devices, demand (reconciler.fleet.usage)
     last_tick: float = 0.0
@@ -199,7 +202,9 @@ class Learned:
         new.traffic_mbps = {k: v for k, v in self.traffic_mbps.items() if k in keep}
         new.connected = {k: v for k, v in self.connected.items() if k in keep}
         inbounds = set(topo.inbounds)
-        new.assignments = {k: v for k, v in self.assignments.items() if v in inbounds}
+        held = self.assignments
+        new.assignments = held.realigned(held.names, topo.inbounds) if isinstance(held, Assignments) else \
+            {k: v for k, v in held.items() if v in inbounds}
         new.last_tick, new.ticks = self.last_tick, self.ticks
         new.ledger = self.ledger
         new.ledger.adopt(cluster)
@@ -209,17 +214,14 @@ class Learned:
 
     def to_bytes(self) -> bytes:
         ledger_meta, ledger_arrays = self.ledger.pack()
-        routes = sorted({r for _u, r in self.assignments})
-        inbounds = sorted(set(self.assignments.values()))
-        route_at, inbound_at = {r: i for i, r in enumerate(routes)}, {t: i for i, t in enumerate(inbounds)}
-        n = len(self.assignments)
+        held = _columns(self.assignments)
         meta = {
             "format": FORMAT, "servers": list(self.topology.servers), "inbounds": list(self.topology.inbounds),
             "countries": list(self.topology.countries), "probers": list(self.topology.probers),
             "inbound_server": list(self.topology.inbound_server),
             "counters": {k: [c.value, c.at] for k, c in self.counters.items()}, "traffic_mbps": self.traffic_mbps,
             "connected": self.connected, "bytes_total": self.bytes_total,
-            "assignment_routes": routes, "assignment_inbounds": inbounds,
+            "assignment_keys": list(held.columns), "assignment_inbounds": list(held.inbounds),
             "last_tick": self.last_tick, "ticks": self.ticks, "capacity_half_life": self.capacity.half_life,
             "usage": ledger_meta,
         }
@@ -227,9 +229,8 @@ class Learned:
         arrays.update(cap_peak=self.capacity.peak, cap_time=self.capacity.peak_time, rtt_ewma=self.rtt_ewma,
                       rtt_first=self.rtt_first, rtt_last=self.rtt_last,
                       h_evaluations=np.array(self.health.evaluations),
-                      a_users=np.frombuffer("\n".join(u for u, _r in self.assignments).encode(), np.uint8),
-                      a_routes=np.fromiter((route_at[r] for _u, r in self.assignments), np.int32, n),
-                      a_inbounds=np.fromiter((inbound_at[t] for t in self.assignments.values()), np.int32, n),
+                      a_names=np.frombuffer("\n".join(held.names).encode(), np.uint8),
+                      a_columns=np.array(list(held.columns.values()), np.int32).reshape(len(held.columns), len(held.names)),
                       meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
         arrays.update({f"l_{k}": v for k, v in ledger_arrays.items()})
         return _npz(arrays)
@@ -239,17 +240,18 @@ class Learned:
         with np.load(io.BytesIO(data)) as npz:
             values = {k: npz[k] for k in npz.files}
         meta = json.loads(values.pop("meta").tobytes())
-        if meta.get("format") not in (1, FORMAT):
+        if meta.get("format") not in READS:
             raise ValueError(f"state format {meta.get('format')} is not {FORMAT}")
         topo = Topology(servers=tuple(meta["servers"]), countries=tuple(meta["countries"]), probers=tuple(meta["probers"]),
                         inbounds=tuple(meta["inbounds"]), inbound_server=tuple(meta["inbound_server"]))
         health = HealthState(**{k[2:]: v for k, v in values.items() if k.startswith("h_") and k != "h_evaluations"},
                              evaluations=int(values["h_evaluations"]))
+        assignments: Mapping[tuple[str, str], str]
         if meta["format"] == 1:
             assignments = {(u, r): i for u, r, i in meta["assignments"]}
             ledger = Ledger.from_json(meta.get("usage"))
         else:
-            assignments = _assignments(values, meta)
+            assignments = _assignments(values, meta) if meta["format"] == 2 else _read_columns(values, meta)
             ledger = Ledger.unpack(meta["usage"], {k[2:]: v for k, v in values.items() if k.startswith("l_")})
         return cls(topology=topo, health=health,
                    capacity=CapacityEstimator(meta["capacity_half_life"], values["cap_peak"], values["cap_time"]),
@@ -292,3 +294,23 @@ def _assignments(values: dict[str, np.ndarray], meta: dict[str, Any]) -> dict[tu
     if not len(users) == len(r_at) == len(t_at) or min(r_at, default=0) < 0 or min(t_at, default=0) < 0:
         raise ValueError("the assignments' columns differ in length")
     return {(u, routes[r]): inbounds[t] for u, r, t in zip(users, r_at, t_at, strict=True)}
+
+
+def _columns(held: Mapping[tuple[str, str], str]) -> Assignments:
+    """Any assignments as columns (a plain mapping: its users in the order they first appear)."""
+    if isinstance(held, Assignments):
+        return held
+    names = tuple(dict.fromkeys(u for u, _r in held))
+    return Assignments.of(held, names, tuple(sorted(set(held.values()))))
+
+
+def _read_columns(values: dict[str, np.ndarray], meta: dict[str, Any]) -> Assignments:
+    text = values["a_names"].astype(np.uint8).tobytes().decode()
+    names = tuple(text.split("\n")) if text else ()
+    keys, inbounds = [str(k) for k in meta["assignment_keys"]], tuple(str(t) for t in meta["assignment_inbounds"])
+    table = values["a_columns"]
+    if table.ndim != 2 or table.shape != (len(keys), len(names)) or table.dtype != np.int32:
+        raise ValueError("the assignments' columns do not fit their users and routes")
+    if len(set(names)) != len(names):
+        raise ValueError("the assignments' users are not unique")
+    return Assignments(names, inbounds, {k: table[i].copy() for i, k in enumerate(keys)})  # checks each column's range

@@ -7,7 +7,7 @@ profiles (dynamic steering, STEER-3), public keys and sticky assignments (LB-6),
 same bytes for the same user.
 
 Assignments are rebalanced from the learned ones (stickiness); the caller keeps the result
-(``Learned.assignments = dict(snap.assignments)``) when it owns the learned state.
+(``Learned.assignments = snap.assignments``, immutable) when it owns the learned state.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from reconciler.balance import Snapshot, rebalance
+from reconciler.balance.assignments import Assignments
 from reconciler.fleet.learned import Learned
 from reconciler.health.verdicts import Verdicts
 from reconciler.model import Cluster
@@ -30,7 +31,9 @@ def snapshot(cluster: Cluster, learned: Learned, facts: Mapping[str, Mapping[str
     rtt = learned.rtt_profiles(cluster, now, cluster.settings.health.staleness)
     keys, pins = dict(facts.get("public_keys", {})), dict(facts.get("tls_pins", {}))
     usage = learned.ledger.view(cluster, now)
-    before = Snapshot(cluster=cluster, now=now, verdicts=verdicts, loads=loads, rtt=rtt, assignments=dict(learned.assignments),
+    roster = cluster.roster
+    held = Assignments.of(learned.assignments, roster.names, cluster.inbound_ids, roster.index)
+    before = Snapshot(cluster=cluster, now=now, verdicts=verdicts, loads=loads, rtt=rtt, assignments=held,
                       public_keys=keys, tls_pins=pins, usage=usage)
     # A new snapshot, not a copy: whatever ``before`` memoised was computed from the old assignments.
     return Snapshot(cluster=cluster, now=now, verdicts=verdicts, loads=loads, rtt=rtt, assignments=rebalance(before),

@@ -26,36 +26,25 @@ cumulative, so the next fold after a restart counts everything since the counter
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from reconciler.balance.hashing import key64
+from reconciler.balance.assignments import Assignments
+from reconciler.balance.hashing import key64, name_keys
 from reconciler.engine.base import marks_for
-from reconciler.fleet.reports import Report, UsageCounters
-from reconciler.model import Cluster, UserUsage
+from reconciler.fleet.reports import KIND_OF, KINDS, Report, UsageCounters
+from reconciler.model import Cluster
+from reconciler.model.roster import Roster
+from reconciler.model.usage import UsageView
 
 # Bytes of headers per counted packet: IPv4 20 / IPv6 40, plus TCP 20 with the timestamp option Linux uses (12),
 # or UDP 8. Other transports (ICMP errors about a user's connection) carry no payload of the user's.
 HEADER_BYTES = {("ipv4", "tcp"): 52, ("ipv6", "tcp"): 72, ("ipv4", "udp"): 28, ("ipv6", "udp"): 48}
+HEADERS = np.array([-1] + [HEADER_BYTES[k] for k in KINDS[1:] if k is not None], dtype=np.int64)  # by kind
 DEMAND_HALF_LIFE = 900.0  # seconds: how fast a user's measured demand follows a change (balancing reads it)
-
-
-# Older nft versions print the numbers of families and transports (NFPROTO_IPV4 2, IPPROTO_TCP 6, ...).
-NAMES = {"2": "ipv4", "10": "ipv6", "6": "tcp", "17": "udp"}
-
-# The counters' kinds as numbers (0: a transport that carries no payload of the user's) and their headers.
-KINDS = (None, ("ipv4", "tcp"), ("ipv6", "tcp"), ("ipv4", "udp"), ("ipv6", "udp"))
-HEADERS = np.array([-1] + [HEADER_BYTES[k] for k in KINDS[1:] if k is not None], dtype=np.int64)
-
-
-def _aliases(name: str) -> tuple[str, ...]:
-    return (name, *[number for number, named in NAMES.items() if named == name])
-
-
-KIND_OF = {(f, t): kind for kind, k in enumerate(KINDS) if k is not None for f in _aliases(k[0]) for t in _aliases(k[1])}
 SIDE_SHIFT, KIND_SHIFT = 35, 32  # a counter's key: side (0 tx, 1 rx) << 35 | kind << 32 | mark
 # Bytes or packets one counter can add in one interval (a terabyte: 133 Gbit/s for a minute); more is a broken or
 # hostile counter, counted as this at most. So sums of a report's rows (at most 2**21) stay far inside 64 bits.
@@ -65,7 +54,7 @@ TOTAL_CAP = 2**63 - 1  # a user's bytes saturate here (the state keeps them as 6
 
 @dataclass
 class UserBook:
-    """What the controller has counted of one user."""
+    """What the controller has counted of one user (one row of ``Books``, as tests and commands read it)."""
 
     period_start: float = 0.0
     up: int = 0
@@ -81,6 +70,55 @@ class UserBook:
         """A book as state format 1 kept it."""
         return cls(float(v[0]), int(v[1]), int(v[2]), int(v[3]), None if v[4] is None else float(v[4]), float(v[5]),
                    {str(k): float(t) for k, t in dict(v[6]).items()}, tuple(str(s) for s in v[7]))
+
+
+@dataclass
+class Books:
+    """Every counted user's book as columns: the current cluster's users first, in its order (``Ledger.align``), then
+    the users who left the file (their totals are kept). Devices and open connections are sparse (few users)."""
+
+    names: tuple[str, ...] = ()
+    period_start: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    up: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    down: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    total: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    last_seen: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))  # nan: never
+    demand: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    devices: dict[str, dict[str, float]] = field(default_factory=dict)  # user → address fingerprint → last seen
+    servers: dict[str, tuple[str, ...]] = field(default_factory=dict)  # user → servers with its open connections
+
+    COLUMNS = ("period_start", "up", "down", "total", "last_seen", "demand")
+
+    @classmethod
+    def of(cls, names: list[str], rows: list[UserBook]) -> Books:
+        n = len(rows)
+        return cls(tuple(names), np.fromiter((b.period_start for b in rows), np.float64, n),
+                   np.fromiter((min(b.up, TOTAL_CAP) for b in rows), np.int64, n),
+                   np.fromiter((min(b.down, TOTAL_CAP) for b in rows), np.int64, n),
+                   np.fromiter((min(b.total, TOTAL_CAP) for b in rows), np.int64, n),
+                   np.fromiter((np.nan if b.last_seen is None else b.last_seen for b in rows), np.float64, n),
+                   np.fromiter((b.demand_mbps for b in rows), np.float64, n),
+                   {nm: dict(b.devices) for nm, b in zip(names, rows, strict=True) if b.devices},
+                   {nm: b.servers for nm, b in zip(names, rows, strict=True) if b.servers})
+
+    def reordered(self, names: tuple[str, ...]) -> Books:
+        """The books in the order of ``names`` first (a new user's book is empty), then the others as they were."""
+        if names == self.names[:len(names)]:
+            return Books(names + self.names[len(names):], self.period_start, self.up, self.down, self.total,
+                         self.last_seen, self.demand, self.devices, self.servers)
+        at = {n: i for i, n in enumerate(self.names)}
+        wanted = set(names)
+        order = list(names) + [n for n in self.names if n not in wanted]
+        src = np.fromiter((at.get(n, -1) for n in order), np.int64, len(order))
+        have = src >= 0
+        out = Books(tuple(order))
+        for c in self.COLUMNS:
+            old = getattr(self, c)
+            col = np.full(len(order), np.nan if c == "last_seen" else 0, old.dtype)
+            col[have] = old[src[have]]
+            setattr(out, c, col)
+        out.devices, out.servers = self.devices, self.servers
+        return out
 
 
 def owner_id(name: str) -> int:
@@ -103,8 +141,8 @@ def user_index(names: tuple[str, ...]) -> UserIndex:
     marks = marks_for(names)
     by_user = np.fromiter((marks[n] for n in names), np.int64, len(names))
     order = np.argsort(by_user, kind="stable")
-    return UserIndex(names, by_user[order], order.astype(np.int64),
-                     np.fromiter((owner_id(n) for n in names), np.int64, len(names)))
+    owners = (name_keys(names) >> np.uint64(1)).astype(np.int64)
+    return UserIndex(names, by_user[order], order.astype(np.int64), np.where(owners == 0, 1, owners))
 
 
 @dataclass(frozen=True)
@@ -133,15 +171,13 @@ class CounterTable:
 def read_counters(usage: UsageCounters, index: UserIndex) -> tuple[CounterTable, np.ndarray]:
     """A report's counters as a table (one row per key: a key reported twice keeps its last row) and the index of
     each row's user (-1: a mark nobody owns)."""
-    rows = usage.tx + usage.rx
-    if not rows:
+    tx, rx = usage.tx, usage.rx
+    n = len(tx) + len(rx)
+    if not n:
         return CounterTable.empty(), np.zeros(0, np.int64)
-    marks, families, transports, packets, nbytes = zip(*rows, strict=True)
-    n = len(rows)
-    kinds = np.fromiter((KIND_OF.get(ft, 0) for ft in zip(families, transports, strict=True)), np.int64, n)
     side = np.zeros(n, np.int64)
-    side[len(usage.tx):] = 1
-    keys = (side << SIDE_SHIFT) | (kinds << KIND_SHIFT) | np.fromiter(marks, np.int64, n)
+    side[len(tx):] = 1
+    keys = (side << SIDE_SHIFT) | (np.concatenate([tx.kinds, rx.kinds]) << KIND_SHIFT) | np.concatenate([tx.marks, rx.marks])
     order = np.argsort(keys, kind="stable")
     keys = keys[order]
     last = np.ones(n, bool)
@@ -155,8 +191,8 @@ def read_counters(usage: UsageCounters, index: UserIndex) -> tuple[CounterTable,
         found = index.sorted_marks[at] == mark
         user[found] = index.mark_user[at[found]]
         owners[found] = index.owners[user[found]]
-    return CounterTable(keys, owners, np.fromiter(packets, np.int64, n)[order],
-                        np.fromiter(nbytes, np.int64, n)[order]), user
+    return CounterTable(keys, owners, np.concatenate([tx.packets, rx.packets])[order],
+                        np.concatenate([tx.nbytes, rx.nbytes])[order]), user
 
 
 def counted(before: CounterTable | None, after: CounterTable, user: np.ndarray) -> np.ndarray:
@@ -186,36 +222,55 @@ def counted(before: CounterTable | None, after: CounterTable, user: np.ndarray) 
 @dataclass
 class Ledger:
     counters: dict[str, CounterTable] = field(default_factory=dict)
-    users: dict[str, UserBook] = field(default_factory=dict)
+    books: Books = field(default_factory=Books)
     by_server: dict[str, list[int]] = field(default_factory=dict)  # server → [up, down] user bytes, cumulative
     by_route: dict[str, list[int]] = field(default_factory=dict)  # route → [up, down] user bytes, cumulative
     unavailable: dict[str, str] = field(default_factory=dict)  # server → why its counters could not be read
     said: dict[str, str] = field(default_factory=dict)  # events already sent (reconciler.fleet.events)
     epochs: dict[str, str] = field(default_factory=dict)  # server → its counters' epoch (boot and table)
     last_fold: float = 0.0
-    _view: tuple[Cluster, float, dict[str, UserUsage]] | None = field(default=None, repr=False, compare=False)
+    _view: tuple[Cluster, float, UsageView] | None = field(default=None, repr=False, compare=False)
+
+    def align(self, cluster: Cluster) -> Roster:
+        """The books in the order of the cluster's users (once per loaded file: a new user's book is empty)."""
+        roster = cluster.roster
+        if self.books.names[:len(roster)] is not roster.names and self.books.names[:len(roster)] != roster.names:
+            self.books = self.books.reordered(roster.names)
+        return roster
+
+    def book(self, name: str) -> UserBook:
+        """One user's book (an empty one when never counted)."""
+        b = self.books
+        try:
+            i = b.names.index(name)
+        except ValueError:
+            return UserBook()
+        seen = float(b.last_seen[i])
+        return UserBook(float(b.period_start[i]), int(b.up[i]), int(b.down[i]), int(b.total[i]),
+                        None if seen != seen else seen, float(b.demand[i]), dict(b.devices.get(name, {})),
+                        b.servers.get(name, ()))
 
     def fold(self, cluster: Cluster, reports: Mapping[str, Report | None], now: float,
-             assignments: Mapping[tuple[str, str], str] | None = None) -> dict[str, tuple[int, int]]:
-        """Count one interval's reports; returns this interval's (up, down) bytes per user."""
-        index = user_index(tuple(u.name for u in cluster.users))
-        known = set(index.names)
-        routes = _routes_on_servers(cluster, assignments or {}, index)
+             assignments: Mapping[tuple[str, str], str] | None = None) -> Counted:
+        """Count one interval's reports; returns this interval's (up, down) bytes per user who had traffic."""
+        roster = self.align(cluster)
+        index = user_index(roster.names)
+        n = len(roster)
+        routes = _routes_on_servers(cluster, assignments or {}, roster)
         server_at = {s.name: i for i, s in enumerate(cluster.servers)}
-        up, down = np.zeros(len(index.names), np.int64), np.zeros(len(index.names), np.int64)
+        up, down = np.zeros(n, np.int64), np.zeros(n, np.int64)
         open_on: dict[str, list[str]] = {}
+        books = self.books
         for server, rep in reports.items():
             if rep is None:
                 continue
             for user in rep.users:
                 open_on.setdefault(user, []).append(server)
             for user, fps in rep.devices.items():
-                book = self.users.get(user)
-                if book is None and user in known:
-                    book = self.users.setdefault(user, UserBook())
-                if book is not None:
+                if fps and user in roster.index:
+                    devices = books.devices.setdefault(user, {})
                     for fp in fps:
-                        book.devices[fp] = now
+                        devices[fp] = now
             if rep.usage is None:
                 self.unavailable[server] = rep.usage_error
                 continue
@@ -237,50 +292,51 @@ class Ledger:
             counts = got > 0  # only rows of known users count (counted): their index is >= 0
             for s, per_user in ((0, up), (1, down)):
                 np.add.at(per_user, row_user[counts & (side == s)], got[counts & (side == s)])
-        window = cluster.settings.users.device_window
+        start, nxt = roster.bounds(now)
+        mine = slice(0, n)  # the cluster's users' books (those who left the file follow them, untouched)
+        new_period = books.period_start[mine] != start
+        books.period_start[mine] = start
+        books.up[mine][new_period] = 0
+        books.down[mine][new_period] = 0
+        for col, add in ((books.up, up), (books.down, down), (books.total, up + down)):
+            col[mine] = np.where(col[mine] > TOTAL_CAP - add, TOTAL_CAP, col[mine] + add)  # saturating
         dt = now - self.last_fold if self.last_fold else 0.0
-        alpha = 1.0 - 2.0 ** (-dt / DEMAND_HALF_LIFE) if dt > 0 else 0.0
-        users = self.users
-        deltas: dict[str, tuple[int, int]] = {}
-        view: dict[str, UserUsage] = {}
-        for u, d_up, d_down in zip(cluster.users, up.tolist(), down.tolist(), strict=True):
-            name = u.name
-            book = users.get(name)
-            if book is None:
-                book = users[name] = UserBook()
-            start, nxt = u.reset.bounds(now)
-            if book.period_start != start:
-                book.period_start, book.up, book.down = start, 0, 0
-            if d_up or d_down:
-                book.up = min(book.up + d_up, TOTAL_CAP)
-                book.down = min(book.down + d_down, TOTAL_CAP)
-                book.total = min(book.total + d_up + d_down, TOTAL_CAP)
-                deltas[name] = (d_up, d_down)
-            if dt > 0 and (d_up or d_down or book.demand_mbps):
-                book.demand_mbps += alpha * ((d_up + d_down) * 8 / 1e6 / dt - book.demand_mbps)
-            servers = open_on.get(name)
-            book.servers = tuple(sorted(servers)) if servers else ()
-            if d_up or d_down or servers:
-                book.last_seen = now
-            if book.devices:
-                book.devices = {fp: t for fp, t in book.devices.items() if now - t <= window}
-            view[name] = _usage(book, start, nxt, now, window)
+        if dt > 0:
+            alpha = 1.0 - 2.0 ** (-dt / DEMAND_HALF_LIFE)
+            books.demand[mine] += alpha * ((up + down) * (8 / 1e6 / dt) - books.demand[mine])
+        books.servers = {u: tuple(sorted(s)) for u, s in open_on.items() if u in roster.index}
+        seen = (up > 0) | (down > 0)
+        if books.servers:
+            seen[[roster.index[u] for u in books.servers]] = True
+        books.last_seen[mine][seen] = now
+        window = cluster.settings.users.device_window
+        books.devices = {u: kept for u, fps in books.devices.items()
+                         if (kept := {fp: t for fp, t in fps.items() if now - t <= window})}
         self.last_fold = now
-        self._view = (cluster, now, view)  # what view(cluster, now) would build, built in the same pass
-        return deltas
+        self._view = (cluster, now, self._usage(roster, start, nxt, now, window))  # what view() would build
+        return Counted(roster.names, np.flatnonzero((up > 0) | (down > 0)), up, down)
 
-    def view(self, cluster: Cluster, now: float) -> dict[str, UserUsage]:
+    def view(self, cluster: Cluster, now: float) -> UsageView:
         """Each user's usage as of ``now`` (a period that ended since the last fold reads as zero)."""
         if self._view is not None and self._view[0] is cluster and self._view[1] == now:
-            return self._view[2]  # the loop's interval: the fold just now made it (a million users: seconds)
-        window = cluster.settings.users.device_window
-        out = {}
-        for user in cluster.users:
-            book = self.users.get(user.name)
-            start, nxt = user.reset.bounds(now)
-            out[user.name] = UserUsage(period_start=start, next_reset=nxt) if book is None else \
-                _usage(book, start, nxt, now, window)
-        return out
+            return self._view[2]  # the loop's interval: the fold just now made it
+        roster = self.align(cluster)
+        start, nxt = roster.bounds(now)
+        return self._usage(roster, start, nxt, now, cluster.settings.users.device_window)
+
+    def _usage(self, roster: Roster, start: np.ndarray, nxt: np.ndarray, now: float, window: float) -> UsageView:
+        """The books as decisions read them at ``now``, in each user's period [start, nxt) (one that began since the
+        book's reads as zero). Copies: the books change at the next fold, a view never does."""
+        b, n = self.books, len(roster)
+        fresh = b.period_start[:n] == start
+        devices = np.zeros(n, np.int64)
+        for user, fps in b.devices.items():
+            i = roster.index.get(user)
+            if i is not None:
+                devices[i] = sum(1 for t in fps.values() if now - t <= window)
+        return UsageView(roster.names, np.where(fresh, b.up[:n], 0), np.where(fresh, b.down[:n], 0), b.total[:n].copy(),
+                         start, nxt, devices, b.last_seen[:n].copy(), b.demand[:n].copy(), dict(b.servers),
+                         roster.index)
 
     def adopt(self, cluster: Cluster) -> None:
         """Forget the counters of servers that left the file (their users' totals stay)."""
@@ -296,9 +352,8 @@ class Ledger:
         JSON text of them took seconds every interval)."""
         servers = list(self.counters)
         tables = [self.counters[s] for s in servers]
-        names = [n for n in self.users if n and "\n" not in n]  # users' names never are (a hostile old state's)
-        books = [self.users[n] for n in names]
-        sparse = {n: [b.devices, list(b.servers)] for n, b in zip(names, books, strict=True) if b.devices or b.servers}
+        b = self.books
+        sparse = {n: [b.devices.get(n, {}), list(b.servers.get(n, ()))] for n in {*b.devices, *b.servers}}
         meta = {"epochs": self.epochs, "by_server": self.by_server, "by_route": self.by_route, "last_fold": self.last_fold,
                 "said": self.said, "counter_servers": servers, "counter_rows": [len(t) for t in tables],
                 "sparse": sparse}
@@ -307,48 +362,46 @@ class Ledger:
             parts = [getattr(t, pick) for t in tables]
             return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
-        seen = [b.last_seen for b in books]
         arrays = {"c_keys": joined("keys"), "c_owners": joined("owners"), "c_packets": joined("packets"),
-                  "c_bytes": joined("nbytes"),
-                  "u_names": np.frombuffer("\n".join(names).encode(), np.uint8),
-                  "u_period": np.fromiter((b.period_start for b in books), np.float64, len(books)),
-                  "u_up": np.fromiter((min(b.up, TOTAL_CAP) for b in books), np.int64, len(books)),
-                  "u_down": np.fromiter((min(b.down, TOTAL_CAP) for b in books), np.int64, len(books)),
-                  "u_total": np.fromiter((min(b.total, TOTAL_CAP) for b in books), np.int64, len(books)),
-                  "u_seen": np.fromiter((np.nan if t is None else t for t in seen), np.float64, len(books)),
-                  "u_demand": np.fromiter((b.demand_mbps for b in books), np.float64, len(books))}
+                  "c_bytes": joined("nbytes"), "u_names": np.frombuffer("\n".join(b.names).encode(), np.uint8),
+                  "u_period": b.period_start, "u_up": b.up, "u_down": b.down, "u_total": b.total, "u_seen": b.last_seen,
+                  "u_demand": b.demand}
         return meta, arrays
 
     @classmethod
     def unpack(cls, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> Ledger:
         """``pack``'s output read back (untrusted: a state file; any inconsistency raises ValueError)."""
         text = arrays["u_names"].astype(np.uint8).tobytes().decode()
-        names = text.split("\n") if text else []
-        columns = [arrays[k] for k in ("u_period", "u_up", "u_down", "u_total", "u_seen", "u_demand")]
+        names = tuple(text.split("\n")) if text else ()
+        keys = ("u_period", "u_up", "u_down", "u_total", "u_seen", "u_demand")
+        columns = [np.asarray(arrays[k]) for k in keys]
         if any(c.ndim != 1 or c.dtype.kind not in "iuf" for c in columns) or any(len(c) != len(names) for c in columns):
             raise ValueError("the users' columns differ in length")
+        if len(set(names)) != len(names) or "" in names:
+            raise ValueError("the users' names are not unique")
+        ints = [np.clip(c, 0, TOTAL_CAP).astype(np.int64) if c.dtype.kind == "f" else c.astype(np.int64) for c in columns[1:4]]
+        if any((c < 0).any() for c in ints):
+            raise ValueError("a user's bytes are negative")
         sparse = dict(meta.get("sparse") or {})
-        users = {}
-        for n, period, up, down, total, seen, demand in zip(names, *(c.tolist() for c in columns), strict=True):
-            devices, servers = sparse.get(n) or ({}, [])
-            users[n] = UserBook(float(period), int(up), int(down), int(total), None if seen != seen else float(seen),
-                                float(demand), {str(k): float(t) for k, t in dict(devices).items()},
-                                tuple(str(x) for x in servers))
-        servers = [str(x) for x in meta["counter_servers"]]
+        devices = {str(n): {str(k): float(t) for k, t in dict(v[0]).items()} for n, v in sparse.items() if dict(v[0])}
+        servers = {str(n): tuple(str(x) for x in v[1]) for n, v in sparse.items() if list(v[1])}
+        books = Books(names, columns[0].astype(np.float64), ints[0], ints[1], ints[2], columns[4].astype(np.float64),
+                      columns[5].astype(np.float64), devices, servers)
+        servers_ = [str(x) for x in meta["counter_servers"]]
         rows = [int(x) for x in meta["counter_rows"]]
         cols = [arrays[k] for k in ("c_keys", "c_owners", "c_packets", "c_bytes")]
         if any(c.ndim != 1 or c.dtype != np.int64 for c in cols):
             raise ValueError("the counters' columns are not one-dimensional 64-bit integers")
-        if len(servers) != len(rows) or any(len(c) != sum(rows) for c in cols) or min(rows, default=0) < 0:
+        if len(servers_) != len(rows) or any(len(c) != sum(rows) for c in cols) or min(rows, default=0) < 0:
             raise ValueError("the counters' columns do not add up")
         counters, at = {}, 0
-        for server, n in zip(servers, rows, strict=True):
-            keys = cols[0][at:at + n]
-            if n > 1 and not bool(np.all(keys[1:] > keys[:-1])):
+        for server, n in zip(servers_, rows, strict=True):
+            keys_ = cols[0][at:at + n]
+            if n > 1 and not bool(np.all(keys_[1:] > keys_[:-1])):
                 raise ValueError(f"the counters of {server} are not sorted")
-            counters[server] = CounterTable(keys, cols[1][at:at + n], cols[2][at:at + n], cols[3][at:at + n])
+            counters[server] = CounterTable(keys_, cols[1][at:at + n], cols[2][at:at + n], cols[3][at:at + n])
             at += n
-        return cls(counters=counters, users=users,
+        return cls(counters=counters, books=books,
                    epochs={str(k): str(v) for k, v in dict(meta.get("epochs") or {}).items()},
                    by_server={str(k): [int(v[0]), int(v[1])] for k, v in dict(meta["by_server"]).items()},
                    by_route={str(k): [int(v[0]), int(v[1])] for k, v in dict(meta["by_route"]).items()},
@@ -366,21 +419,33 @@ class Ledger:
             rows = [r for i, r in enumerate(rows) if i + 1 == len(rows) or rows[i + 1][0] != r[0]]
             counters[str(server)] = CounterTable(*(np.array([r[i] for r in rows], np.int64) for i in range(4))) \
                 if rows else CounterTable.empty()
-        return cls(counters=counters,
+        users = {str(u): UserBook.from_json(list(b)) for u, b in dict(raw["users"]).items() if u and "\n" not in str(u)}
+        return cls(counters=counters, books=Books.of(list(users), list(users.values())),
                    epochs={str(k): str(v) for k, v in dict(raw.get("epochs") or {}).items()},
-                   users={str(u): UserBook.from_json(list(b)) for u, b in dict(raw["users"]).items()},
                    by_server={str(k): [int(v[0]), int(v[1])] for k, v in dict(raw["by_server"]).items()},
                    by_route={str(k): [int(v[0]), int(v[1])] for k, v in dict(raw["by_route"]).items()},
                    last_fold=float(raw["last_fold"]), said={str(k): str(v) for k, v in dict(raw.get("said") or {}).items()})
 
 
-def _usage(book: UserBook, start: float, nxt: float | None, now: float, window: float) -> UserUsage:
-    """A book as decisions read it at ``now``, in the period [start, nxt) (one that began since the book's reads
-    as zero)."""
-    fresh = book.period_start == start
-    devices = sum(1 for t in book.devices.values() if now - t <= window) if book.devices else 0
-    return UserUsage(book.up if fresh else 0, book.down if fresh else 0, book.total, start, nxt, devices,
-                     book.last_seen, book.servers, book.demand_mbps)
+class Counted(Mapping[str, tuple[int, int]]):
+    """One fold's (up, down) bytes per user who had traffic, read as a mapping (made only when asked)."""
+
+    def __init__(self, names: tuple[str, ...], which: np.ndarray, up: np.ndarray, down: np.ndarray) -> None:
+        self._names, self._which, self._up, self._down = names, which, up, down
+
+    @functools.cached_property
+    def _at(self) -> dict[str, int]:
+        return {self._names[i]: i for i in self._which.tolist()}
+
+    def __getitem__(self, name: str) -> tuple[int, int]:
+        i = self._at[name]
+        return int(self._up[i]), int(self._down[i])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._at)
+
+    def __len__(self) -> int:
+        return len(self._which)
 
 
 def _old_key(text: str) -> int:
@@ -392,15 +457,19 @@ def _old_key(text: str) -> int:
 RouteServers = list[tuple[str, np.ndarray]]
 
 
-def _routes_on_servers(cluster: Cluster, assignments: Mapping[tuple[str, str], str], index: UserIndex) -> RouteServers:
+def _routes_on_servers(cluster: Cluster, assignments: Mapping[tuple[str, str], str], roster: Roster) -> RouteServers:
     """Which route each user's bytes on each server count for (metrics per route): the route whose inbound the
     user is assigned on that server (the first such route in the assignments' order)."""
     if not assignments:
         return []
     server_of = _server_of_inbound(cluster)
-    position = {n: i for i, n in enumerate(index.names)}
+    if isinstance(assignments, Assignments):  # the balancer's columns: one array lookup per route key
+        held = assignments.realigned(roster.names, cluster.inbound_ids, roster.index)
+        to_server = np.array([server_of[t] for t in held.inbounds] + [-1], np.int64)  # [-1]: nobody's
+        return [(key, to_server[col]) for key, col in held.columns.items()]
+    position = roster.index
     out: dict[str, np.ndarray] = {}
-    n = len(index.names)
+    n = len(roster)
     for (user, route), inbound in assignments.items():
         i, s = position.get(user), server_of.get(inbound)
         if i is None or s is None:

@@ -28,10 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
+
 from reconciler.balance import Snapshot, decide
+from reconciler.balance.assignments import Assignments
 from reconciler.balance.decide import Entry
 from reconciler.credentials import Secret, UserCredentials, is_token, user_credentials, user_token
 from reconciler.model import Cluster, User, UserUsage
+from reconciler.model.roster import NO_LIMIT, STANDINGS
 from reconciler.state.files import write_atomic, write_new
 from reconciler.subscriptions import FORMATS, Document, render
 from reconciler.subscriptions.document import EXTENSIONS, headers_json, render_formats
@@ -93,14 +97,18 @@ def snapshot_digest(snapshot: Snapshot, cluster_hash: str) -> str:
         h.update(v.status.tobytes())
         h.update(v.in_rotation.tobytes())
         h.update(repr(sorted(v.pair_marks)).encode())
-    # In the snapshot's own order (the balancer's: routes, then users in the file's order), not sorted: equal
-    # snapshots of one cluster list them alike, and sorting a million of them cost a second every interval.
-    h.update("\n".join(f"{u}\0{r}\0{i}" for (u, r), i in snapshot.assignments.items()).encode())
+    held = snapshot.assignments
+    if isinstance(held, Assignments):  # the balancer's columns (users in the file's order, which the cluster hash holds)
+        h.update("\0".join([*held.inbounds, "", *held.columns]).encode())
+        for col in held.columns.values():
+            h.update(col.tobytes())
+    else:  # in the mapping's own order, not sorted: equal snapshots of one cluster list them alike
+        h.update("\n".join(f"{u}\0{r}\0{i}" for (u, r), i in held.items()).encode())
     h.update(json.dumps([snapshot.public_keys, snapshot.tls_pins], sort_keys=True).encode())
-    h.update(",".join(f"{u.name}:{snapshot.standing(u)}" for u in snapshot.cluster.users
-                      if not snapshot.active(u)).encode())
-    usage = snapshot.usage
-    h.update("\n".join(f"{u.name}\0{_step(u, usage.get(u.name))}" for u in snapshot.cluster.users).encode())  # userinfo
+    roster = snapshot.cluster.roster
+    codes = snapshot.standings
+    h.update(",".join(f"{roster.names[i]}:{STANDINGS[codes[i]]}" for i in np.flatnonzero(codes).tolist()).encode())
+    h.update(_steps(roster.data_limit, roster.measured(snapshot.usage)[0]).tobytes())  # userinfo, in the users' order
     return h.hexdigest()
 
 
@@ -116,11 +124,15 @@ def usage_step(snapshot: Snapshot, user_name: str) -> int:
 
 
 def _step(user: User, used: UserUsage | None) -> int:
-    if used is None:
-        return 0
-    limit = user.data_limit
-    step = min(USAGE_STEP, max(1, limit // 100)) if limit else USAGE_STEP
-    return used.used // step
+    limit = NO_LIMIT if user.data_limit is None else user.data_limit
+    return 0 if used is None else int(_steps(np.array([limit], np.int64), np.array([used.used], np.int64))[0])
+
+
+def _steps(limit: np.ndarray, used: np.ndarray) -> np.ndarray:
+    """The usage step of each user (``usage_step``): bytes used over 100 MB, or over 1% of a limit under 10 GB."""
+    step = np.where(limit > 0, np.clip(limit // 100, 1, USAGE_STEP), USAGE_STEP)
+    steps: np.ndarray = used // step
+    return steps
 
 
 def user_fingerprint(snapshot: Snapshot, user_name: str, inbound_json: dict[str, str], outputs_json: str,

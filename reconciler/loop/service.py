@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
 from prometheus_client import CollectorRegistry
 
 from reconciler.apply.acme import Backoff as CertificateBackoff
@@ -42,7 +43,7 @@ from reconciler.apply.acme import ensure_certificates
 from reconciler.apply.run import apply_all
 from reconciler.apply.session import Progress, pool_for, remember
 from reconciler.balance import Snapshot
-from reconciler.balance.decide import held_inbounds
+from reconciler.balance.decide import held_by_server
 from reconciler.config import load_cluster
 from reconciler.config.yamlread import load_seconds
 from reconciler.credentials import Secret, clash_api_secret
@@ -62,6 +63,7 @@ from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens, cluster_dig
 from reconciler.loop.workers import LiveWorkers, worker_count
 from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
 from reconciler.model import Cluster, Server
+from reconciler.model.roster import STANDINGS
 from reconciler.model.types import parse_listen
 from reconciler.plan.lock import Fence
 from reconciler.plan.observe import observe
@@ -331,7 +333,7 @@ class Loop:
                 now = time.time()
                 verdicts = self.learned.fold(cluster, reports, now)
                 snap = snapshot(cluster, self.learned, with_reality_keys(self.facts, cluster, self.secret), now, verdicts)
-                self.learned.assignments = dict(snap.assignments)  # stickiness (LB-6): the next interval starts here
+                self.learned.assignments = snap.assignments  # stickiness (LB-6): the next interval starts here (immutable)
                 self.stats.record("collect", True, time.perf_counter() - started, now)
                 self.answers.publish(snap)
                 if self.live is not None:  # the worker processes answer from the same snapshot (written in a thread)
@@ -399,12 +401,7 @@ class Loop:
 
     def _fleet_view(self, cluster: Cluster, verdicts: Verdicts, snap: Snapshot) -> FleetView:
         loads = snap.loads
-        assigned: dict[str, int] = {}
-        server_of = {r.inbound.id: r.server.name for r in cluster.inbounds}
-        for inbound in held_inbounds(snap.assignments):
-            s = server_of.get(inbound)
-            if s:
-                assigned[s] = assigned.get(s, 0) + 1
+        assigned = held_by_server(cluster, snap.assignments)
         rtt = self.learned.rtt_by_region(cluster)
         return FleetView(cluster=cluster, verdicts=verdicts, snapshot=snap,
                          traffic_mbps={k: v.traffic_mbps for k, v in loads.items()},
@@ -432,7 +429,8 @@ class Loop:
         """Users who crossed a limit, expired, or came back (a reset, a raised limit, a renewed date) change the
         servers' configurations now, not at the next plan: an apply within this interval (issue 16). And the events
         operators act on go to the log and the webhook."""
-        withheld: dict[str, str] = {u.name: snap.standing(u) for u in snap.cluster.users if not snap.active(u)}
+        names, codes = snap.cluster.roster.names, snap.standings
+        withheld: dict[str, str] = {names[i]: STANDINGS[codes[i]] for i in np.flatnonzero(codes).tolist()}
         if self._withheld is not None and withheld != self._withheld:
             out = sorted(set(withheld) - set(self._withheld))
             back = sorted(set(self._withheld) - set(withheld))

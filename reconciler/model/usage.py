@@ -8,7 +8,12 @@ recent demand, LB-3).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
+
+import numpy as np
 
 
 class UserUsage(NamedTuple):
@@ -29,3 +34,49 @@ class UserUsage(NamedTuple):
     def used(self) -> int:
         """Bytes that count against ``data_limit``: both directions this period."""
         return self.up + self.down
+
+
+@dataclass(frozen=True, eq=False)
+class UsageView(Mapping[str, UserUsage]):
+    """Every user's usage as columns in the order of ``names`` (a cluster's ``Roster.names``), read as a mapping of
+    name → ``UserUsage`` (each made when asked: a million of them every interval took seconds). Consumers that ask
+    about every user read the columns; the standing of all users at once is ``Roster.standings(now, used, devices)``.
+    """
+
+    names: tuple[str, ...]
+    up: np.ndarray  # int64
+    down: np.ndarray  # int64
+    total: np.ndarray  # int64
+    period_start: np.ndarray  # float64
+    next_reset: np.ndarray  # float64, nan: never
+    devices: np.ndarray  # int64
+    last_seen: np.ndarray  # float64, nan: never
+    demand_mbps: np.ndarray  # float64
+    servers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # only users with open connections
+    position: Mapping[str, int] | None = None  # names → index (the roster's, when the caller has it)
+
+    @cached_property
+    def _at(self) -> Mapping[str, int]:
+        return self.position if self.position is not None else {n: i for i, n in enumerate(self.names)}
+
+    @cached_property
+    def used(self) -> np.ndarray:
+        """Bytes that count against ``data_limit``, per user."""
+        total: np.ndarray = self.up + self.down
+        return total
+
+    def __getitem__(self, name: str) -> UserUsage:
+        i = self._at[name]
+        nxt, seen = float(self.next_reset[i]), float(self.last_seen[i])
+        return UserUsage(int(self.up[i]), int(self.down[i]), int(self.total[i]), float(self.period_start[i]),
+                         None if nxt != nxt else nxt, int(self.devices[i]), None if seen != seen else seen,
+                         self.servers.get(name, ()), float(self.demand_mbps[i]))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._at
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
