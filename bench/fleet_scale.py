@@ -8,7 +8,8 @@ balanced), and feeds the outlets (the live endpoint's snapshot and the subscript
 the metrics are scraped once (``/metrics``' text). The servers are one asyncssh server in a separate process
 (so its CPU is not the controller's) answering each agent request as the agent would: the listeners asked
 about, a result for every probe it was asked to make, the kernel's per-user counters of its users (every user
-carrying traffic every interval: the worst case), their devices and connections.
+carrying traffic every interval: the worst case; 1% of them a burst of 900 MB, so that their subscription
+files' usage step changes and the file outlet rewrites them), their devices and connections.
 
 Figures per N (servers) and U (users), medians over the measured intervals after a warm-up (the first
 connection to every server and the first full write of the files are not an interval's work): controller
@@ -45,6 +46,7 @@ INTERVAL = 60.0
 TARGET_SHARE = 0.10
 TARGET_RSS_MB = 2048
 SECRET = b"fleet-scale-bench-secret-0123456789abcdef"
+BURST = 0.01  # the share of users whose usage crosses a step of their subscription-userinfo in an interval
 
 
 # ------------------------------------------------------------------ the servers (a separate process)
@@ -71,7 +73,7 @@ def serve(port_file: str, host_key: str, client_pub: str, servers: int, users: i
     def report(server: str, request: dict[str, Any]) -> str:
         tx, rx = [], []
         for row in rows.get(server, []):
-            pkts = rng.randrange(1, 200)
+            pkts = rng.randrange(1, 200) if rng.random() >= BURST else 100_000  # a burst: 90 MB up, 810 MB down
             row[3] += pkts
             row[4] += pkts * 900
             tx.append(row[:])

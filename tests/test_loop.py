@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -24,9 +25,9 @@ from reconciler.fleet import snapshot
 from reconciler.fleet.learned import Learned
 from reconciler.fleet.reports import Counter, Probe, Report, agent_request, observation, parse_report, traffic_rate
 from reconciler.health.topology import Topology
-from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens
+from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens, WriteStats
 from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
-from reconciler.model import Cluster
+from reconciler.model import Cluster, UserUsage
 from reconciler.state.folder import StateFolder
 
 SECRET = Secret(b"loop-test-secret-0123456789abcdef")
@@ -276,6 +277,56 @@ def test_files_are_written_once_rewritten_only_where_changed_and_match_the_live_
             assert json.loads((tmp_path / "subs" / tok / "headers.json").read_text())[fmt] == doc.headers
         links = base64.b64decode((tmp_path / "subs" / tok / "links.txt").read_bytes()).decode()
         assert "198.18.0.10:" not in links  # nobody is sent to the unreachable server
+
+
+def tree(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("parallel_min", [20_000, 3])  # in this process; split with a worker process
+def test_between_file_changes_only_users_whose_inputs_changed_are_looked_at(tmp_path, monkeypatch, parallel_min):
+    # spec: LB-6 — a million users' fingerprints each interval would be the interval's whole work: a pass looks at
+    # the users whose standing, usage step or inbound changed, and writes exactly what a pass over everyone writes.
+    data = cluster(5, users=60).model_dump(mode="json", exclude_none=True)
+    data["users"][3] |= {"data_limit": "1GB"}
+    c = Cluster.model_validate(data)
+    learned = Learned.fresh(c)
+    snap = snapshot_after(c, learned)
+    monkeypatch.setattr(FileOutlet, "PARALLEL_MIN", parallel_min)
+    out = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET, workers=2)
+    assert out.write(snap).written == 60
+    manifest = (tmp_path / "state" / "subscription-files.json").read_bytes()
+
+    def write_beside_a_full_pass(s: Snapshot, label: str) -> WriteStats:
+        """The outlet's write, and what an outlet restarted from the same folders (comparing every user) writes."""
+        for part in ("subs", "state"):
+            shutil.copytree(tmp_path / part, tmp_path / label / part)
+        stats = out.write(s)
+        ref = FileOutlet(tmp_path / label / "subs", tmp_path / label / "state", SECRET)
+        ref.write(s)
+        assert tree(tmp_path / "subs") == tree(tmp_path / label / "subs") and out.published == ref.published
+        return stats
+
+    # u1 crosses a usage step (its subscription-userinfo changes); u3 goes over its limit (refused); u7's few bytes
+    # stay within its step (its files follow usage in steps, the live endpoint exactly).
+    usage = {"u1": UserUsage(up=250_000_000), "u3": UserUsage(down=1_500_000_000), "u7": UserUsage(up=10)}
+    changed = dataclasses.replace(snap, usage=usage)
+    stats = write_beside_a_full_pass(changed, "ref1")
+    assert (stats.written, stats.unchanged, stats.skipped_all) == (2, 58, False)
+    # Within MANIFEST_EVERY the manifest is not rewritten for two users; a restart with it rewrites what it missed.
+    assert (tmp_path / "state" / "subscription-files.json").read_bytes() == manifest
+    again = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET)
+    assert again.write(changed).written == 2
+    # Users moved off a blocked server: only they are looked at, by the same outlet.
+    blocked = snapshot_after(c, learned, blocked={"s1": {"s0-in"}, "s2": {"s0-in"}}, start=2e9)
+    blocked = dataclasses.replace(blocked, usage=usage)
+    moved = {u for (u, _), i in blocked.assignments.items()
+             if changed.assignments.get((u, "r")) != i and blocked.active(c.user(u))}  # u3 is refused wherever it is
+    stats = write_beside_a_full_pass(blocked, "ref2")
+    assert moved and (stats.written, stats.written + stats.unchanged) == (len(moved), 60)
+    # The folder removed behind its back: everyone is written again.
+    shutil.rmtree(tmp_path / "subs")
+    assert out.write(dataclasses.replace(blocked, usage={})).written == 60
 
 
 def test_a_big_write_in_worker_processes_gives_the_same_files(tmp_path, monkeypatch):

@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -148,6 +148,40 @@ def user_fingerprint(snapshot: Snapshot, user_name: str, inbound_json: dict[str,
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
+@dataclass(frozen=True)
+class _Basis:
+    """What one pass wrote the users' files from: what every document shares, and per user (in the file's order)
+    the inputs of its fingerprint that change between intervals — its standing, its usage step, its inbounds."""
+
+    shared: str
+    names: tuple[str, ...]
+    codes: np.ndarray
+    steps: np.ndarray
+    held: Assignments | None
+
+    @classmethod
+    def of(cls, snapshot: Snapshot, cluster_hash: str) -> _Basis:
+        roster = snapshot.cluster.roster
+        h = hashlib.sha256(cluster_hash.encode())
+        h.update(json.dumps([snapshot.public_keys, snapshot.tls_pins], sort_keys=True).encode())
+        held = snapshot.assignments
+        return cls(h.hexdigest(), roster.names, snapshot.standings,
+                   _steps(roster.data_limit, roster.measured(snapshot.usage)[0]),
+                   held if isinstance(held, Assignments) and held.names is roster.names else None)
+
+    def changed(self, before: _Basis | None) -> np.ndarray | None:
+        """The users (positions) whose documents may differ from ``before``'s; None: anyone's may (compare all)."""
+        if (before is None or before.shared != self.shared or self.held is None
+                or (before.names is not self.names and before.names != self.names)
+                or before.held is None or before.held.inbounds != self.held.inbounds
+                or before.held.columns.keys() != self.held.columns.keys()):
+            return None
+        dirty = (self.codes != before.codes) | (self.steps != before.steps)
+        for key, col in self.held.columns.items():
+            dirty |= col != before.held.columns[key]
+        return np.flatnonzero(dirty)
+
+
 @dataclass
 class WriteStats:
     users: int = 0
@@ -162,6 +196,7 @@ class FileOutlet:
     """Subscription files for every user; a big (re)write is split across worker processes."""
 
     PARALLEL_MIN = 20_000  # users to look at before worker processes pay for their start (~1 s)
+    MANIFEST_EVERY = 300.0  # seconds: a pass over only the changed users records the manifest at most this often
 
     def __init__(self, directory: Path, state_dir: Path, secret: Secret, formats: Iterable[str] = FORMATS,
                  workers: int | None = None):
@@ -171,7 +206,8 @@ class FileOutlet:
         self.formats = tuple(formats)
         self.workers = workers if workers is not None else min(8, os.cpu_count() or 1)
         self._cluster_hash: tuple[int, str] | None = None
-        self._file_tokens: Tokens | None = None
+        self._basis: _Basis | None = None  # what the files were last written from (which users changed since)
+        self._manifest_at = 0.0
         self.notes: list[str] = []  # what could not be read, for the caller to log
         self.digest, self.published = self._read_manifest()
 
@@ -247,14 +283,30 @@ class FileOutlet:
             stats.seconds = time.perf_counter() - start
             return stats
         old = self.published
+        existed = self.directory.is_dir()
         self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        basis = _Basis.of(snapshot, self._cluster_hash[1] + "|" + ",".join(self.formats))
+        changed = basis.changed(self._basis)
         n = len(cluster.users)
-        if n >= self.PARALLEL_MIN and self.workers > 1:
-            parts = self._in_workers(snapshot, old)
-        else:
-            parts = [_write_range(snapshot, self.secret, str(self.directory), self.formats, old, 0, n,
-                                  self._tokens_for(snapshot))]
-        new: dict[str, Published] = {}
+        if changed is not None and existed:
+            # The same file, keys and users: only users whose standing, usage step or inbounds changed can have
+            # other documents (a million users' fingerprints each interval would be the interval's whole work).
+            parts = self._passes(snapshot, old, changed)
+            new: dict[str, Published] = dict(old)
+            for part, written, unchanged in parts:
+                new.update(part)
+                stats.written += written
+                stats.unchanged += unchanged
+            stats.unchanged += n - len(changed)
+            self.digest, self._basis, self.published = digest, basis, new
+            if time.time() - self._manifest_at >= self.MANIFEST_EVERY:
+                self._write_manifest()
+            # Otherwise the manifest on disk is older than some files: a restart then compares every user and
+            # rewrites those, which is all an older manifest costs.
+            stats.seconds = time.perf_counter() - start
+            return stats
+        parts = self._passes(snapshot, old, np.arange(n))
+        new = {}
         for part, written, unchanged in parts:
             new.update(part)
             stats.written += written
@@ -264,13 +316,27 @@ class FileOutlet:
             if entry.token not in live and is_token(entry.token):  # a token from a file names no path unchecked
                 shutil.rmtree(self.directory / entry.token, ignore_errors=True)
                 stats.removed += 1
-        self.digest, self.published = digest, new
-        manifest = {"digest": digest, "users": {name: list(p) for name, p in new.items()}}
-        write_atomic(self.manifest_path, json.dumps(manifest).encode(), 0o600)
+        self.digest, self.published, self._basis = digest, new, basis
+        self._write_manifest()
         stats.seconds = time.perf_counter() - start
         return stats
 
-    def _in_workers(self, snapshot: Snapshot, old: dict[str, Published]) -> list[tuple[dict[str, Published], int, int]]:
+    def _write_manifest(self) -> None:
+        manifest = {"digest": self.digest, "users": {name: list(p) for name, p in self.published.items()}}
+        write_atomic(self.manifest_path, json.dumps(manifest).encode(), 0o600)
+        self._manifest_at = time.time()
+
+    def _passes(self, snapshot: Snapshot, old: dict[str, Published],
+                which: np.ndarray) -> list[tuple[dict[str, Published], int, int]]:
+        """The users at positions ``which`` looked at (and written where changed): in this process, or split with
+        worker processes when there are many. Each part: its manifest entries and counts."""
+        if len(which) < self.PARALLEL_MIN or self.workers < 2:
+            return [_write_users(snapshot, self.secret, str(self.directory), self.formats, old, which.tolist(),
+                                 self._tokens(snapshot))]
+        return self._in_workers(snapshot, old, which)
+
+    def _in_workers(self, snapshot: Snapshot, old: dict[str, Published],
+                    which: np.ndarray) -> list[tuple[dict[str, Published], int, int]]:
         """Worker processes render and write slices of the users from one pickled snapshot; this process
         takes the first slice meanwhile (a bigger one: the workers start ~2 s later).
 
@@ -281,47 +347,49 @@ class FileOutlet:
         import pickle
         from concurrent.futures import ProcessPoolExecutor
 
-        n = len(snapshot.cluster.users)
+        n = len(which)
         extra = self.workers - 1
         head = round(n * 0.6) if extra == 1 else n // self.workers
         bounds = [head + round(i * (n - head) / extra) for i in range(extra + 1)]
         payload = pickle.dumps((snapshot, self.secret, str(self.directory), self.formats), protocol=pickle.HIGHEST_PROTOCOL)
-        names = [u.name for u in snapshot.cluster.users]
+        names = snapshot.cluster.roster.names
         with ProcessPoolExecutor(extra, mp_context=multiprocessing.get_context("forkserver")) as pool:
-            futures = [pool.submit(_worker, payload, lo, hi, {u: old[u] for u in names[lo:hi] if u in old})
-                       for lo, hi in zip(bounds, bounds[1:], strict=False)]
-            mine = _write_range(snapshot, self.secret, str(self.directory), self.formats, old, 0, head,
-                                self._tokens_for(snapshot))
-            return [mine] + [f.result() for f in futures]
+            futures = []
+            for lo, hi in zip(bounds, bounds[1:], strict=False):
+                mine = which[lo:hi]
+                futures.append(pool.submit(_worker, payload, mine, {u: old[u] for i in mine.tolist() if (u := names[i]) in old}))
+            here = _write_users(snapshot, self.secret, str(self.directory), self.formats, old, which[:head].tolist(),
+                                self._tokens(snapshot))
+            return [here] + [f.result() for f in futures]
 
-    def _tokens_for(self, snapshot: Snapshot) -> Tokens:
-        """Credentials cached across writes (an interval's write looks at every user's fingerprint)."""
-        ss = _has_shadowsocks(snapshot)
-        if self._file_tokens is None or self._file_tokens.shadowsocks != ss:
-            self._file_tokens = Tokens(self.secret, ss)
-        return self._file_tokens
+    def _tokens(self, snapshot: Snapshot) -> Tokens:
+        """Credentials for one pass, not kept: a pass over everyone is rare (only the changed users are looked at
+        between file changes), and a million users' credentials kept across passes were ~400 MB."""
+        return Tokens(self.secret, _has_shadowsocks(snapshot))
 
 
-def _worker(payload: bytes, lo: int, hi: int, old: dict[str, Published]) -> tuple[dict[str, Published], int, int]:
+def _worker(payload: bytes, which: np.ndarray, old: dict[str, Published]) -> tuple[dict[str, Published], int, int]:
     import pickle
 
     snapshot, secret, directory, formats = pickle.loads(payload)
-    return _write_range(snapshot, secret, directory, formats, old, lo, hi, Tokens(secret, _has_shadowsocks(snapshot)))
+    return _write_users(snapshot, secret, directory, formats, old, which.tolist(), Tokens(secret, _has_shadowsocks(snapshot)))
 
 
 def _has_shadowsocks(snapshot: Snapshot) -> bool:
     return any(r.inbound.protocol == "shadowsocks-2022" for r in snapshot.cluster.inbounds)
 
 
-def _write_range(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], old: dict[str, Published],
-                 lo: int, hi: int, tokens: Tokens) -> tuple[dict[str, Published], int, int]:
-    """Users lo..hi: fingerprint each, (re)write those that changed. Returns their manifest part and counts."""
+def _write_users(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], old: dict[str, Published],
+                 which: Sequence[int], tokens: Tokens) -> tuple[dict[str, Published], int, int]:
+    """The users at these positions: fingerprint each, (re)write those that changed. Returns their manifest part and
+    counts."""
     cluster = snapshot.cluster
     inbound_json = {r.inbound.id: r.inbound.model_dump_json() for r in cluster.inbounds}
     outputs_json = cluster.settings.outputs.model_dump_json()
     new: dict[str, Published] = {}
     written = unchanged = 0
-    for user in cluster.users[lo:hi]:
+    users = cluster.users
+    for user in (users[i] for i in which):
         creds = tokens.credentials(user.name, user.rotate)
         entries = decide(snapshot, user.name)
         fp = user_fingerprint(snapshot, user.name, inbound_json, outputs_json, entries)
