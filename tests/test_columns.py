@@ -164,3 +164,20 @@ def test_a_hostile_assignment_table_in_the_state_is_refused():
                    {"a_names": np.frombuffer(b"u0\nu0", np.uint8)}):  # one user twice
         restored, why = Learned.restore(_npz(data | broken), c)
         assert why and "afresh" in why and len(restored.assignments) == 0, broken
+
+
+def test_the_token_index_finds_each_users_token_and_nothing_else():
+    from reconciler.credentials import Secret, user_token
+    from reconciler.loop.outlets import Tokens
+
+    secret = Secret(b"token-index-test-secret-0123456789abcdef")
+    c = Cluster.model_validate({"users": [{"name": f"u{i}", "rotate": i % 3} for i in range(2000)]})
+    index = Tokens(secret).index(c)
+    assert len(index) == 2000
+    for u in c.users[::97]:
+        token = user_token(secret, u.name, u.rotate)
+        assert index.get(token) == u.name
+        assert index.get(user_token(secret, u.name, u.rotate + 1)) is None  # an old token after a rotation
+        for hostile in (token[:-1], token + "A", token[:-1] + ("A" if token[-1] != "A" else "B"), token[:-1] + "\x00",
+                        token[:-1] + "ж", "", "/" * 32):
+            assert index.get(hostile) is None, hostile

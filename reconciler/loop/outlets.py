@@ -33,7 +33,7 @@ import numpy as np
 from reconciler.balance import Snapshot, decide
 from reconciler.balance.assignments import Assignments
 from reconciler.balance.decide import Entry
-from reconciler.credentials import Secret, UserCredentials, is_token, user_credentials, user_token
+from reconciler.credentials import TOKEN_CHARS, Secret, UserCredentials, is_token, user_credentials, user_token
 from reconciler.model import Cluster, User, UserUsage
 from reconciler.model.roster import NO_LIMIT, STANDINGS
 from reconciler.state.files import write_atomic, write_new
@@ -63,7 +63,7 @@ class Tokens:
         self.secret = secret
         self.shadowsocks = shadowsocks  # False only where no document can hold a Shadowsocks key
         self._by_user: dict[tuple[str, int], UserCredentials] = {}
-        self._index: dict[str, str] = {}
+        self._index = TokenIndex([], ())
         self._cluster_id: int | None = None
 
     def credentials(self, user: str, rotate: int) -> UserCredentials:
@@ -77,12 +77,36 @@ class Tokens:
         creds = self._by_user.get((user, rotate))
         return creds.token if creds is not None else user_token(self.secret, user, rotate)
 
-    def index(self, cluster: Cluster) -> dict[str, str]:
+    def index(self, cluster: Cluster) -> TokenIndex:
         """token → user name for the cluster's users (rebuilt when the cluster changes; one HMAC per user)."""
         if self._cluster_id != id(cluster):
-            self._index = {self.token(u.name, u.rotate): u.name for u in cluster.users}
+            self._index = TokenIndex([self.token(u.name, u.rotate) for u in cluster.users], cluster.roster.names)
             self._cluster_id = id(cluster)
         return self._index
+
+
+class TokenIndex:
+    """Subscription token → user name, as a sorted array of the tokens (a dict of a million was ~190 MB)."""
+
+    WIDTH = TOKEN_CHARS  # 192 bits in URL-safe base64
+
+    def __init__(self, tokens: list[str], names: tuple[str, ...]) -> None:
+        raw = np.array([t.encode() for t in tokens], dtype=f"S{self.WIDTH}")
+        order = np.argsort(raw, kind="stable")
+        self._tokens, self._users, self._names = raw[order], order.astype(np.int64), names
+
+    def get(self, token: str) -> str | None:
+        """The user whose token this is; None for any other text (a request's path: hostile)."""
+        key = token.encode(errors="replace")
+        if len(key) != self.WIDTH or not len(self._tokens):
+            return None
+        i = int(np.searchsorted(self._tokens, key))
+        if i < len(self._tokens) and self._tokens[i] == key:
+            return self._names[int(self._users[i])]
+        return None
+
+    def __len__(self) -> int:
+        return len(self._tokens)
 
 
 def cluster_digest(cluster: Cluster) -> str:
@@ -431,8 +455,18 @@ def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tup
         except OSError:  # it appeared meanwhile (another writer): replace file by file below
             shutil.rmtree(staging, ignore_errors=True)
     for name, data in files.items():
-        write_atomic(f"{folder}/{name}", data, DOC_MODE, sync=False)
+        if not _holds(f"{folder}/{name}", data):  # a usage step changes one file of four: the others are left be
+            write_atomic(f"{folder}/{name}", data, DOC_MODE, sync=False)
     return sum(len(d) for d in files.values())
+
+
+def _holds(path: str, data: bytes) -> bool:
+    """Whether the file holds exactly ``data`` (reading a small file costs a fraction of replacing it)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(data) + 1) == data
+    except OSError:
+        return False
 
 
 class LiveAnswers:

@@ -850,13 +850,9 @@ class Cluster(_Model):
         return {s.name: s for s in self.servers}
 
     def user(self, name: str) -> User:
-        return self._users[name]
+        return self.users[self.roster.index[name]]
 
     @cached_property
     def roster(self) -> Roster:
         """The users as columns (built once per loaded file): what every interval asks of all of them at once."""
         return Roster.of(self.users)
-
-    @cached_property
-    def _users(self) -> dict[str, User]:
-        return {u.name: u for u in self.users}
