@@ -356,7 +356,7 @@ class FileOutlet:
         worker processes when there are many. Each part: its manifest entries and counts."""
         if len(which) < self.PARALLEL_MIN or self.workers < 2:
             return [_write_users(snapshot, self.secret, str(self.directory), self.formats, old, which.tolist(),
-                                 self._tokens(snapshot))]
+                                 _has_shadowsocks(snapshot))]
         return self._in_workers(snapshot, old, which)
 
     def _in_workers(self, snapshot: Snapshot, old: dict[str, Published],
@@ -383,20 +383,15 @@ class FileOutlet:
                 mine = which[lo:hi]
                 futures.append(pool.submit(_worker, payload, mine, {u: old[u] for i in mine.tolist() if (u := names[i]) in old}))
             here = _write_users(snapshot, self.secret, str(self.directory), self.formats, old, which[:head].tolist(),
-                                self._tokens(snapshot))
+                                _has_shadowsocks(snapshot))
             return [here] + [f.result() for f in futures]
-
-    def _tokens(self, snapshot: Snapshot) -> Tokens:
-        """Credentials for one pass, not kept: a pass over everyone is rare (only the changed users are looked at
-        between file changes), and a million users' credentials kept across passes were ~400 MB."""
-        return Tokens(self.secret, _has_shadowsocks(snapshot))
 
 
 def _worker(payload: bytes, which: np.ndarray, old: dict[str, Published]) -> tuple[dict[str, Published], int, int]:
     import pickle
 
     snapshot, secret, directory, formats = pickle.loads(payload)
-    return _write_users(snapshot, secret, directory, formats, old, which.tolist(), Tokens(secret, _has_shadowsocks(snapshot)))
+    return _write_users(snapshot, secret, directory, formats, old, which.tolist(), _has_shadowsocks(snapshot))
 
 
 def _has_shadowsocks(snapshot: Snapshot) -> bool:
@@ -404,7 +399,7 @@ def _has_shadowsocks(snapshot: Snapshot) -> bool:
 
 
 def _write_users(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], old: dict[str, Published],
-                 which: Sequence[int], tokens: Tokens) -> tuple[dict[str, Published], int, int]:
+                 which: Sequence[int], shadowsocks: bool) -> tuple[dict[str, Published], int, int]:
     """The users at these positions: fingerprint each, (re)write those that changed. Returns their manifest part and
     counts."""
     cluster = snapshot.cluster
@@ -414,7 +409,7 @@ def _write_users(snapshot: Snapshot, secret: Secret, directory: str, formats: tu
     written = unchanged = 0
     users = cluster.users
     for user in (users[i] for i in which):
-        creds = tokens.credentials(user.name, user.rotate)
+        creds = user_credentials(secret, user.name, user.rotate, shadowsocks)  # once a pass: not kept (~500 B a user)
         entries = decide(snapshot, user.name)
         fp = user_fingerprint(snapshot, user.name, inbound_json, outputs_json, entries)
         before = old.get(user.name)
