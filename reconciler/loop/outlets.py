@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -35,7 +35,7 @@ from reconciler.balance.assignments import Assignments
 from reconciler.balance.decide import Entry
 from reconciler.credentials import TOKEN_CHARS, Secret, UserCredentials, is_token, user_credentials, user_token
 from reconciler.model import Cluster, User, UserUsage
-from reconciler.model.roster import NO_LIMIT, STANDINGS
+from reconciler.model.roster import ACTIVE, NO_LIMIT, STANDINGS
 from reconciler.state.files import write_atomic, write_new
 from reconciler.subscriptions import FORMATS, Document, render
 from reconciler.subscriptions.document import EXTENSIONS, headers_json, render_formats
@@ -193,17 +193,20 @@ class _Basis:
                    _steps(roster.data_limit, roster.measured(snapshot.usage)[0]),
                    held if isinstance(held, Assignments) and held.names is roster.names else None)
 
-    def changed(self, before: _Basis | None) -> np.ndarray | None:
-        """The users (positions) whose documents may differ from ``before``'s; None: anyone's may (compare all)."""
+    def changed(self, before: _Basis | None) -> tuple[np.ndarray, np.ndarray] | None:
+        """The users (positions) whose documents may differ from ``before``'s, and for each whether only its
+        usage step moved while it is served (then only its headers can differ: the bodies hold no usage); None:
+        anyone's documents may differ (compare all)."""
         if (before is None or before.shared != self.shared or self.held is None
                 or (before.names is not self.names and before.names != self.names)
                 or before.held is None or before.held.inbounds != self.held.inbounds
                 or before.held.columns.keys() != self.held.columns.keys()):
             return None
-        dirty = (self.codes != before.codes) | (self.steps != before.steps)
+        moved = self.codes != before.codes
         for key, col in self.held.columns.items():
-            dirty |= col != before.held.columns[key]
-        return np.flatnonzero(dirty)
+            moved |= col != before.held.columns[key]
+        which = np.flatnonzero(moved | (self.steps != before.steps))
+        return which, ~moved[which] & (self.codes[which] == ACTIVE)
 
 
 @dataclass
@@ -315,13 +318,14 @@ class FileOutlet:
         if changed is not None and existed:
             # The same file, keys and users: only users whose standing, usage step or inbounds changed can have
             # other documents (a million users' fingerprints each interval would be the interval's whole work).
-            parts = self._passes(snapshot, old, changed)
+            which, headers_only = changed
+            parts = self._passes(snapshot, old, which, headers_only)
             new: dict[str, Published] = dict(old)
             for part, written, unchanged in parts:
                 new.update(part)
                 stats.written += written
                 stats.unchanged += unchanged
-            stats.unchanged += n - len(changed)
+            stats.unchanged += n - len(which)
             self.digest, self._basis, self.published = digest, basis, new
             if time.time() - self._manifest_at >= self.MANIFEST_EVERY:
                 self._write_manifest()
@@ -329,7 +333,7 @@ class FileOutlet:
             # rewrites those, which is all an older manifest costs.
             stats.seconds = time.perf_counter() - start
             return stats
-        parts = self._passes(snapshot, old, np.arange(n))
+        parts = self._passes(snapshot, old, np.arange(n), np.zeros(n, bool))
         new = {}
         for part, written, unchanged in parts:
             new.update(part)
@@ -350,17 +354,18 @@ class FileOutlet:
         write_atomic(self.manifest_path, json.dumps(manifest).encode(), 0o600)
         self._manifest_at = time.time()
 
-    def _passes(self, snapshot: Snapshot, old: dict[str, Published],
-                which: np.ndarray) -> list[tuple[dict[str, Published], int, int]]:
-        """The users at positions ``which`` looked at (and written where changed): in this process, or split with
-        worker processes when there are many. Each part: its manifest entries and counts."""
+    def _passes(self, snapshot: Snapshot, old: dict[str, Published], which: np.ndarray,
+                headers_only: np.ndarray) -> list[tuple[dict[str, Published], int, int]]:
+        """The users at positions ``which`` looked at (and written where changed; ``headers_only``: for each, whether
+        only its headers can have changed): in this process, or split with worker processes when there are many.
+        Each part: its manifest entries and counts."""
         if len(which) < self.PARALLEL_MIN or self.workers < 2:
-            return [_write_users(snapshot, self.secret, str(self.directory), self.formats, old, which.tolist(),
+            return [_write_users(snapshot, self.secret, str(self.directory), self.formats, old, which, headers_only,
                                  _has_shadowsocks(snapshot))]
-        return self._in_workers(snapshot, old, which)
+        return self._in_workers(snapshot, old, which, headers_only)
 
-    def _in_workers(self, snapshot: Snapshot, old: dict[str, Published],
-                    which: np.ndarray) -> list[tuple[dict[str, Published], int, int]]:
+    def _in_workers(self, snapshot: Snapshot, old: dict[str, Published], which: np.ndarray,
+                    headers_only: np.ndarray) -> list[tuple[dict[str, Published], int, int]]:
         """Worker processes render and write slices of the users from one pickled snapshot; this process
         takes the first slice meanwhile (a bigger one: the workers start ~2 s later).
 
@@ -381,17 +386,19 @@ class FileOutlet:
             futures = []
             for lo, hi in zip(bounds, bounds[1:], strict=False):
                 mine = which[lo:hi]
-                futures.append(pool.submit(_worker, payload, mine, {u: old[u] for i in mine.tolist() if (u := names[i]) in old}))
-            here = _write_users(snapshot, self.secret, str(self.directory), self.formats, old, which[:head].tolist(),
-                                _has_shadowsocks(snapshot))
+                futures.append(pool.submit(_worker, payload, mine, headers_only[lo:hi],
+                                           {u: old[u] for i in mine.tolist() if (u := names[i]) in old}))
+            here = _write_users(snapshot, self.secret, str(self.directory), self.formats, old, which[:head],
+                                headers_only[:head], _has_shadowsocks(snapshot))
             return [here] + [f.result() for f in futures]
 
 
-def _worker(payload: bytes, which: np.ndarray, old: dict[str, Published]) -> tuple[dict[str, Published], int, int]:
+def _worker(payload: bytes, which: np.ndarray, headers_only: np.ndarray,
+            old: dict[str, Published]) -> tuple[dict[str, Published], int, int]:
     import pickle
 
     snapshot, secret, directory, formats = pickle.loads(payload)
-    return _write_users(snapshot, secret, directory, formats, old, which.tolist(), _has_shadowsocks(snapshot))
+    return _write_users(snapshot, secret, directory, formats, old, which, headers_only, _has_shadowsocks(snapshot))
 
 
 def _has_shadowsocks(snapshot: Snapshot) -> bool:
@@ -399,16 +406,17 @@ def _has_shadowsocks(snapshot: Snapshot) -> bool:
 
 
 def _write_users(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], old: dict[str, Published],
-                 which: Sequence[int], shadowsocks: bool) -> tuple[dict[str, Published], int, int]:
-    """The users at these positions: fingerprint each, (re)write those that changed. Returns their manifest part and
-    counts."""
+                 which: np.ndarray, headers_only: np.ndarray, shadowsocks: bool) -> tuple[dict[str, Published], int, int]:
+    """The users at these positions: fingerprint each, (re)write those that changed (only the headers where only
+    they can have changed). Returns their manifest part and counts."""
     cluster = snapshot.cluster
     inbound_json = {r.inbound.id: r.inbound.model_dump_json() for r in cluster.inbounds}
     outputs_json = cluster.settings.outputs.model_dump_json()
     new: dict[str, Published] = {}
     written = unchanged = 0
     users = cluster.users
-    for user in (users[i] for i in which):
+    for i, light in zip(which.tolist(), headers_only.tolist(), strict=True):
+        user = users[i]
         creds = user_credentials(secret, user.name, user.rotate, shadowsocks)  # once a pass: not kept (~500 B a user)
         entries = decide(snapshot, user.name)
         fp = user_fingerprint(snapshot, user.name, inbound_json, outputs_json, entries)
@@ -419,15 +427,16 @@ def _write_users(snapshot: Snapshot, secret: Secret, directory: str, formats: tu
             unchanged += 1
             continue
         size = _write_user(snapshot, secret, directory, formats, user.name, creds.token, entries, creds,
-                           known=user.name in old)
+                           known=before is not None, headers_only=light and before is not None and before.token == creds.token)
         new[user.name] = Published(creds.token, fp, size)
         written += 1
     return new, written, unchanged
 
 
 def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], user: str, token: str,
-                entries: list[Entry], creds: UserCredentials, known: bool = True) -> int:
-    """Write one user's files; returns their size together (what the manifest records)."""
+                entries: list[Entry], creds: UserCredentials, known: bool = True, headers_only: bool = False) -> int:
+    """Write one user's files (``headers_only``: the bodies are known to be the same, only ``headers.json`` is
+    written); returns their size together (what the manifest records)."""
     docs = render_formats(snapshot, user, formats, secret, entries=entries, credentials=creds)
     files = {f"{fmt}.{EXTENSIONS[fmt]}": doc.body for fmt, doc in docs.items()}
     files["headers.json"] = headers_json(snapshot, docs)
@@ -450,18 +459,9 @@ def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tup
         except OSError:  # it appeared meanwhile (another writer): replace file by file below
             shutil.rmtree(staging, ignore_errors=True)
     for name, data in files.items():
-        if not _holds(f"{folder}/{name}", data):  # a usage step changes one file of four: the others are left be
+        if not headers_only or name == "headers.json":  # a usage step changes one file of four
             write_atomic(f"{folder}/{name}", data, DOC_MODE, sync=False)
     return sum(len(d) for d in files.values())
-
-
-def _holds(path: str, data: bytes) -> bool:
-    """Whether the file holds exactly ``data`` (reading a small file costs a fraction of replacing it)."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(len(data) + 1) == data
-    except OSError:
-        return False
 
 
 class LiveAnswers:
