@@ -181,3 +181,12 @@ def test_the_token_index_finds_each_users_token_and_nothing_else():
         for hostile in (token[:-1], token + "A", token[:-1] + ("A" if token[-1] != "A" else "B"), token[:-1] + "\x00",
                         token[:-1] + "ж", "", "/" * 32):
             assert index.get(hostile) is None, hostile
+
+
+def test_usage_at_the_cap_saturates_and_stays_over_quota():
+    c = cluster([{"name": "a", "data_limit": "1GB"}])
+    cap = 2**63 - 1
+    view = UsageView(("a",), np.array([cap]), np.array([cap]), np.array([cap]), np.zeros(1), np.full(1, np.nan),
+                     np.zeros(1, np.int64), np.full(1, np.nan), np.zeros(1))
+    assert view.used.tolist() == [cap] and view["a"].used == 2 * cap  # the mapping's sum is Python's
+    assert STANDINGS[c.roster.standings(1.0, view)[0]] == c.users[0].standing(1.0, view["a"]) == "over_quota"

@@ -25,7 +25,7 @@ from reconciler.fleet import snapshot
 from reconciler.fleet.learned import Learned
 from reconciler.fleet.reports import Counter, Probe, Report, agent_request, observation, parse_report, traffic_rate
 from reconciler.health.topology import Topology
-from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens, WriteStats
+from reconciler.loop.outlets import FileOutlet, LiveAnswers, PublishedTable, Tokens, WriteStats
 from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
 from reconciler.model import Cluster, UserUsage
 from reconciler.state.folder import StateFolder
@@ -327,6 +327,56 @@ def test_between_file_changes_only_users_whose_inputs_changed_are_looked_at(tmp_
     # The folder removed behind its back: everyone is written again.
     shutil.rmtree(tmp_path / "subs")
     assert out.write(dataclasses.replace(blocked, usage={})).written == 60
+
+
+def test_a_pass_that_fails_midway_and_a_folder_removed_behind_the_outlets_back_are_repaired(tmp_path, monkeypatch):
+    import reconciler.loop.outlets as outlets
+
+    data = cluster(5, users=60).model_dump(mode="json", exclude_none=True)
+    data["users"][2] |= {"device_limit": 1, "on_device_limit": "refuse"}
+    c = Cluster.model_validate(data)
+    learned = Learned.fresh(c)
+    snap = snapshot_after(c, learned)
+    out = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET, workers=1)
+    out.write(snap)
+    # u2 is refused (too many devices) and the disk fills up right after its files were written.
+    refused = dataclasses.replace(snap, usage={"u2": UserUsage(devices=3), "u9": UserUsage(up=300_000_000)})
+    real, calls = outlets._write_user, []
+
+    def full_disk(*args, **kw):
+        calls.append(args[4])
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(outlets, "_write_user", full_disk)
+    with pytest.raises(OSError):
+        out.write(refused)
+    monkeypatch.setattr(outlets, "_write_user", real)
+    assert calls == ["u2", "u9"]
+    # u2 is back under its limit, and only its usage step moved since the last pass that ended well: its refusal
+    # body must not stay beside new headers. The next pass compares everyone.
+    back = dataclasses.replace(snap, usage={"u2": UserUsage(up=200_000_000)})
+    out.write(back)
+    for part in ("subs", "state"):
+        shutil.copytree(tmp_path / part, tmp_path / "ref" / part)
+    reference = FileOutlet(tmp_path / "ref" / "subs", tmp_path / "ref" / "state", SECRET, workers=1)
+    reference.published = PublishedTable((), {})  # writes every user from scratch
+    shutil.rmtree(tmp_path / "ref" / "subs")
+    reference.write(back)
+    assert tree(tmp_path / "subs") == tree(tmp_path / "ref" / "subs")
+    # A folder removed behind the outlet's back comes back within SWEEP passes over changed users.
+    monkeypatch.setattr(FileOutlet, "SWEEP", 4)
+    victim = user_credentials(SECRET, "u40", 0).token
+    shutil.rmtree(tmp_path / "subs" / victim)
+    for k in range(4):
+        out.write(dataclasses.replace(snap, usage={"u2": UserUsage(up=(3 + k) * 100_000_000)}))
+    assert (tmp_path / "subs" / victim / "links.txt").read_bytes() == (tmp_path / "ref" / "subs" / victim / "links.txt").read_bytes()
+    # A stop records the manifest the last passes left behind.
+    before = (tmp_path / "state" / "subscription-files.json").read_bytes()
+    out.close()
+    after = json.loads((tmp_path / "state" / "subscription-files.json").read_bytes())
+    assert after["users"] == {k: list(v) for k, v in out.published.items()} and json.dumps(after).encode() != before
 
 
 def test_a_big_write_in_worker_processes_gives_the_same_files(tmp_path, monkeypatch):

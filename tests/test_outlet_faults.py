@@ -64,7 +64,7 @@ def test_files_cut_short_by_an_earlier_run_are_found_at_start_and_written_again(
     good = published(tmp_path, first)
     victim = next(iter(first.published.values())).token
     (tmp_path / "subs" / victim / "sing-box.json").write_bytes(good[f"{victim}/sing-box.json"][:600])  # cut, as before the fix
-    (tmp_path / "subs" / next(reversed(first.published.values())).token / "clash.yaml").unlink()
+    (tmp_path / "subs" / list(first.published.values())[-1].token / "clash.yaml").unlink()
     again = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET)
     assert again.verify() == 2
     stats = again.write(snap)

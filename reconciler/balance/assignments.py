@@ -31,10 +31,6 @@ class Assignments(Mapping[tuple[str, str], str]):
         self._position = position
 
     @classmethod
-    def empty(cls) -> Assignments:
-        return cls((), (), {})
-
-    @classmethod
     def of(cls, pairs: Mapping[tuple[str, str], str], names: tuple[str, ...], inbounds: tuple[str, ...],
            position: Mapping[str, int] | None = None) -> Assignments:
         """Any mapping of (user, route key) → inbound id, over ``names`` and ``inbounds`` (pairs of other users or

@@ -201,7 +201,7 @@ def withheld_users(cluster: Cluster, now: float, usage: Mapping[str, UserUsage] 
     usage = usage or {}
     out = []
     codes = cluster.roster.standings(now, usage)
-    for i in np.flatnonzero(codes).tolist():
+    for i in np.flatnonzero(codes != ACTIVE).tolist():
         u = cluster.users[i]
         used = usage.get(u.name)
         standing = STANDINGS[codes[i]]
@@ -218,7 +218,7 @@ def withheld_users(cluster: Cluster, now: float, usage: Mapping[str, UserUsage] 
 
 
 def active_users(cluster: Cluster, now: float, usage: Mapping[str, UserUsage] | None = None) -> list[User]:
-    """The users whose credentials the servers accept at ``now`` with what the fleet measured (``User.standing``
+    """The users whose credentials the servers accept at ``now`` with what the fleet measured (``roster.standings``
     decides: an expired, disabled or over-quota user is left out of every server's configuration)."""
     users = cluster.users
     return [users[i] for i in np.flatnonzero(cluster.roster.standings(now, usage) == ACTIVE).tolist()]

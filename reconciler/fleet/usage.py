@@ -38,7 +38,7 @@ from reconciler.engine.base import marks_for
 from reconciler.fleet.reports import KIND_OF, KINDS, Report, UsageCounters
 from reconciler.model import Cluster
 from reconciler.model.roster import Roster
-from reconciler.model.usage import UsageView
+from reconciler.model.usage import BYTES_CAP, UsageView, saturated_sum
 
 # Bytes of headers per counted packet: IPv4 20 / IPv6 40, plus TCP 20 with the timestamp option Linux uses (12),
 # or UDP 8. Other transports (ICMP errors about a user's connection) carry no payload of the user's.
@@ -49,7 +49,7 @@ SIDE_SHIFT, KIND_SHIFT = 35, 32  # a counter's key: side (0 tx, 1 rx) << 35 | ki
 # Bytes or packets one counter can add in one interval (a terabyte: 133 Gbit/s for a minute); more is a broken or
 # hostile counter, counted as this at most. So sums of a report's rows (at most 2**21) stay far inside 64 bits.
 DELTA_CAP = 1 << 40
-TOTAL_CAP = 2**63 - 1  # a user's bytes saturate here (the state keeps them as 64-bit integers)
+TOTAL_CAP = BYTES_CAP  # a user's bytes saturate here (the state keeps them as 64-bit integers)
 
 
 @dataclass
@@ -299,7 +299,7 @@ class Ledger:
         books.up[mine][new_period] = 0
         books.down[mine][new_period] = 0
         for col, add in ((books.up, up), (books.down, down), (books.total, up + down)):
-            col[mine] = np.where(col[mine] > TOTAL_CAP - add, TOTAL_CAP, col[mine] + add)  # saturating
+            col[mine] = saturated_sum(col[mine], add)
         dt = now - self.last_fold if self.last_fold else 0.0
         if dt > 0:
             alpha = 1.0 - 2.0 ** (-dt / DEMAND_HALF_LIFE)
@@ -353,7 +353,7 @@ class Ledger:
         servers = list(self.counters)
         tables = [self.counters[s] for s in servers]
         b = self.books
-        sparse = {n: [b.devices.get(n, {}), list(b.servers.get(n, ()))] for n in {*b.devices, *b.servers}}
+        sparse = {n: [b.devices.get(n, {}), list(b.servers.get(n, ()))] for n in sorted({*b.devices, *b.servers})}
         meta = {"epochs": self.epochs, "by_server": self.by_server, "by_route": self.by_route, "last_fold": self.last_fold,
                 "said": self.said, "counter_servers": servers, "counter_rows": [len(t) for t in tables],
                 "sparse": sparse}

@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -41,6 +41,7 @@ from reconciler.subscriptions import FORMATS, Document, render
 from reconciler.subscriptions.document import EXTENSIONS, headers_json, render_formats
 
 MANIFEST = "subscription-files.json"
+FINGERPRINT_CHARS = 32  # user_fingerprint: hex
 # Documents are regenerated from the snapshot at will, so they are not fsynced one by one: the manifest,
 # written durably after them, records each user's token, fingerprint and published size, and the sizes
 # are checked at start-up (``verify``), so a document cut short (a full disk, a crash) is written again.
@@ -54,6 +55,69 @@ class Published(NamedTuple):
     token: str
     fingerprint: str
     size: int  # bytes of all its files together
+
+
+class PublishedTable(Mapping[str, Published]):
+    """user → what was published of its files, as columns over a cluster's users (a dict of a million named tuples
+    of two strings was ~370 MB), and a small dict beside for users the columns do not hold (who left the file).
+    An empty token: nothing recorded for that user."""
+
+    def __init__(self, names: tuple[str, ...], position: Mapping[str, int],
+                 others: dict[str, Published] | None = None) -> None:
+        n = len(names)
+        self.names, self._at = names, position
+        self.tokens = np.zeros(n, f"S{TOKEN_CHARS}")
+        self.prints = np.zeros(n, f"S{FINGERPRINT_CHARS}")
+        self.sizes = np.zeros(n, np.int64)
+        self.others: dict[str, Published] = others if others is not None else {}
+
+    @classmethod
+    def of(cls, entries: Mapping[str, Published], names: tuple[str, ...], position: Mapping[str, int]) -> PublishedTable:
+        table = cls(names, position)
+        for name, p in entries.items():
+            i = position.get(name)
+            if i is None:
+                table.others[name] = p
+            else:
+                table.tokens[i], table.prints[i], table.sizes[i] = p.token.encode(), p.fingerprint.encode(), p.size
+        return table
+
+    def aligned(self, names: tuple[str, ...], position: Mapping[str, int]) -> PublishedTable:
+        """The same records over other users (the cluster's); records of users not among them go to ``others``."""
+        if names is self.names:
+            return self
+        return PublishedTable.of(self, names, position)
+
+    def copy(self) -> PublishedTable:
+        table = PublishedTable(self.names, self._at, dict(self.others))
+        table.tokens, table.prints, table.sizes = self.tokens.copy(), self.prints.copy(), self.sizes.copy()
+        return table
+
+    def at(self, i: int) -> Published | None:
+        token = self.tokens[i]
+        return Published(token.decode(), self.prints[i].decode(), int(self.sizes[i])) if token else None
+
+    def drop(self, name: str) -> None:
+        i = self._at.get(name)
+        if i is not None:
+            self.tokens[i] = b""
+        self.others.pop(name, None)
+
+    def __getitem__(self, name: str) -> Published:
+        i = self._at.get(name)
+        found = self.at(i) if i is not None else self.others.get(name)
+        if found is None:
+            raise KeyError(name)
+        return found
+
+    def __iter__(self) -> Iterator[str]:
+        names = self.names
+        for i in np.flatnonzero(self.tokens != b"").tolist():
+            yield names[i]
+        yield from list(self.others)
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self.tokens != b"")) + len(self.others)
 
 
 class Tokens:
@@ -131,7 +195,7 @@ def snapshot_digest(snapshot: Snapshot, cluster_hash: str) -> str:
     h.update(json.dumps([snapshot.public_keys, snapshot.tls_pins], sort_keys=True).encode())
     roster = snapshot.cluster.roster
     codes = snapshot.standings
-    h.update(",".join(f"{roster.names[i]}:{STANDINGS[codes[i]]}" for i in np.flatnonzero(codes).tolist()).encode())
+    h.update(",".join(f"{roster.names[i]}:{STANDINGS[codes[i]]}" for i in np.flatnonzero(codes != ACTIVE).tolist()).encode())
     h.update(_steps(roster.data_limit, roster.measured(snapshot.usage)[0]).tobytes())  # userinfo, in the users' order
     return h.hexdigest()
 
@@ -160,16 +224,17 @@ def _steps(limit: np.ndarray, used: np.ndarray) -> np.ndarray:
 
 
 def user_fingerprint(snapshot: Snapshot, user_name: str, inbound_json: dict[str, str], outputs_json: str,
-                     entries: list[Entry] | None = None) -> str:
-    """What the user's documents depend on: the user, the output settings, their entries, those inbounds and keys."""
+                     entries: list[Entry] | None = None, step: int | None = None) -> str:
+    """What the user's documents depend on: the user, the output settings, their entries, those inbounds and keys,
+    and the usage step (``step``: the caller's, from ``_steps`` over every user)."""
     entries = decide(snapshot, user_name) if entries is None else entries
     user = snapshot.cluster.user(user_name)
-    parts = [user.model_dump_json(), outputs_json, str(usage_step(snapshot, user_name))]
+    parts = [user.model_dump_json(), outputs_json, str(usage_step(snapshot, user_name) if step is None else step)]
     for e in entries:
         ib = e.ref.inbound.id
         parts.append(f"{e.route.id}\0{ib}\0{e.name}\0{inbound_json[ib]}\0{snapshot.public_keys.get(ib, '')}"
                      f"\0{snapshot.tls_pins.get(ib, '')}")
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:FINGERPRINT_CHARS]
 
 
 @dataclass(frozen=True)
@@ -224,6 +289,7 @@ class FileOutlet:
 
     PARALLEL_MIN = 20_000  # users to look at before worker processes pay for their start (~1 s)
     MANIFEST_EVERY = 300.0  # seconds: a pass over only the changed users records the manifest at most this often
+    SWEEP = 32  # each pass over the changed users also checks that 1/SWEEP of all users' folders are still there
 
     def __init__(self, directory: Path, state_dir: Path, secret: Secret, formats: Iterable[str] = FORMATS,
                  workers: int | None = None):
@@ -234,25 +300,26 @@ class FileOutlet:
         self.workers = workers if workers is not None else min(8, os.cpu_count() or 1)
         self._cluster_hash: tuple[int, str] | None = None
         self._basis: _Basis | None = None  # what the files were last written from (which users changed since)
-        self._manifest_at = 0.0
+        self._manifest_at = self._written_at = 0.0
+        self._sweep = 0  # where the next pass's check of folders starts
         self.notes: list[str] = []  # what could not be read, for the caller to log
         self.digest, self.published = self._read_manifest()
 
-    def _read_manifest(self) -> tuple[str, dict[str, Published]]:
+    def _read_manifest(self) -> tuple[str, PublishedTable]:
         """(snapshot digest, user → what was published); entries that are not well-formed are dropped
         (their users are written again), a manifest that cannot be read is a fresh start, noted."""
         try:
             data = json.loads(self.manifest_path.read_bytes())
         except FileNotFoundError:
-            return "", {}
+            return "", PublishedTable((), {})
         except (OSError, ValueError, RecursionError) as exc:
             self.notes.append(f"ignoring unreadable {self.manifest_path} ({type(exc).__name__}); every user's files are "
                               "written again")
-            return "", {}
+            return "", PublishedTable((), {})
         users = data.get("users") if isinstance(data, dict) else None
         if not isinstance(users, dict):
             self.notes.append(f"ignoring {self.manifest_path}: not a manifest; every user's files are written again")
-            return "", {}
+            return "", PublishedTable((), {})
         out: dict[str, Published] = {}
         for name, entry in users.items():
             if (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and is_token(entry[0])
@@ -261,13 +328,13 @@ class FileOutlet:
         if len(out) < len(users):
             self.notes.append(f"{self.manifest_path}: {len(users) - len(out)} malformed entr(ies) dropped; written again")
         digest = data.get("digest")
-        return (digest if isinstance(digest, str) and len(out) == len(users) else ""), out
+        return (digest if isinstance(digest, str) and len(out) == len(users) else ""), PublishedTable((), {}, out)
 
     def verify(self) -> int:
         """Check that every recorded user's folder holds what was published (by size); a user whose files
         are missing or cut short is dropped from the record, so the next write repairs it. Returns how many."""
         bad = []
-        for name, entry in self.published.items():
+        for name, entry in list(self.published.items()):
             folder = self.directory / entry.token
             try:
                 size = sum(os.stat(folder / f).st_size for f in self._file_names)
@@ -276,7 +343,7 @@ class FileOutlet:
             if size != entry.size:
                 bad.append(name)
         for name in bad:
-            del self.published[name]
+            self.published.drop(name)
         if bad:
             self.digest = ""
         return len(bad)
@@ -309,63 +376,92 @@ class FileOutlet:
             stats.skipped_all, stats.unchanged = True, len(cluster.users)
             stats.seconds = time.perf_counter() - start
             return stats
-        old = self.published
+        roster = cluster.roster
+        old = self.published.aligned(roster.names, roster.index)
         existed = self.directory.is_dir()
         self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         basis = _Basis.of(snapshot, self._cluster_hash[1] + "|" + ",".join(self.formats))
         changed = basis.changed(self._basis)
         n = len(cluster.users)
+        # Until this pass ends well, nobody knows which files it changed: a failure (a full disk, a worker's error)
+        # leaves the next pass comparing every user with what the manifest recorded.
+        self._basis, self.digest = None, ""
         if changed is not None and existed:
             # The same file, keys and users: only users whose standing, usage step or inbounds changed can have
             # other documents (a million users' fingerprints each interval would be the interval's whole work).
-            which, headers_only = changed
-            parts = self._passes(snapshot, old, which, headers_only)
-            new: dict[str, Published] = dict(old)
-            for part, written, unchanged in parts:
-                new.update(part)
-                stats.written += written
-                stats.unchanged += unchanged
+            which, headers_only = self._with_missing(old, *changed)
+            new = old.copy()
+            for part in self._passes(snapshot, old, which, headers_only):
+                part.record(new, stats)
             stats.unchanged += n - len(which)
             self.digest, self._basis, self.published = digest, basis, new
+            self._written_at = time.time()
             if time.time() - self._manifest_at >= self.MANIFEST_EVERY:
                 self._write_manifest()
             # Otherwise the manifest on disk is older than some files: a restart then compares every user and
             # rewrites those, which is all an older manifest costs.
             stats.seconds = time.perf_counter() - start
             return stats
-        parts = self._passes(snapshot, old, np.arange(n), np.zeros(n, bool))
-        new = {}
-        for part, written, unchanged in parts:
-            new.update(part)
-            stats.written += written
-            stats.unchanged += unchanged
-        live = {p.token for p in new.values()}
-        for entry in old.values():
-            if entry.token not in live and is_token(entry.token):  # a token from a file names no path unchecked
-                shutil.rmtree(self.directory / entry.token, ignore_errors=True)
+        new = PublishedTable(roster.names, roster.index)
+        for part in self._passes(snapshot, old, np.arange(n), np.zeros(n, bool)):
+            part.record(new, stats)
+        gone = old.tokens[(old.tokens != b"") & (old.tokens != new.tokens)].tolist()  # rotated: a new folder
+        for token in [t.decode() for t in gone] + [p.token for p in old.others.values()]:  # and who left the file
+            if is_token(token):  # a token from a file names no path unchecked
+                shutil.rmtree(self.directory / token, ignore_errors=True)
                 stats.removed += 1
         self.digest, self.published, self._basis = digest, new, basis
         self._write_manifest()
         stats.seconds = time.perf_counter() - start
         return stats
 
+    def _with_missing(self, old: PublishedTable, which: np.ndarray,
+                      headers_only: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``which`` and the users of this pass's slice of the sweep (1/SWEEP of the users, in turn) whose folder is
+        gone (removed behind the outlet's back): they are written again whole."""
+        n = len(old.names)
+        if not n:
+            return which, headers_only
+        k = -(-n // self.SWEEP)
+        looked = np.arange(self._sweep, self._sweep + k) % n
+        self._sweep = int((self._sweep + k) % n)
+        tokens = old.tokens[looked].tolist()
+        gone = looked[[not t or not os.path.isdir(os.path.join(self.directory, t.decode())) for t in tokens]]
+        if not len(gone):
+            return which, headers_only
+        light = dict(zip(which.tolist(), headers_only.tolist(), strict=True)) | dict.fromkeys(gone.tolist(), False)
+        merged = np.array(sorted(light), np.int64)
+        return merged, np.array([light[i] for i in merged.tolist()], bool)
+
+    def close(self) -> None:
+        """Record the manifest if a pass since the last one left it behind (a stop: the next start reads it)."""
+        if self._manifest_at < self._written_at:
+            self._write_manifest()
+
     def _write_manifest(self) -> None:
-        manifest = {"digest": self.digest, "users": {name: list(p) for name, p in self.published.items()}}
-        write_atomic(self.manifest_path, json.dumps(manifest).encode(), 0o600)
+        """The manifest as one JSON document, made in slices (a million users' entries as one dict were ~300 MB)."""
+        table = self.published
+        pieces = [b'{"digest": ' + json.dumps(self.digest).encode() + b', "users": {']
+        names = list(table)
+        for lo in range(0, len(names), 50_000):
+            pieces.append(", ".join(f"{json.dumps(name)}: {json.dumps(list(table[name]))}"
+                                    for name in names[lo:lo + 50_000]).encode() + (b", " if lo + 50_000 < len(names) else b""))
+        pieces.append(b"}}")
+        write_atomic(self.manifest_path, b"".join(pieces), 0o600)
         self._manifest_at = time.time()
 
-    def _passes(self, snapshot: Snapshot, old: dict[str, Published], which: np.ndarray,
-                headers_only: np.ndarray) -> list[tuple[dict[str, Published], int, int]]:
+    def _passes(self, snapshot: Snapshot, old: PublishedTable, which: np.ndarray,
+                headers_only: np.ndarray) -> list[Part]:
         """The users at positions ``which`` looked at (and written where changed; ``headers_only``: for each, whether
         only its headers can have changed): in this process, or split with worker processes when there are many.
         Each part: its manifest entries and counts."""
         if len(which) < self.PARALLEL_MIN or self.workers < 2:
-            return [_write_users(snapshot, self.secret, str(self.directory), self.formats, old, which, headers_only,
-                                 _has_shadowsocks(snapshot))]
+            return [_write_users(snapshot, self.secret, str(self.directory), self.formats, _before(old, which), which,
+                                 headers_only, _has_shadowsocks(snapshot))]
         return self._in_workers(snapshot, old, which, headers_only)
 
-    def _in_workers(self, snapshot: Snapshot, old: dict[str, Published], which: np.ndarray,
-                    headers_only: np.ndarray) -> list[tuple[dict[str, Published], int, int]]:
+    def _in_workers(self, snapshot: Snapshot, old: PublishedTable, which: np.ndarray,
+                    headers_only: np.ndarray) -> list[Part]:
         """Worker processes render and write slices of the users from one pickled snapshot; this process
         takes the first slice meanwhile (a bigger one: the workers start ~2 s later).
 
@@ -381,56 +477,78 @@ class FileOutlet:
         head = round(n * 0.6) if extra == 1 else n // self.workers
         bounds = [head + round(i * (n - head) / extra) for i in range(extra + 1)]
         payload = pickle.dumps((snapshot, self.secret, str(self.directory), self.formats), protocol=pickle.HIGHEST_PROTOCOL)
-        names = snapshot.cluster.roster.names
         with ProcessPoolExecutor(extra, mp_context=multiprocessing.get_context("forkserver")) as pool:
             futures = []
             for lo, hi in zip(bounds, bounds[1:], strict=False):
                 mine = which[lo:hi]
-                futures.append(pool.submit(_worker, payload, mine, headers_only[lo:hi],
-                                           {u: old[u] for i in mine.tolist() if (u := names[i]) in old}))
-            here = _write_users(snapshot, self.secret, str(self.directory), self.formats, old, which[:head],
-                                headers_only[:head], _has_shadowsocks(snapshot))
+                futures.append(pool.submit(_worker, payload, _before(old, mine), mine, headers_only[lo:hi]))
+            here = _write_users(snapshot, self.secret, str(self.directory), self.formats, _before(old, which[:head]),
+                                which[:head], headers_only[:head], _has_shadowsocks(snapshot))
             return [here] + [f.result() for f in futures]
 
 
-def _worker(payload: bytes, which: np.ndarray, headers_only: np.ndarray,
-            old: dict[str, Published]) -> tuple[dict[str, Published], int, int]:
+def _worker(payload: bytes, before: Before, which: np.ndarray, headers_only: np.ndarray) -> Part:
     import pickle
 
     snapshot, secret, directory, formats = pickle.loads(payload)
-    return _write_users(snapshot, secret, directory, formats, old, which, headers_only, _has_shadowsocks(snapshot))
+    return _write_users(snapshot, secret, directory, formats, before, which, headers_only, _has_shadowsocks(snapshot))
+
+
+Before = tuple[np.ndarray, np.ndarray, np.ndarray]  # what was published of some users: tokens, fingerprints, sizes
+
+
+def _before(table: PublishedTable, which: np.ndarray) -> Before:
+    return table.tokens[which], table.prints[which], table.sizes[which]
+
+
+@dataclass
+class Part:
+    """What one pass over some users (positions ``which``) published, and how many it wrote."""
+
+    which: np.ndarray
+    tokens: np.ndarray
+    prints: np.ndarray
+    sizes: np.ndarray
+    written: int
+    unchanged: int
+
+    def record(self, table: PublishedTable, stats: WriteStats) -> None:
+        table.tokens[self.which], table.prints[self.which], table.sizes[self.which] = self.tokens, self.prints, self.sizes
+        stats.written += self.written
+        stats.unchanged += self.unchanged
 
 
 def _has_shadowsocks(snapshot: Snapshot) -> bool:
     return any(r.inbound.protocol == "shadowsocks-2022" for r in snapshot.cluster.inbounds)
 
 
-def _write_users(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], old: dict[str, Published],
-                 which: np.ndarray, headers_only: np.ndarray, shadowsocks: bool) -> tuple[dict[str, Published], int, int]:
+def _write_users(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], before: Before,
+                 which: np.ndarray, headers_only: np.ndarray, shadowsocks: bool) -> Part:
     """The users at these positions: fingerprint each, (re)write those that changed (only the headers where only
-    they can have changed). Returns their manifest part and counts."""
+    they can have changed). ``before``: what was published of each of them."""
     cluster = snapshot.cluster
     inbound_json = {r.inbound.id: r.inbound.model_dump_json() for r in cluster.inbounds}
     outputs_json = cluster.settings.outputs.model_dump_json()
-    new: dict[str, Published] = {}
+    tokens, prints, sizes = (np.zeros(len(which), a.dtype) for a in before)
     written = unchanged = 0
     users = cluster.users
-    for i, light in zip(which.tolist(), headers_only.tolist(), strict=True):
+    steps = _steps(cluster.roster.data_limit[which], cluster.roster.measured(snapshot.usage)[0][which]).tolist()
+    for k, (i, light) in enumerate(zip(which.tolist(), headers_only.tolist(), strict=True)):
         user = users[i]
         creds = user_credentials(secret, user.name, user.rotate, shadowsocks)  # once a pass: not kept (~500 B a user)
         entries = decide(snapshot, user.name)
-        fp = user_fingerprint(snapshot, user.name, inbound_json, outputs_json, entries)
-        before = old.get(user.name)
-        if (before is not None and before.token == creds.token and before.fingerprint == fp
+        fp = user_fingerprint(snapshot, user.name, inbound_json, outputs_json, entries, steps[k])
+        token, had = creds.token.encode(), bytes(before[0][k])
+        if (had == token and bytes(before[1][k]) == fp.encode()
                 and os.path.isdir(os.path.join(directory, creds.token))):
-            new[user.name] = before
+            tokens[k], prints[k], sizes[k] = token, before[1][k], before[2][k]
             unchanged += 1
             continue
-        size = _write_user(snapshot, secret, directory, formats, user.name, creds.token, entries, creds,
-                           known=before is not None, headers_only=light and before is not None and before.token == creds.token)
-        new[user.name] = Published(creds.token, fp, size)
+        sizes[k] = _write_user(snapshot, secret, directory, formats, user.name, creds.token, entries, creds,
+                               known=bool(had), headers_only=light and had == token)
+        tokens[k], prints[k] = token, fp.encode()
         written += 1
-    return new, written, unchanged
+    return Part(which, tokens, prints, sizes, written, unchanged)
 
 
 def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], user: str, token: str,

@@ -63,7 +63,7 @@ from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens, cluster_dig
 from reconciler.loop.workers import LiveWorkers, worker_count
 from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
 from reconciler.model import Cluster, Server
-from reconciler.model.roster import STANDINGS
+from reconciler.model.roster import ACTIVE, STANDINGS
 from reconciler.model.types import parse_listen
 from reconciler.plan.lock import Fence
 from reconciler.plan.observe import observe
@@ -254,6 +254,8 @@ class Loop:
                     await task
             await self._leader_stop()  # issue 17: the last state published, the lease given back
             await asyncio.to_thread(self._save)
+            with contextlib.suppress(OSError):  # the files' record: else the next start compares every user
+                await asyncio.to_thread(self.files.close)
             await self.http.stop()
             if self.live is not None:
                 await self.live.stop()
@@ -430,7 +432,7 @@ class Loop:
         servers' configurations now, not at the next plan: an apply within this interval (issue 16). And the events
         operators act on go to the log and the webhook."""
         names, codes = snap.cluster.roster.names, snap.standings
-        withheld: dict[str, str] = {names[i]: STANDINGS[codes[i]] for i in np.flatnonzero(codes).tolist()}
+        withheld: dict[str, str] = {names[i]: STANDINGS[codes[i]] for i in np.flatnonzero(codes != ACTIVE).tolist()}
         if self._withheld is not None and withheld != self._withheld:
             out = sorted(set(withheld) - set(self._withheld))
             back = sorted(set(self._withheld) - set(withheld))

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from reconciler.model.regions import COUNTRY_REGION, REGIONS
 from reconciler.model.roster import NO_LIMIT, STANDINGS, Roster, Standing, standings
 from reconciler.model.types import ByteSize, Duration, Host, HostKey, Listen, Name
-from reconciler.model.usage import UserUsage
+from reconciler.model.usage import BYTES_CAP, UserUsage
 
 Region = Literal["WNAM", "ENAM", "WEU", "EEU", "NSAM", "SSAM", "OC", "ME", "NAF", "SAF", "SAS", "SEAS", "NEAS"]
 assert set(get_args(Region)) == set(REGIONS)
@@ -759,7 +759,7 @@ class User(_Model):
                          np.array([NO_LIMIT if self.data_limit is None else self.data_limit], np.int64),
                          np.array([NO_LIMIT if self.device_limit is None else self.device_limit], np.int64),
                          one if self.on_device_limit == "refuse" else ~one, now,
-                         np.array([0 if usage is None else min(usage.used, 2**63 - 1)], np.int64),
+                         np.array([0 if usage is None else min(usage.used, BYTES_CAP)], np.int64),
                          np.array([0 if usage is None else usage.devices], np.int64))
         return STANDINGS[int(code[0])]
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from reconciler.model.usage import UsageView, UserUsage
+from reconciler.model.usage import BYTES_CAP, UsageView, UserUsage
 
 if TYPE_CHECKING:
     from reconciler.model.cluster import Reset, User
@@ -96,7 +96,7 @@ class Roster:
         for name, u in (usage or {}).items():
             i = self.index.get(name)
             if i is not None:
-                used[i], devices[i] = min(u.used, 2**63 - 1), u.devices
+                used[i], devices[i] = min(u.used, BYTES_CAP), u.devices
         return used, devices
 
     def bounds(self, now: float) -> tuple[np.ndarray, np.ndarray]:

@@ -15,6 +15,14 @@ from typing import NamedTuple
 
 import numpy as np
 
+BYTES_CAP = 2**63 - 1  # a user's bytes saturate here (64-bit integers in the columns and the state)
+
+
+def saturated_sum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a + b`` for non-negative int64 columns, saturating at ``BYTES_CAP`` instead of wrapping."""
+    total: np.ndarray = np.where(a > BYTES_CAP - b, BYTES_CAP, a + b)
+    return total
+
 
 class UserUsage(NamedTuple):
     """Immutable; a tuple (not a frozen dataclass) because a million of them are made every interval, five times
@@ -40,7 +48,7 @@ class UserUsage(NamedTuple):
 class UsageView(Mapping[str, UserUsage]):
     """Every user's usage as columns in the order of ``names`` (a cluster's ``Roster.names``), read as a mapping of
     name → ``UserUsage`` (each made when asked: a million of them every interval took seconds). Consumers that ask
-    about every user read the columns; the standing of all users at once is ``Roster.standings(now, used, devices)``.
+    about every user read the columns; the standing of all users at once is ``Roster.standings(now, view)``.
     """
 
     names: tuple[str, ...]
@@ -62,8 +70,7 @@ class UsageView(Mapping[str, UserUsage]):
     @cached_property
     def used(self) -> np.ndarray:
         """Bytes that count against ``data_limit``, per user."""
-        total: np.ndarray = self.up + self.down
-        return total
+        return saturated_sum(self.up, self.down)
 
     def __getitem__(self, name: str) -> UserUsage:
         i = self._at[name]
