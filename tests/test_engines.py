@@ -393,3 +393,27 @@ def test_failed_certificate_orders_back_off_for_an_hour_doubling_to_a_day():
 def test_a_downloaded_release_is_pinned_per_architecture(tmp_path):
     with pytest.raises(ValueError, match="pinned per architecture"):
         cluster(tmp_path, engine={"install": "download", "url": "https://example.invalid/{arch}", "sha256": "ab" * 32})
+
+
+def test_servers_downloading_one_release_start_its_binary_once_for_the_version(tmp_path, runner, mirror, monkeypatch):
+    # The same bytes report the same version: one server runs the downloaded binary, the others take its answer
+    # (their binary's sha256 checked equal) and their commit writes the sidecar; a failed asker leaves none waiting.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    doc = downloading(tmp_path, mirror, {"amd64": mirror["sha256"]}).model_dump(mode="json", exclude_unset=True)
+    one = doc["servers"][0]
+    doc["servers"] = [{**one, "name": n, "host": f"192.0.2.{i + 1}",
+                       "inbounds": [{**ib, "id": f"{n}-{ib['id']}"} for ib in one["inbounds"]]} for i, n in enumerate("abc")]
+    results = apply(plan(Cluster.model_validate(doc), runner), runner)
+    assert all(r.ok for r in results), [r.message for r in results]
+    staging = [req for _name, script, req in runner.calls if script == "engine" and req.get("mode") == "download"]
+    assert len(staging) == 3 and sum(not req["version_later"] for req in staging) == 1
+    assert not [req for _name, script, req in runner.calls if script == "engine" and req.get("mode") == "version"]
+    versions = {runner.host(n).read("/usr/local/bin/sing-box.version") for n in "abc"}
+    assert len(versions) == 1 and b"1.14.4" in versions.pop()
+    for n in "abc":  # again from bare hosts, one of them offline: whoever asked, every server ends with its version
+        for path in ("/usr/local/bin/sing-box", "/usr/local/bin/sing-box.version", "/usr/local/bin/sing-box.sha256"):
+            runner.host(n).path(path).unlink()
+    runner.host("a").offline = True
+    results = apply(plan(Cluster.model_validate(doc), runner), runner)
+    assert all(r.ok for r in results), [r.message for r in results]
+    assert all(b"1.14.4" in (runner.host(n).read("/usr/local/bin/sing-box.version") or b"") for n in "abc")

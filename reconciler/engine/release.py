@@ -48,8 +48,7 @@ def _fetch(url: str) -> tuple[str, str]:
     """(path, sha256) of the file at ``url``, fetched into a file of its own in the cache."""
     path = _temp(cache_dir(), "fetch-")
     try:
-        script.fetch(url, path)
-        return path, script.sha256_of(path)
+        return path, script.fetch(url, path)  # hashed as it arrives
     except script.Failed as exc:
         os.remove(path)
         raise ReleaseError(str(exc), temporary=True) from None
