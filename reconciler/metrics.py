@@ -35,7 +35,7 @@ from reconciler import __version__
 from reconciler.balance import Snapshot
 from reconciler.health.verdicts import STATUS_NAMES, Verdicts
 from reconciler.model import Cluster, UserUsage
-from reconciler.model.roster import NO_LIMIT, STANDINGS, Standing
+from reconciler.model.roster import STANDINGS, Standing
 from reconciler.model.usage import UsageView
 
 KINDS = ("collect", "plan", "apply", "load", "git", "outlets")
@@ -315,11 +315,9 @@ def _user_metrics(view: FleetView) -> Iterator[Metric]:
         roster.standings(now, usage)
     counts = np.bincount(codes, minlength=len(STANDINGS))
     states = dict.fromkeys(STATES, 0) | {st: int(counts[i]) for i, st in enumerate(STANDINGS)}
-    used, devices = roster.measured(usage)  # counts only: no label object per user, whatever the number of users
-    on, limit, ends = roster.enabled, roster.data_limit, roster.expires_at
-    expiring = int((on & (now <= ends) & (ends - now <= settings.warn_expiry)).sum())
-    near = int((on & (limit > 0) & (settings.warn_quota * limit <= used) & (used < limit)).sum())
-    over_devices = int((on & (roster.device_limit != NO_LIMIT) & (devices > roster.device_limit)).sum())
+    notices = roster.notices(now, usage, settings.warn_quota, settings.warn_expiry)  # counts only, whatever the users
+    expiring, near = int(notices.expiring.sum()), int(notices.near_quota.sum())
+    over_devices = int(notices.over_devices.sum())
     connected = sum(1 for x in usage.servers.values() if x) if isinstance(usage, UsageView) else \
         sum(1 for x in usage.values() if x.servers)
     g = GaugeMetricFamily("reconciler_users", "Users in the cluster file by state (User.standing): active, disabled, "

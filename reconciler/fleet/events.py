@@ -19,7 +19,6 @@ import numpy as np
 
 from reconciler.balance import Snapshot
 from reconciler.model import Cluster, UserUsage
-from reconciler.model.roster import NO_LIMIT
 from reconciler.text import size_text
 
 
@@ -49,10 +48,7 @@ def user_events(cluster: Cluster, usage: Mapping[str, UserUsage], now: float, sa
             events.append(event)
 
     roster = cluster.roster
-    used_bytes, devices = roster.measured(usage)
-    limit, ends = roster.data_limit, roster.expires_at
-    due = roster.enabled & (((limit > 0) & (used_bytes >= settings.warn_quota * limit)) | (ends - now <= settings.warn_expiry)
-                            | ((roster.device_limit != NO_LIMIT) & (devices > roster.device_limit)))
+    due = roster.notices(now, usage, settings.warn_quota, settings.warn_expiry).any()
     for key in said:  # a device-limit breach that may have ended
         if key.startswith("device_limit:") and (i := roster.index.get(key.split(":", 1)[1])) is not None:
             due[i] = roster.enabled[i]

@@ -43,6 +43,21 @@ def standings(enabled: np.ndarray, expires_at: np.ndarray, data_limit: np.ndarra
     return code
 
 
+@dataclass(frozen=True)
+class Notices:
+    """Per user (the roster's order): what operators act on (``settings.users.warn_quota``, ``warn_expiry``)."""
+
+    near_quota: np.ndarray  # used at least warn_quota of its data_limit this period, not over it yet
+    over_quota: np.ndarray
+    expiring: np.ndarray  # expires within warn_expiry
+    expired: np.ndarray
+    over_devices: np.ndarray  # seen on more devices than its device_limit (refused or only reported)
+
+    def any(self) -> np.ndarray:
+        due: np.ndarray = self.near_quota | self.over_quota | self.expiring | self.expired | self.over_devices
+        return due
+
+
 @dataclass(frozen=True, eq=False)
 class Roster:
     """The users of one cluster as columns, in the file's order."""
@@ -86,6 +101,16 @@ class Roster:
         used, devices = self.measured(usage)
         return standings(self.enabled, self.expires_at, self.data_limit, self.device_limit, self.refuse, now, used,
                          devices)
+
+    def notices(self, now: float, usage: Mapping[str, UserUsage] | None, warn_quota: float,
+                warn_expiry: float) -> Notices:
+        """Which enabled users operators hear about at ``now`` (the events say it once, the metrics count it)."""
+        used, devices = self.measured(usage)
+        on, limit, end = self.enabled, self.data_limit, self.expires_at
+        quota = on & (limit > 0)
+        return Notices(near_quota=quota & (warn_quota * limit <= used) & (used < limit), over_quota=quota & (used >= limit),
+                       expiring=on & (now <= end) & (end - now <= warn_expiry), expired=on & (now > end),
+                       over_devices=on & (self.device_limit != NO_LIMIT) & (devices > self.device_limit))
 
     def measured(self, usage: Mapping[str, UserUsage] | None) -> tuple[np.ndarray, np.ndarray]:
         """(bytes used this period, devices) per user, in this roster's order (0 where nothing was measured)."""
