@@ -14,7 +14,7 @@ import pytest
 from reconciler.balance import Snapshot, rebalance
 from reconciler.balance.assignments import Assignments
 from reconciler.engine.base import usage_marks
-from reconciler.fleet.learned import Learned, _npz
+from reconciler.fleet.learned import Learned, _npz, state_arrays
 from reconciler.fleet.reports import parse_report
 from reconciler.fleet.usage import Ledger
 from reconciler.model import Cluster, UserUsage
@@ -137,7 +137,7 @@ def test_the_balanced_assignments_survive_the_state_and_its_older_format():
     back = Learned.from_bytes(learned.to_bytes())
     assert dict(back.assignments) == dict(learned.assignments)
     # State format 2 kept one row per (user, route): still read.
-    data = dict(np.load(io.BytesIO(learned.to_bytes())))
+    data = state_arrays(learned.to_bytes())
     meta = json.loads(data.pop("meta").tobytes())
     pairs = list(learned.assignments.items())
     routes, inbounds = ["r"], sorted({i for _, i in pairs})
@@ -158,7 +158,7 @@ def test_a_hostile_assignment_table_in_the_state_is_refused():
     c = cluster([{"name": "u0"}, {"name": "u1"}])
     learned = Learned.fresh(c)
     learned.assignments = rebalance(Snapshot(cluster=c, now=1.0))
-    data = dict(np.load(io.BytesIO(learned.to_bytes())))
+    data = state_arrays(learned.to_bytes())
     for broken in ({"a_columns": np.full((1, 2), 7, np.int32)},  # an inbound that is not there
                    {"a_columns": np.zeros((1, 3), np.int32)},  # more users than names
                    {"a_names": np.frombuffer(b"u0\nu0", np.uint8)}):  # one user twice
@@ -190,3 +190,17 @@ def test_usage_at_the_cap_saturates_and_stays_over_quota():
                      np.zeros(1, np.int64), np.full(1, np.nan), np.zeros(1))
     assert view.used.tolist() == [cap] and view["a"].used == 2 * cap  # the mapping's sum is Python's
     assert STANDINGS[c.roster.standings(1.0, view)[0]] == c.users[0].standing(1.0, view["a"]) == "over_quota"
+
+
+def test_the_state_is_one_zstd_frame_and_older_zip_compressed_states_are_read():
+    c = cluster([{"name": f"u{i}"} for i in range(50)])
+    learned = Learned.fresh(c)
+    learned.assignments = rebalance(Snapshot(cluster=c, now=1.0))
+    blob = learned.to_bytes()
+    assert blob[:4] == b"\x28\xb5\x2f\xfd"
+    old = io.BytesIO()
+    np.savez_compressed(old, **state_arrays(blob))  # how states were written before: zip's own deflate
+    assert dict(Learned.from_bytes(old.getvalue()).assignments) == dict(learned.assignments)
+    for broken in (blob[:len(blob) // 2], blob[:4] + b"\xff" * 40, blob[:-1] + bytes([blob[-1] ^ 0xFF])):
+        restored, why = Learned.restore(broken, c)
+        assert why and "afresh" in why and restored.ticks == 0

@@ -8,7 +8,6 @@ the pure parts through every case a fleet meets, fast."""
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import random
 from datetime import UTC, datetime
@@ -254,7 +253,7 @@ def test_a_hostile_ledger_in_the_state_is_refused_whole():
 
 
 def test_a_state_that_overflows_is_a_fresh_start_and_totals_saturate_instead_of_breaking_the_save():
-    from reconciler.fleet.learned import Learned, _npz
+    from reconciler.fleet.learned import Learned, _npz, state_arrays
     c = cluster([{"name": "alice"}])
     learned = Learned.fresh(c)
     marks = usage_marks(c)
@@ -268,8 +267,7 @@ def test_a_state_that_overflows_is_a_fresh_start_and_totals_saturate_instead_of_
         Ledger.from_json({"counters": {"s0": {f"0:{marks['alice']}:ipv4:tcp": ["alice", 2**64, 1]}}, "users": {},
                           "by_server": {}, "by_route": {}, "last_fold": 0.0})
     # A state file (format 2) whose counter row count is not a number: the same.
-    with np.load(io.BytesIO(blob)) as npz:
-        arrays = {k: npz[k] for k in npz.files}
+    arrays = state_arrays(blob)
     meta = json.loads(arrays["meta"].tobytes())
     meta["usage"]["counter_rows"] = [float("inf")]
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
