@@ -289,7 +289,7 @@ class FileOutlet:
 
     PARALLEL_MIN = 20_000  # users to look at before worker processes pay for their start (~1 s)
     MANIFEST_EVERY = 300.0  # seconds: a pass over only the changed users records the manifest at most this often
-    SWEEP = 32  # each pass over the changed users also checks that 1/SWEEP of all users' folders are still there
+    SWEEP = 64  # each pass over the changed users also checks that 1/SWEEP of all users' folders are still there
 
     def __init__(self, directory: Path, state_dir: Path, secret: Secret, formats: Iterable[str] = FORMATS,
                  workers: int | None = None):
