@@ -127,7 +127,7 @@ class Tokens:
         self.secret = secret
         self.shadowsocks = shadowsocks  # False only where no document can hold a Shadowsocks key
         self._by_user: dict[tuple[str, int], UserCredentials] = {}
-        self._index = TokenIndex([], ())
+        self._index = TokenIndex((), ())
         self._cluster_id: int | None = None
 
     def credentials(self, user: str, rotate: int) -> UserCredentials:
@@ -144,7 +144,7 @@ class Tokens:
     def index(self, cluster: Cluster) -> TokenIndex:
         """token → user name for the cluster's users (rebuilt when the cluster changes; one HMAC per user)."""
         if self._cluster_id != id(cluster):
-            self._index = TokenIndex([self.token(u.name, u.rotate) for u in cluster.users], cluster.roster.names)
+            self._index = TokenIndex((self.token(u.name, u.rotate) for u in cluster.users), cluster.roster.names)
             self._cluster_id = id(cluster)
         return self._index
 
@@ -154,8 +154,10 @@ class TokenIndex:
 
     WIDTH = TOKEN_CHARS  # 192 bits in URL-safe base64
 
-    def __init__(self, tokens: list[str], names: tuple[str, ...]) -> None:
-        raw = np.array([t.encode() for t in tokens], dtype=f"S{self.WIDTH}")
+    def __init__(self, tokens: Iterable[str], names: tuple[str, ...]) -> None:
+        raw = np.zeros(len(names), f"S{self.WIDTH}")
+        for i, token in enumerate(tokens):  # filled one by one: a million tokens as a list first were ~130 MB more
+            raw[i] = token.encode()
         order = np.argsort(raw, kind="stable")
         self._tokens, self._users, self._names = raw[order], order.astype(np.int64), names
 
@@ -441,13 +443,16 @@ class FileOutlet:
     def _write_manifest(self) -> None:
         """The manifest as one JSON document, made in slices (a million users' entries as one dict were ~300 MB)."""
         table = self.published
-        pieces = [b'{"digest": ' + json.dumps(self.digest).encode() + b', "users": {']
         names = list(table)
-        for lo in range(0, len(names), 50_000):
-            pieces.append(", ".join(f"{json.dumps(name)}: {json.dumps(list(table[name]))}"
-                                    for name in names[lo:lo + 50_000]).encode() + (b", " if lo + 50_000 < len(names) else b""))
-        pieces.append(b"}}")
-        write_atomic(self.manifest_path, b"".join(pieces), 0o600)
+
+        def pieces() -> Iterator[bytes]:
+            yield b'{"digest": ' + json.dumps(self.digest).encode() + b', "users": {'
+            for lo in range(0, len(names), 20_000):
+                yield ", ".join(f"{json.dumps(name)}: {json.dumps(list(table[name]))}"
+                                for name in names[lo:lo + 20_000]).encode() + (b", " if lo + 20_000 < len(names) else b"")
+            yield b"}}"
+
+        write_atomic(self.manifest_path, pieces(), 0o600)
         self._manifest_at = time.time()
 
     def _passes(self, snapshot: Snapshot, old: PublishedTable, which: np.ndarray,

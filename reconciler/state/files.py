@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -38,18 +39,20 @@ def fsync_folder(folder: str | Path) -> None:
         os.close(fd)
 
 
-def write_new(path: str | Path, data: bytes, mode: int = 0o600, sync: bool = True) -> None:
-    """Create ``path`` (it must not exist) with all of ``data``; used inside a staging folder."""
+def write_new(path: str | Path, data: bytes | Iterable[bytes], mode: int = 0o600, sync: bool = True) -> None:
+    """Create ``path`` (it must not exist) with all of ``data`` (bytes, or pieces of it: a big document need not be
+    one object in memory); used inside a staging folder."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
-        write_all(fd, data)
+        for piece in (data,) if isinstance(data, bytes) else data:
+            write_all(fd, piece)
         if sync:
             os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def write_atomic(path: str | Path, data: bytes, mode: int = 0o600, sync: bool = True) -> None:
+def write_atomic(path: str | Path, data: bytes | Iterable[bytes], mode: int = 0o600, sync: bool = True) -> None:
     """Replace ``path`` with ``data`` atomically (see the module docstring). ``mode`` is the new file's."""
     target = os.fspath(path)
     folder = os.path.dirname(target) or "."
