@@ -56,10 +56,13 @@ def write_atomic(path: str | Path, data: bytes | Iterable[bytes], mode: int = 0o
     """Replace ``path`` with ``data`` atomically (see the module docstring). ``mode`` is the new file's."""
     target = os.fspath(path)
     folder = os.path.dirname(target) or "."
-    os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{os.path.basename(target)}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     try:
-        write_new(tmp, data, mode, sync)
+        try:
+            write_new(tmp, data, mode, sync)
+        except FileNotFoundError:  # the folder is not there yet (made only then: most writes replace a file)
+            os.makedirs(folder, exist_ok=True)
+            write_new(tmp, data, mode, sync)
         os.chmod(tmp, mode)  # the umask may have narrowed it
         os.replace(tmp, target)
     except BaseException:
