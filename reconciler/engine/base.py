@@ -67,6 +67,11 @@ def usage_marks(cluster: Cluster) -> dict[str, int]:
 
 @functools.lru_cache(maxsize=4)
 def marks_for(names: tuple[str, ...]) -> dict[str, int]:
+    """``user_marks``, kept for the last few sets of names (rendering asks per server)."""
+    return user_marks(names)
+
+
+def user_marks(names: tuple[str, ...]) -> dict[str, int]:
     """user → the SO_MARK of that user's outbound on every server (the one place that decides it).
 
     24 bits from the name's hash, so a user keeps its mark whoever else is added; a collision (rare: one in
