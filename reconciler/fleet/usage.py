@@ -463,22 +463,9 @@ def _routes_on_servers(cluster: Cluster, assignments: Mapping[tuple[str, str], s
     if not assignments:
         return []
     server_of = _server_of_inbound(cluster)
-    if isinstance(assignments, Assignments):  # the balancer's columns: one array lookup per route key
-        held = assignments.realigned(roster.names, cluster.inbound_ids, roster.index)
-        to_server = np.array([server_of[t] for t in held.inbounds] + [-1], np.int64)  # [-1]: nobody's
-        return [(key, to_server[col]) for key, col in held.columns.items()]
-    position = roster.index
-    out: dict[str, np.ndarray] = {}
-    n = len(roster)
-    for (user, route), inbound in assignments.items():
-        i, s = position.get(user), server_of.get(inbound)
-        if i is None or s is None:
-            continue
-        where = out.get(route)
-        if where is None:
-            where = out[route] = np.full(n, -1, np.int64)
-        where[i] = s
-    return list(out.items())
+    held = Assignments.of(assignments, roster.names, cluster.inbound_ids, roster.index)  # one lookup per route key
+    to_server = np.array([server_of[t] for t in held.inbounds] + [-1], np.int64)  # [-1]: nobody's
+    return [(key, to_server[col]) for key, col in held.columns.items()]
 
 
 def _server_of_inbound(cluster: Cluster) -> dict[str, int]:
