@@ -316,14 +316,7 @@ def _assignment_counts(snapshot: Snapshot) -> dict[tuple[str, str], int]:
     """(route, inbound) → users assigned in the snapshot; computed once per snapshot."""
     counts = snapshot.memo.assignment_counts
     if counts is None:
-        held = snapshot.assignments
-        if isinstance(held, Assignments):
-            counts = held.counts()
-        else:
-            counts = {}
-            for (_, route), inbound in held.items():
-                counts[(route, inbound)] = counts.get((route, inbound), 0) + 1
-        snapshot.memo.assignment_counts = counts
+        counts = snapshot.memo.assignment_counts = snapshot.held.counts()
     return counts
 
 
@@ -341,17 +334,11 @@ def _assignment_demand(snapshot: Snapshot) -> tuple[float | None, dict[tuple[str
         assigned: dict[tuple[str, str], float] = {}
         if fill is not None:
             weight = np.where(active, _weigh(measured, fill), fill)
-            held = snapshot.assignments
-            if isinstance(held, Assignments) and (held.names is roster.names or held.names == roster.names):
-                for key, col in held.columns.items():
-                    on = col >= 0
-                    sums = np.bincount(col[on], weights=weight[on], minlength=len(held.inbounds))
-                    assigned.update({(key, held.inbounds[t]): float(sums[t]) for t in np.flatnonzero(sums).tolist()})
-            else:
-                at, weights_ = roster.index, weight.tolist()
-                for (user, route), inbound in held.items():
-                    i = at.get(user)
-                    assigned[(route, inbound)] = assigned.get((route, inbound), 0.0) + (fill if i is None else weights_[i])
+            held = snapshot.held
+            for key, col in held.columns.items():
+                on = col >= 0
+                sums = np.bincount(col[on], weights=weight[on], minlength=len(held.inbounds))
+                assigned.update({(key, held.inbounds[t]): float(sums[t]) for t in np.flatnonzero(sums).tolist()})
         found = snapshot.memo.assignment_demand = (fill, assigned)
     return found
 
@@ -483,9 +470,7 @@ def _pool_groups(snapshot: Snapshot, route: Route, ukeys: np.ndarray, regions: n
 
 def _previous(snapshot: Snapshot, key: str, users: np.ndarray, cands: tuple[InboundRef, ...]) -> np.ndarray:
     """Which candidate each user (positions in the cluster's users) held on the route key (-1: none of them)."""
-    held, roster = snapshot.assignments, snapshot.cluster.roster
-    if not isinstance(held, Assignments) or not (held.names is roster.names or held.names == roster.names):
-        held = Assignments.of(held, roster.names, snapshot.cluster.inbound_ids, roster.index)
+    held = snapshot.held
     col = held.column(key)
     if col is None:
         return np.full(len(users), -1, np.int64)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from reconciler.balance.assignments import Assignments
 from reconciler.balance.hashing import keys64, name_keys
 from reconciler.health.verdicts import Verdicts
 from reconciler.model import Cluster, InboundRef, User, UserUsage
@@ -150,6 +151,13 @@ class Snapshot:
     def user_key_array(self) -> np.ndarray:
         """The users' balancing keys in the cluster's order (``name_keys``: computed once per set of names)."""
         return name_keys(self.cluster.roster.names)
+
+    @cached_property
+    def held(self) -> Assignments:
+        """``assignments`` as columns over this cluster's users and inbounds (the balancer's own result already is
+        one: then this is it), made once per snapshot for the batch, the counts and the outlets."""
+        roster = self.cluster.roster
+        return Assignments.of(self.assignments, roster.names, self.cluster.inbound_ids, roster.index)
 
     @cached_property
     def inbound_keys(self) -> dict[str, int]:

@@ -182,13 +182,10 @@ def snapshot_digest(snapshot: Snapshot, cluster_hash: str) -> str:
         h.update(v.status.tobytes())
         h.update(v.in_rotation.tobytes())
         h.update(repr(sorted(v.pair_marks)).encode())
-    held = snapshot.assignments
-    if isinstance(held, Assignments):  # the balancer's columns (users in the file's order, which the cluster hash holds)
-        h.update("\0".join([*held.inbounds, "", *held.columns]).encode())
-        for col in held.columns.values():
-            h.update(col.tobytes())
-    else:  # in the mapping's own order, not sorted: equal snapshots of one cluster list them alike
-        h.update("\n".join(f"{u}\0{r}\0{i}" for (u, r), i in held.items()).encode())
+    held = snapshot.held  # columns over the users in the file's order, which the cluster hash holds
+    h.update("\0".join([*held.inbounds, "", *held.columns]).encode())
+    for col in held.columns.values():
+        h.update(col.tobytes())
     h.update(json.dumps([snapshot.public_keys, snapshot.tls_pins], sort_keys=True).encode())
     roster = snapshot.cluster.roster
     codes = snapshot.standings
@@ -243,25 +240,23 @@ class _Basis:
     names: tuple[str, ...]
     codes: np.ndarray
     steps: np.ndarray
-    held: Assignments | None
+    held: Assignments
 
     @classmethod
     def of(cls, snapshot: Snapshot, cluster_hash: str) -> _Basis:
         roster = snapshot.cluster.roster
         h = hashlib.sha256(cluster_hash.encode())
         h.update(json.dumps([snapshot.public_keys, snapshot.tls_pins], sort_keys=True).encode())
-        held = snapshot.assignments
         return cls(h.hexdigest(), roster.names, snapshot.standings,
-                   _steps(roster.data_limit, roster.measured(snapshot.usage)[0]),
-                   held if isinstance(held, Assignments) and held.names is roster.names else None)
+                   _steps(roster.data_limit, roster.measured(snapshot.usage)[0]), snapshot.held)
 
     def changed(self, before: _Basis | None) -> tuple[np.ndarray, np.ndarray] | None:
         """The users (positions) whose documents may differ from ``before``'s, and for each whether only its
         usage step moved while it is served (then only its headers can differ: the bodies hold no usage); None:
         anyone's documents may differ (compare all)."""
-        if (before is None or before.shared != self.shared or self.held is None
+        if (before is None or before.shared != self.shared
                 or (before.names is not self.names and before.names != self.names)
-                or before.held is None or before.held.inbounds != self.held.inbounds
+                or before.held.inbounds != self.held.inbounds
                 or before.held.columns.keys() != self.held.columns.keys()):
             return None
         moved = self.codes != before.codes
