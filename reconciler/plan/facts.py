@@ -44,6 +44,7 @@ class Facts:
     lock: dict[str, Any] | None
     extra: tuple[str, ...] = field(default_factory=tuple)  # files found in managed folders
     firewall: bool = False  # our nftables table is loaded
+    zstd: str = ""  # where the server's libzstd is ("": none; the engine is then uploaded as gzip)
 
     def digest(self) -> str:
         """What a saved plan was computed from; a different digest makes the plan stale."""
@@ -143,4 +144,11 @@ def parse_facts(raw: str) -> Facts:
         lock=parse_lock(_field(data, "lock", str, None)),
         extra=tuple(extra),
         firewall=bool(_field(data, "firewall", bool, False)),
+        zstd=_zstd_path(_field(data, "zstd", str, "")),
     )
+
+
+def _zstd_path(path: str) -> str:
+    """The library path the server reported, only when it looks like one (it goes back to that server's engine
+    step, which loads it; anything else means gzip)."""
+    return path if re.fullmatch(r"(/[A-Za-z0-9_.+-]+)+/libzstd\.so\.1", path) and ".." not in path else ""

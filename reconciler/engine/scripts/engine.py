@@ -1,7 +1,8 @@
 """Stage the engine binary under a temporary name with its sidecars (``.sha256``, ``.version``).
 
-Uploaded (``mode: upload``): a gzip stream on stdin, unpacked as the bytes arrive (Python's zlib
-inflates ~30% faster than gzip(1) on the servers we target, and unpacking overlaps the transfer);
+Uploaded (``mode: upload``): a zstd stream on stdin (``codec: zstd``, inflated by the server's libzstd, named by
+its facts) or a gzip one, unpacked as the bytes arrive (Python's zlib inflates ~30% faster than gzip(1) on the
+servers we target, and unpacking overlaps the transfer);
 its sha256 was taken on the controller from the source. Downloaded (``mode: download``): the release
 file fetched from ``url`` here (hashed as it arrives), its sha256 checked against the pin (``sha256``)
 before anything is unpacked: a different file is refused and nothing is installed; then the binary
@@ -13,7 +14,8 @@ it is left to the controller (another server staging the same bytes answers it f
 binary cost ~100 ms of CPU per server on 20 busy lab hosts), and ``mode: version`` asks it of a staged binary.
 
 Prints one JSON line: ``{"ok": true, "sha256", "version"}``, or ``{"ok": false, "kind", "error"}`` with
-``kind`` ``fetch`` (the server could not get the file: the controller may upload it instead), ``hash``
+``kind`` ``fetch`` (the server could not get the file: the controller may upload it instead), ``codec`` (libzstd
+did not load: the controller sends gzip), ``hash``
 (the file is not the pinned one) or ``stage``; on failure whatever was staged is removed.
 """
 
@@ -51,6 +53,57 @@ def inflate(src: BinaryIO, path: str) -> None:
             out.write(d.decompress(block))
         out.write(d.flush())
     if not d.eof:
+        raise RuntimeError("the engine upload ended early")
+
+
+def inflate_zstd(src: BinaryIO, path: str, library: str) -> None:
+    """A zstd stream on stdin into ``path``, through the server's own libzstd (ctypes: no package to install;
+    Python's zstd module is 3.14's). It inflates a 44 MB engine in ~40% of zlib's time. ``Failed("codec")`` when
+    the library does not load: stdin is drained first, so that the controller's upload ends and it sends gzip."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL(library)
+        stream = lib.ZSTD_decompressStream
+    except (OSError, AttributeError) as e:
+        for _ in iter(lambda: src.read(1 << 16), b""):
+            pass
+        raise Failed("codec", "cannot load %s: %s" % (library, e)) from None
+
+    class Buffer(ctypes.Structure):  # ZSTD_inBuffer and ZSTD_outBuffer: {pointer, size, pos}
+        _fields_ = [("ptr", ctypes.c_void_p), ("size", ctypes.c_size_t), ("pos", ctypes.c_size_t)]
+
+    lib.ZSTD_createDStream.restype = ctypes.c_void_p
+    lib.ZSTD_freeDStream.argtypes = [ctypes.c_void_p]
+    lib.ZSTD_isError.argtypes = [ctypes.c_size_t]
+    lib.ZSTD_getErrorName.argtypes = [ctypes.c_size_t]
+    lib.ZSTD_getErrorName.restype = ctypes.c_char_p
+    stream.argtypes = [ctypes.c_void_p, ctypes.POINTER(Buffer), ctypes.POINTER(Buffer)]
+    stream.restype = ctypes.c_size_t
+    ds = lib.ZSTD_createDStream()
+    if not ds:
+        raise MemoryError("ZSTD_createDStream")
+    try:
+        inb, outb = ctypes.create_string_buffer(1 << 16), ctypes.create_string_buffer(1 << 17)  # stay in the cache
+        i, o = Buffer(ctypes.addressof(inb), 0, 0), Buffer(ctypes.addressof(outb), len(outb), 0)
+        view, whole = memoryview(outb).cast("B"), False  # whole: the last frame was read to its end and flushed
+        with open(path, "wb") as out:
+            for n in iter(lambda: src.readinto(inb), 0):  # type: ignore[attr-defined]
+                i.size, i.pos = n, 0
+                while True:
+                    o.pos, before = 0, i.pos
+                    left = stream(ds, ctypes.byref(o), ctypes.byref(i))
+                    if lib.ZSTD_isError(left):
+                        raise RuntimeError("the engine upload is not a zstd stream: %s"
+                                           % lib.ZSTD_getErrorName(left).decode())
+                    if o.pos or i.pos != before:  # a call that moved nothing says nothing (it hints the next frame)
+                        whole = left == 0
+                    out.write(view[:o.pos])
+                    if i.pos == i.size and o.pos < o.size:  # this block consumed and nothing left inside
+                        break
+    finally:
+        lib.ZSTD_freeDStream(ds)
+    if not whole:
         raise RuntimeError("the engine upload ended early")
 
 
@@ -153,7 +206,10 @@ def stage(req: dict[str, Any], src: BinaryIO) -> dict[str, Any]:
         with open(tmp + ".sha256") as f:
             digest = f.read().strip()
     elif req["mode"] == "upload":
-        inflate(src, tmp)
+        if req.get("codec") == "zstd":
+            inflate_zstd(src, tmp, str(req["library"]))
+        else:
+            inflate(src, tmp)
         digest = str(req["sha256"])
     else:
         download = tmp + ".download"
