@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +160,7 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
         return parse(name, text, at)
 
     service.parse_report = counting  # type: ignore[assignment]
+    phases = phase_clock(loop, service)
     samples = []
     profiler: subprocess.Popen[bytes] | None = None
     try:
@@ -168,14 +170,17 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
                                              "--rate", "50", "-o", os.environ["FLEET_SCALE_PROFILE"]])
                 await asyncio.sleep(1.0)
             received[0] = 0
+            phases.clear()
             c0, w0 = _cpu(), time.perf_counter()
             verdicts = await loop.tick()
+            t = time.process_time()
             metrics = generate_latest(loop.registry)
+            phases["metrics"] += time.process_time() - t
             cpu, wall = _cpu() - c0, time.perf_counter() - w0
             assert verdicts is not None, loop._interval_error
             ok = sum(v.status == "ok" for v in verdicts.servers().values())
             if i:  # the first interval connects to every server and writes every user's files: a warm-up
-                samples.append((cpu, wall, received[0], len(metrics), ok))
+                samples.append((cpu, wall, received[0], len(metrics), ok, dict(phases)))
     finally:
         if profiler is not None:
             profiler.send_signal(2)
@@ -189,7 +194,41 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
             "interval_wall_s": round(statistics.median(s[1] for s in samples), 3),
             "report_bytes": int(statistics.median(s[2] for s in samples)), "metrics_bytes": samples[-1][3],
             "servers_ok": samples[-1][4], "probes_per_server": probes,
-            "share_of_60s": round(statistics.median(s[0] for s in samples) / INTERVAL, 4)}
+            "share_of_60s": round(statistics.median(s[0] for s in samples) / INTERVAL, 4),
+            "phases_cpu_s": {k: round(statistics.median(s[5].get(k, 0.0) for s in samples), 3) for k in samples[-1][5]}}
+
+
+def phase_clock(loop: Any, service: Any) -> Counter[str]:
+    """Where an interval's CPU goes: the process's CPU time across each step of ``tick`` (they run one after
+    another, so the process-wide clock is theirs; collect includes the SSH sessions and parsing the reports)."""
+    phases: Counter[str] = Counter()
+
+    def clocked(name: str, fn: Any) -> Any:
+        if asyncio.iscoroutinefunction(fn):
+            async def waiting(*a: Any, **k: Any) -> Any:
+                t = time.process_time()
+                try:
+                    return await fn(*a, **k)
+                finally:
+                    phases[name] += time.process_time() - t
+            return waiting
+
+        def plain(*a: Any, **k: Any) -> Any:
+            t = time.process_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                phases[name] += time.process_time() - t
+        return plain
+
+    loop.collect = clocked("collect", loop.collect)
+    loop.learned.fold = clocked("fold", loop.learned.fold)
+    service.snapshot = clocked("snapshot", service.snapshot)
+    loop.answers.publish = clocked("publish", loop.answers.publish)
+    loop._enforce = clocked("enforce", loop._enforce)
+    loop.files.write = clocked("files", loop.files.write)
+    loop._save = clocked("save", loop._save)
+    return phases
 
 
 def _cpu() -> float:
@@ -227,7 +266,8 @@ def main() -> int:
             r = results[-1]
             print(f"N={r['servers']:>5} U={r['users']:>8}: {r['interval_cpu_s']:7.2f} CPU-s {r['interval_wall_s']:7.2f} s wall "
                   f"({100 * r['share_of_60s']:.1f}% of 60 s), reports {r['report_bytes'] / 1e6:.1f} MB, "
-                  f"{r['probes_per_server']} probes/server, peak {r['peak_rss_mb']:.0f} MB, files on {r['files_on']}", flush=True)
+                  f"{r['probes_per_server']} probes/server, peak {r['peak_rss_mb']:.0f} MB, files on {r['files_on']}\n    CPU-s by "
+                  "step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases_cpu_s"].items()), flush=True)
     by = {(r["servers"], r["users"]): r for r in results}
     figures: dict[str, Any] = {"runs": results}
     for (n, u), r in by.items():
