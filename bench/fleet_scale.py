@@ -60,6 +60,7 @@ def serve(port_file: str, host_key: str, client_pub: str, servers: int, users: i
     """An asyncssh server answering every server's agent request (the servers are told apart by the SSH user)."""
     import asyncssh
 
+    from reconciler.engine.agent import packed  # the agent's own packing of its counters (agent 2)
     from reconciler.engine.base import marks_for  # the marks the controller gives the users (the same function)
 
     rng = random.Random(17)
@@ -85,11 +86,12 @@ def serve(port_file: str, host_key: str, client_pub: str, servers: int, users: i
         probes = {p["id"]: {"ok": True, "rtt_ms": round(rng.uniform(5, 80), 3)} for p in request.get("probes", [])}
         users_now = connected.get(server, [])
         return json.dumps({
-            "agent": 1, "time": time.time(), "service": "active",
+            "agent": 2, "time": time.time(), "service": "active",
             "listeners": {f"{p}/{t}": True for p, t in request.get("listeners", [])},
             "traffic": {"up": rng.randrange(1 << 40), "down": rng.randrange(1 << 40)}, "users": users_now,
             "connections": len(users_now), "devices": {u: ["0123456789abcdef"] for u in users_now},
-            "usage": {"tx": tx, "rx": rx, "epoch": "boot/1/2"}, "probes": probes, "took_ms": 12.0}) + "\n"
+            "usage": {"packed": 1, "tx": packed(tx), "rx": packed(rx), "epoch": "boot/1/2"}, "probes": probes,
+            "took_ms": 12.0}) + "\n"
 
     class Server(asyncssh.SSHServer):
         def begin_auth(self, username: str) -> bool:

@@ -325,6 +325,54 @@ def test_the_column_check_of_counters_agrees_with_the_row_check():
         assert (fast.usage, fast.usage_error) == (slow.usage, slow.usage_error), rows
 
 
+def test_the_agents_packed_counters_read_as_its_rows_do():
+    # Agent 2 packs its counters (four base64 columns): the controller reads exactly what agent 1's rows said,
+    # and the rows the kernel could not have made are left out by the agent, not sent.
+    from reconciler.engine.agent import packed
+
+    rng = random.Random(7)
+    names = ["ipv4", "ipv6", "tcp", "udp", "icmp", 2, 6, "x" * 16]
+    for _ in range(300):
+        rows = [[rng.choice([0, 1, 2**31, 2**32 - 1, MARK_BASE + rng.randrange(1 << 24)]), rng.choice(names),
+                 rng.choice(names), rng.choice([0, 1, 2**40, 2**63 - 1]), rng.choice([0, 52, 2**50, 2**63 - 1])]
+                for _ in range(rng.randrange(0, 30))]
+        as_rows = parse_report("s0", json.dumps({"service": "active", "usage": {"tx": rows, "rx": rows[:3], "epoch": "e"}}), 1.0)
+        usage = {"packed": 1, "tx": packed(rows), "rx": packed(rows[:3]), "epoch": "e"}
+        as_columns = parse_report("s0", json.dumps({"service": "active", "usage": usage}), 1.0)
+        assert as_rows.usage is not None and as_rows.usage_error == ""
+        assert (as_columns.usage, as_columns.usage_error) == (as_rows.usage, ""), rows
+    kept = packed([[2**32, "ipv4", "tcp", 1, 1], [1, "ipv4", "tcp", -1, 1], [1, "ipv4", "tcp", 1, 2**64], [1, "a", "b", True, 1],
+                   [5, "ipv4", "tcp", 3, 300]])
+    rep = parse_report("s0", json.dumps({"service": "active", "usage": {"packed": 1, "tx": kept, "rx": packed([]), "epoch": "e"}}), 1.0)
+    assert rep.usage is not None and rep.usage.tx == CounterRows.of([(5, "ipv4", "tcp", 3, 300)])
+
+
+def test_hostile_packed_counters_cost_that_servers_usage_never_its_report():
+    import base64
+
+    from reconciler.engine.agent import packed
+
+    good = packed([[7, "ipv4", "tcp", 1, 100], [8, "ipv6", "udp", 2, 200]])
+    b64 = base64.b64encode
+
+    def hostile() -> list[object]:
+        return [
+            "x", [], {**good, "rows": 3}, {**good, "rows": -1}, {**good, "rows": True}, {**good, "rows": 10**7},
+            {**good, "kinds": "ipv4"}, {**good, "kinds": [["ipv4"]]}, {**good, "kinds": [["ipv4", "tcp"]] * 256},
+            {**good, "kinds": [[["a"], "tcp"], ["ipv6", "udp"]]}, {**good, "kinds": [["ipv4", "tcp"]]},  # index 1 is out of range
+            {**good, "mark": good["mark"][:-4]}, {**good, "mark": "!" * len(good["mark"])}, {**good, "mark": 7},
+            {**good, "packets": b64(np.array([1, 2**63], "<u8").tobytes()).decode()},  # beyond a signed counter
+            {**good, "bytes": b64(np.array([1, 2**64 - 1], "<u8").tobytes()).decode()},
+            {**good, "kind": b64(bytes([0, 9])).decode()}, {**good, "kind": None},
+        ]
+
+    for tx in hostile():
+        rep = parse_report("s0", json.dumps({"service": "active", "usage": {"packed": 1, "tx": tx, "rx": good, "epoch": "e"}}), 1.0)
+        assert rep.service_ok and rep.usage is None and rep.usage_error.startswith("unreadable per-user counters"), tx
+    rep = parse_report("s0", json.dumps({"service": "active", "usage": {"packed": 1, "tx": good, "rx": good, "epoch": "e"}}), 1.0)
+    assert rep.usage is not None and rep.usage.tx.nbytes.tolist() == [100, 200]
+
+
 def test_devices_are_counted_across_servers_within_the_window():
     c = cluster([{"name": "alice", "device_limit": 2, "on_device_limit": "refuse"}], device_window="60s")
     ledger = Ledger()

@@ -16,9 +16,12 @@ object from stdout:
 - ``devices``: per user, fingerprints of the client addresses of those connections
   (salted hashes: the controller counts distinct devices, never sees an address);
 - ``usage``: the kernel's per-user counters (the nftables table the engine's unit
-  loads; loaded here when missing): ``[mark, ip version, transport, packets, bytes]``
-  per direction, cumulative. The controller turns marks into users and counters
-  into traffic;
+  loads; loaded here when missing), per direction, cumulative, packed (``packed``):
+  the (ip version, transport) pairs seen, and four columns of little-endian numbers
+  in base64: mark (u32), index of the pair (u8), packets and bytes (u64). A thousand
+  users' rows as JSON lists cost the controller ~3 µs each to parse; these cost it
+  next to nothing (agent 1 sent the rows as lists, which it still reads). The
+  controller turns marks into users and counters into traffic;
 - ``probes``: every other server's inbounds probed the way a client would: a
   TCP connect (its time is the RTT) plus a TLS handshake with the inbound's
   server name for TLS protocols; for QUIC protocols (Hysteria2, TUIC) a QUIC
@@ -39,7 +42,7 @@ import time
 import urllib.request
 from typing import Any, Dict, List, Optional, Set, Tuple  # typing's generics: the servers' Python may predate list[...]
 
-AGENT_VERSION = 1
+AGENT_VERSION = 2  # 2: usage packed
 
 
 def service_state(unit: str) -> str:
@@ -106,7 +109,34 @@ def usage_counters(table: str, load: str, timeout: float) -> Dict[str, Any]:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return {"tx": tx, "rx": rx, "epoch": boot + "/" + "/".join(handles)}
+    return {"packed": 1, "tx": packed(tx), "rx": packed(rx), "epoch": boot + "/" + "/".join(handles)}
+
+
+def packed(rows: List[List[Any]]) -> Dict[str, Any]:
+    """``[mark, family, transport, packets, bytes]`` rows as the report's packed columns (see the docstring)."""
+    import array
+    import base64
+
+    pairs = {}  # type: Dict[Tuple[str, str], int]
+    marks, kinds, packets, nbytes = array.array("I"), array.array("B"), array.array("Q"), array.array("Q")
+    for mark, family, transport, p, b in rows:
+        if not all(type(v) is int and 0 <= v < 2**64 for v in (mark, p, b)) or mark >= 2**32:
+            continue  # the set's key is a 32-bit mark and its counters 64-bit: anything else is not the kernel's
+        pair = (str(family), str(transport))
+        if pair not in pairs:
+            if len(pairs) == 255:
+                continue  # the kernel knows a handful; more would be a broken table
+            pairs[pair] = len(pairs)
+        marks.append(mark)
+        kinds.append(pairs[pair])
+        packets.append(p)
+        nbytes.append(b)
+    out = {"rows": len(marks), "kinds": [list(k) for k in pairs]}  # type: Dict[str, Any]
+    for name, column in (("mark", marks), ("kind", kinds), ("packets", packets), ("bytes", nbytes)):
+        if sys.byteorder == "big":
+            column.byteswap()
+        out[name] = base64.b64encode(column.tobytes()).decode()
+    return out
 
 
 def clash_connections(address: str, secret: str, timeout: float,

@@ -8,6 +8,8 @@ restarts — happens here, on the controller, where it is tested.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 from dataclasses import dataclass, field
@@ -214,6 +216,9 @@ def _usage_checked(raw: object) -> tuple[UsageCounters | None, str]:
     if "error" in value:
         return None, _text(value["error"], "usage.error")
     rows: dict[str, CounterRows] = {}
+    if value.get("packed") == 1:  # agent 2
+        return UsageCounters(tx=_packed_rows(value.get("tx"), "tx"), rx=_packed_rows(value.get("rx"), "rx"),
+                             epoch=_text(value.get("epoch", ""), "usage.epoch")), ""
     for side in ("tx", "rx"):
         items = value.get(side)
         if not isinstance(items, list) or len(items) > MAX_ENTRIES:
@@ -233,6 +238,40 @@ def _usage_checked(raw: object) -> tuple[UsageCounters | None, str]:
                         _whole(row[3], f"usage.{side}[].packets"), _whole(row[4], f"usage.{side}[].bytes")))
         rows[side] = CounterRows.of(out)
     return UsageCounters(tx=rows["tx"], rx=rows["rx"], epoch=_text(value.get("epoch", ""), "usage.epoch")), ""
+
+
+_PACKED_COLUMNS = (("mark", "<u4"), ("kind", "u1"), ("packets", "<u8"), ("bytes", "<u8"))
+
+
+def _packed_rows(raw: object, side: str) -> CounterRows:
+    """Agent 2's packed counters (``reconciler.engine.agent.packed``): the (family, transport) pairs and four
+    base64 columns of little-endian numbers, each checked whole (its length, every index and counter in range)."""
+    value = _mapping(raw, f"usage.{side}")
+    n = value.get("rows")
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_ENTRIES:
+        raise ReportError(f"`usage.{side}.rows` is not a count of counters")
+    pairs = value.get("kinds")
+    if not isinstance(pairs, list) or len(pairs) > 255 or not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+        raise ReportError(f"`usage.{side}.kinds` is not a list of [family, transport]")
+    table = np.array([KIND_OF.get((_proto(f, f"usage.{side}.kinds[]"), _proto(t, f"usage.{side}.kinds[]")), 0)
+                      for f, t in pairs] or [0], np.int64)
+    columns = []
+    for name, dtype in _PACKED_COLUMNS:
+        text = value.get(name)
+        size = n * np.dtype(dtype).itemsize
+        if not isinstance(text, str) or len(text) != 4 * -(-size // 3):  # base64's length for that many bytes
+            raise ReportError(f"`usage.{side}.{name}` is not {n} packed numbers")
+        try:
+            data = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise ReportError(f"`usage.{side}.{name}` is not base64") from None
+        if len(data) != size:
+            raise ReportError(f"`usage.{side}.{name}` is not {n} packed numbers")
+        columns.append(np.frombuffer(data, dtype))
+    marks, index, packets, nbytes = columns
+    if n and (index.max() >= len(pairs) or packets.max() > MAX_COUNTER or nbytes.max() > MAX_COUNTER):
+        raise ReportError(f"`usage.{side}` holds a kind index or a counter out of range")
+    return CounterRows(marks.astype(np.int64), table[index], packets.astype(np.int64), nbytes.astype(np.int64))
 
 
 def _usage_rows_fast(items: list[object]) -> CounterRows | None:
