@@ -329,6 +329,34 @@ def test_between_file_changes_only_users_whose_inputs_changed_are_looked_at(tmp_
     assert out.write(dataclasses.replace(blocked, usage={})).written == 60
 
 
+def test_a_usage_step_rewrites_headers_from_the_file_and_a_file_not_ours_from_the_render(tmp_path, monkeypatch):
+    # Users who only crossed a usage step get their headers.json's figures replaced in place (no bodies rendered,
+    # no keys derived); one whose headers.json is not what the outlet wrote is rendered whole. Either way, the
+    # same bytes as an outlet comparing everyone.
+    import reconciler.loop.outlets as outlets
+
+    c = cluster(5, users=12)
+    snap = snapshot_after(c, Learned.fresh(c))
+    out = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET, workers=1)
+    assert out.write(snap).written == 12
+    folder = {u: tmp_path / "subs" / user_credentials(SECRET, u, 0).token for u in ("u1", "u2", "u3", "u4")}
+    (folder["u2"] / "headers.json").write_text("{")
+    (folder["u3"] / "headers.json").write_text('{"links": {"etag": "x"}}')
+    (folder["u4"] / "headers.json").unlink()
+    rendered = []
+    real = outlets.render_formats
+    monkeypatch.setattr(outlets, "render_formats", lambda s, user, *a, **k: rendered.append(user) or real(s, user, *a, **k))
+    usage = {u: UserUsage(up=250_000_000, down=7) for u in folder}
+    changed = dataclasses.replace(snap, usage=usage)
+    stats = out.write(changed)
+    assert (stats.written, sorted(rendered)) == (4, ["u2", "u3", "u4"])
+    ref = FileOutlet(tmp_path / "ref" / "subs", tmp_path / "ref" / "state", SECRET, workers=1)
+    ref.write(changed)
+    assert tree(tmp_path / "subs") == tree(tmp_path / "ref" / "subs") and out.published == ref.published
+    assert json.loads((folder["u1"] / "headers.json").read_text())["clash"]["subscription-userinfo"].startswith(
+        "upload=250000000; download=7;")
+
+
 def test_a_pass_that_fails_midway_and_a_folder_removed_behind_the_outlets_back_are_repaired(tmp_path, monkeypatch):
     import reconciler.loop.outlets as outlets
 
@@ -341,18 +369,22 @@ def test_a_pass_that_fails_midway_and_a_folder_removed_behind_the_outlets_back_a
     out.write(snap)
     # u2 is refused (too many devices) and the disk fills up right after its files were written.
     refused = dataclasses.replace(snap, usage={"u2": UserUsage(devices=3), "u9": UserUsage(up=300_000_000)})
-    real, calls = outlets._write_user, []
+    real, rewrite, calls = outlets._write_user, outlets._rewrite_userinfo, []
 
-    def full_disk(*args, **kw):
+    def recording(*args, **kw):
         calls.append(args[4])
-        if len(calls) == 2:
-            raise OSError(28, "No space left on device")
         return real(*args, **kw)
 
-    monkeypatch.setattr(outlets, "_write_user", full_disk)
+    def full_disk(snapshot, directory, token, user, size):  # u9 crossed a usage step: its headers only
+        calls.append(user.name)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(outlets, "_write_user", recording)
+    monkeypatch.setattr(outlets, "_rewrite_userinfo", full_disk)
     with pytest.raises(OSError):
         out.write(refused)
     monkeypatch.setattr(outlets, "_write_user", real)
+    monkeypatch.setattr(outlets, "_rewrite_userinfo", rewrite)
     assert calls == ["u2", "u9"]
     # u2 is back under its limit, and only its usage step moved since the last pass that ended well: its refusal
     # body must not stay beside new headers. The next pass compares everyone.

@@ -38,7 +38,7 @@ from reconciler.model import Cluster, User, UserUsage
 from reconciler.model.roster import ACTIVE, NO_LIMIT, STANDINGS
 from reconciler.state.files import write_atomic, write_new
 from reconciler.subscriptions import FORMATS, Document, render
-from reconciler.subscriptions.document import EXTENSIONS, headers_json, render_formats
+from reconciler.subscriptions.document import EXTENSIONS, headers_json, render_formats, userinfo
 
 MANIFEST = "subscription-files.json"
 FINGERPRINT_CHARS = 32  # user_fingerprint: hex
@@ -531,10 +531,21 @@ def _write_users(snapshot: Snapshot, secret: Secret, directory: str, formats: tu
     steps = _steps(cluster.roster.data_limit[which], cluster.roster.measured(snapshot.usage)[0][which]).tolist()
     for k, (i, light) in enumerate(zip(which.tolist(), headers_only.tolist(), strict=True)):
         user = users[i]
-        creds = user_credentials(secret, user.name, user.rotate, shadowsocks)  # once a pass: not kept (~500 B a user)
         entries = decide(snapshot, user.name)
         fp = user_fingerprint(snapshot, user.name, inbound_json, outputs_json, entries, steps[k])
-        token, had = creds.token.encode(), bytes(before[0][k])
+        had = bytes(before[0][k])
+        if light and had:  # only the usage step moved: the same token and bodies, new figures in headers.json
+            if bytes(before[1][k]) == fp.encode() and os.path.isdir(os.path.join(directory, had.decode())):
+                tokens[k], prints[k], sizes[k] = had, before[1][k], before[2][k]
+                unchanged += 1
+                continue
+            size = _rewrite_userinfo(snapshot, directory, had.decode(), user, int(before[2][k]))
+            if size is not None:
+                tokens[k], prints[k], sizes[k] = had, fp.encode(), size
+                written += 1
+                continue
+        creds = user_credentials(secret, user.name, user.rotate, shadowsocks)  # once a pass: not kept (~500 B a user)
+        token = creds.token.encode()
         if (had == token and bytes(before[1][k]) == fp.encode()
                 and os.path.isdir(os.path.join(directory, creds.token))):
             tokens[k], prints[k], sizes[k] = token, before[1][k], before[2][k]
@@ -545,6 +556,28 @@ def _write_users(snapshot: Snapshot, secret: Secret, directory: str, formats: tu
         tokens[k], prints[k] = token, fp.encode()
         written += 1
     return Part(which, tokens, prints, sizes, written, unchanged)
+
+
+def _rewrite_userinfo(snapshot: Snapshot, directory: str, token: str, user: User, size: int) -> int | None:
+    """A user's ``headers.json`` with this interval's ``subscription-userinfo`` in every format, read from the
+    file and written back in the same form (``headers_json``'s bytes: its JSON, keys in order); the folder's new
+    size. Rendering the bodies again (and deriving the user's keys) cost ~4x this for the same bytes. None when
+    the file is not one this outlet wrote: the caller renders the user whole."""
+    path = f"{directory}/{token}/headers.json"
+    try:
+        with open(path, "rb") as f:
+            old = f.read(1 << 20)
+        table = json.loads(old)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(table, dict) or not all(isinstance(h, dict) and "subscription-userinfo" in h for h in table.values()):
+        return None
+    info = userinfo(snapshot, user)
+    for h in table.values():
+        h["subscription-userinfo"] = info
+    new = json.dumps(table, ensure_ascii=False).encode()
+    write_atomic(path, new, DOC_MODE, sync=False)
+    return size - len(old) + len(new)
 
 
 def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], user: str, token: str,
