@@ -264,16 +264,18 @@ def decide(snapshot: Snapshot, user_name: str, region: str | None = None) -> lis
         cands = memo.candidates.get((route.id, pool))
         if cands is None:
             cands = memo.candidates[(route.id, pool)] = _candidates(snapshot, members, pool)
+            memo.candidate_ids[(route.id, pool)] = {r.inbound.id: r for r in cands}
         if not cands:
             ref = snapshot.best_available(members)
             why = "best available: every inbound of this route is out of rotation (HEALTH-11)"
             entries.append(_entry(snapshot, route, ref, pool, why))
             continue
+        by_id = memo.candidate_ids[(route.id, pool)]
         prev = snapshot.assignments.get((user.name, route.id))
-        kept = next((r for r in cands if r.inbound.id == prev), None)
+        kept = by_id.get(prev) if prev is not None else None
         if kept is None and pool is not None:  # the address chose another pool than the record: its placement there
             prev = snapshot.assignments.get((user.name, pool_key(route.id, pool)))
-            kept = next((r for r in cands if r.inbound.id == prev), None)
+            kept = by_id.get(prev) if prev is not None else None
         if kept is not None:
             entries.append(_entry(snapshot, route, kept, pool, _join(pool_why, "kept from the last assignment")))
             continue

@@ -59,13 +59,15 @@ class SnapshotMemo:
       with stand-ins for the user's credentials.
     """
 
-    __slots__ = ("assignment_counts", "assignment_demand", "candidates", "document_templates", "header_bases", "header_json_heads",
-                 "healthy", "members", "placements")
+    __slots__ = ("assignment_counts", "assignment_demand", "candidate_ids", "candidates", "document_templates", "header_bases",
+                 "header_json_heads", "healthy", "members", "placements")
 
     def __init__(self) -> None:
         self.members: dict[str, tuple[InboundRef, ...]] = {}  # route id → usable members
         self.healthy: dict[str, dict[str, bool]] = {}  # route id → pool → healthy
         self.candidates: dict[tuple[str, str | None], tuple[InboundRef, ...]] = {}  # (route id, pool)
+        # the same by inbound id: a kept assignment is found in one lookup (a thousand servers' route: not a scan)
+        self.candidate_ids: dict[tuple[str, str | None], dict[str, InboundRef]] = {}
         self.placements: dict[tuple[str, tuple[str, ...]], Placement] = {}  # (route id, candidate ids)
         self.assignment_counts: dict[tuple[str, str], int] | None = None  # (route id, inbound id) → users
         # (what an unmeasured user weighs in Mbps, None: nobody measured; (route id, inbound id) → Mbps assigned)
