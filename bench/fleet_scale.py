@@ -322,10 +322,16 @@ def run_case(servers: int, users: int, intervals: int, disk: bool = False) -> in
     finally:
         stop(server)
         if files_on == "tmpfs (own mount)":  # five million files go with the mount, in a second
-            subprocess.run(["umount", str(work)], check=False)
-            work.rmdir()
+            unmount(work)
         else:
             subprocess.run(["rm", "-rf", str(work)], check=False)
+
+
+def unmount(work: Path) -> None:
+    """Our tmpfs away (lazily when busy: its memory is freed once nothing holds it), and its mount point."""
+    if subprocess.run(["umount", str(work)], capture_output=True).returncode != 0:
+        subprocess.run(["umount", "-l", str(work)], capture_output=True)
+    subprocess.run(["rm", "-rf", str(work)], check=False)
 
 
 def workspace(users: int, disk: bool) -> tuple[Path, str]:
@@ -336,6 +342,11 @@ def workspace(users: int, disk: bool) -> tuple[Path, str]:
     (ROOT / ".bench").mkdir(exist_ok=True)
     if not disk and users <= 200_000 and os.path.isdir("/dev/shm"):
         return Path(tempfile.mkdtemp(prefix="fleet-scale-", dir="/dev/shm")), "tmpfs (/dev/shm)"
+    with open("/proc/mounts") as mounts:  # a killed run's tmpfs (its finally never ran) holds gigabytes of memory
+        for line in mounts:
+            device, point = line.split()[:2]
+            if device == "fleet-scale" and point.startswith(str(ROOT / ".bench") + "/"):
+                unmount(Path(point))
     work = Path(tempfile.mkdtemp(prefix="fleet-scale-", dir=ROOT / ".bench"))
     if not disk and os.geteuid() == 0 and subprocess.run(
             ["mount", "-t", "tmpfs", "-o", "size=16g,nr_inodes=0,mode=0700", "fleet-scale", str(work)],

@@ -10,6 +10,7 @@ import gzip
 import hashlib
 import io
 import json
+import os
 import tarfile
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -470,12 +471,16 @@ def test_a_broken_zstd_upload_is_refused_and_nothing_is_left_staged(tmp_path):
 
     library = zstd_library()
     assert library, "libzstd.so.1 is on every Debian (apt needs it)"
-    body = bytes(range(256)) * 4096
+    # Incompressible bytes: the stream spans several of the script's 64 kB reads, and its end is in the last one.
+    body = os.urandom(200_000) + bytes(range(256)) * 4096
     good = zstandard.ZstdCompressor(level=3, write_checksum=True).compress(body)
+    assert len(good) > 3 * (1 << 16)
     tmp = tmp_path / "engine.reconciler-new"
     req = {"tmp": str(tmp), "mode": "upload", "codec": "zstd", "library": library, "sha256": "x", "version": "v"}
     assert script.stage(req, io.BufferedReader(io.BytesIO(good)))["ok"] and tmp.read_bytes() == body
-    for broken, says in ((good[:-9], "ended early"), (good[:100] + b"\0" * 64 + good[164:], "not a zstd stream"),
+    tmp.unlink()
+    for broken, says in ((good[:-9], "ended early"), (good[:1 << 16], "ended early"), (good[:2 << 16], "ended early"),
+                         (good[:100] + b"\0" * 64 + good[164:], "not a zstd stream"),
                          (good + b"junk", "not a zstd stream"), (b"\x1f\x8b" + good, "not a zstd stream")):
         out = io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
@@ -488,3 +493,22 @@ def test_a_broken_zstd_upload_is_refused_and_nothing_is_left_staged(tmp_path):
         answer = json.loads(out.getvalue())
         assert not answer["ok"] and says in answer["error"], (says, answer)
         assert not list(tmp_path.iterdir())
+
+
+def test_a_server_whose_libzstd_does_not_load_reads_the_whole_upload_and_says_codec(tmp_path):
+    # The engine step as the server runs it (python3 -I -S, the request spliced in), fed more than a pipe holds:
+    # it must read the whole upload before answering, or the controller's send would fail instead of falling
+    # back to gzip.
+    import subprocess
+    import sys
+
+    from reconciler.engine import remote
+
+    tmp = tmp_path / "engine.reconciler-new"
+    text, _ = remote.ENGINE.prepare({"tmp": str(tmp), "mode": "upload", "codec": "zstd", "sha256": "x", "version": "v",
+                                     "library": str(tmp_path / "libzstd.so.1")})
+    run = subprocess.run([sys.executable, "-I", "-S", "-c", text], input=os.urandom(3 << 20), capture_output=True,
+                         timeout=60)
+    answer = json.loads(run.stdout)
+    assert run.returncode == 0 and answer["ok"] is False and answer["kind"] == "codec", (run.stderr, answer)
+    assert not list(tmp_path.iterdir())

@@ -339,17 +339,19 @@ def test_a_usage_step_rewrites_headers_from_the_file_and_a_file_not_ours_from_th
     snap = snapshot_after(c, Learned.fresh(c))
     out = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET, workers=1)
     assert out.write(snap).written == 12
-    folder = {u: tmp_path / "subs" / user_credentials(SECRET, u, 0).token for u in ("u1", "u2", "u3", "u4")}
+    folder = {u: tmp_path / "subs" / user_credentials(SECRET, u, 0).token for u in ("u1", "u2", "u3", "u4", "u5", "u6")}
     (folder["u2"] / "headers.json").write_text("{")
     (folder["u3"] / "headers.json").write_text('{"links": {"etag": "x"}}')
     (folder["u4"] / "headers.json").unlink()
+    (folder["u5"] / "headers.json").write_text("{}")  # no format at all: not what the outlet wrote either
+    (folder["u6"] / "headers.json").write_text("[" * 100_000)  # nested past the parser's depth
     rendered = []
     real = outlets.render_formats
     monkeypatch.setattr(outlets, "render_formats", lambda s, user, *a, **k: rendered.append(user) or real(s, user, *a, **k))
     usage = {u: UserUsage(up=250_000_000, down=7) for u in folder}
     changed = dataclasses.replace(snap, usage=usage)
     stats = out.write(changed)
-    assert (stats.written, sorted(rendered)) == (4, ["u2", "u3", "u4"])
+    assert (stats.written, sorted(rendered)) == (6, ["u2", "u3", "u4", "u5", "u6"])
     ref = FileOutlet(tmp_path / "ref" / "subs", tmp_path / "ref" / "state", SECRET, workers=1)
     ref.write(changed)
     assert tree(tmp_path / "subs") == tree(tmp_path / "ref" / "subs") and out.published == ref.published
@@ -375,7 +377,7 @@ def test_a_pass_that_fails_midway_and_a_folder_removed_behind_the_outlets_back_a
         calls.append(args[4])
         return real(*args, **kw)
 
-    def full_disk(snapshot, directory, token, user, size):  # u9 crossed a usage step: its headers only
+    def full_disk(snapshot, directory, formats, token, user, size):  # u9 crossed a usage step: its headers only
         calls.append(user.name)
         raise OSError(28, "No space left on device")
 

@@ -326,8 +326,9 @@ def test_the_column_check_of_counters_agrees_with_the_row_check():
 
 
 def test_the_agents_packed_counters_read_as_its_rows_do():
-    # Agent 2 packs its counters (four base64 columns): the controller reads exactly what agent 1's rows said,
-    # and the rows the kernel could not have made are left out by the agent, not sent.
+    # Agent 2 packs its counters (four base64 columns): the controller reads exactly what agent 1's rows said;
+    # rows the kernel could not have made are counted, not sent, and make that server's usage unreadable (as
+    # agent 1's rows did), with the reason.
     from reconciler.engine.agent import packed
 
     rng = random.Random(7)
@@ -343,8 +344,9 @@ def test_the_agents_packed_counters_read_as_its_rows_do():
         assert (as_columns.usage, as_columns.usage_error) == (as_rows.usage, ""), rows
     kept = packed([[2**32, "ipv4", "tcp", 1, 1], [1, "ipv4", "tcp", -1, 1], [1, "ipv4", "tcp", 1, 2**64], [1, "a", "b", True, 1],
                    [5, "ipv4", "tcp", 3, 300]])
+    assert (kept["rows"], kept["dropped"]) == (1, 4)
     rep = parse_report("s0", json.dumps({"service": "active", "usage": {"packed": 1, "tx": kept, "rx": packed([]), "epoch": "e"}}), 1.0)
-    assert rep.usage is not None and rep.usage.tx == CounterRows.of([(5, "ipv4", "tcp", 3, 300)])
+    assert rep.service_ok and rep.usage is None and "could not read 4 of the kernel's `tx` counter rows" in rep.usage_error
 
 
 def test_hostile_packed_counters_cost_that_servers_usage_never_its_report():
@@ -363,7 +365,8 @@ def test_hostile_packed_counters_cost_that_servers_usage_never_its_report():
             {**good, "mark": good["mark"][:-4]}, {**good, "mark": "!" * len(good["mark"])}, {**good, "mark": 7},
             {**good, "packets": b64(np.array([1, 2**63], "<u8").tobytes()).decode()},  # beyond a signed counter
             {**good, "bytes": b64(np.array([1, 2**64 - 1], "<u8").tobytes()).decode()},
-            {**good, "kind": b64(bytes([0, 9])).decode()}, {**good, "kind": None},
+            {**good, "kind": b64(bytes([0, 9])).decode()}, {**good, "kind": None}, {**good, "dropped": "x"},
+            {**good, "dropped": -1},
         ]
 
     for tx in hostile():

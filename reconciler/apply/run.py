@@ -314,7 +314,8 @@ async def _stage_engine(runner: Runner, o: Observed) -> tuple[list[list[str]], l
     ``install: download``: the server fetches the release itself (a VPS's link is faster than the operator's
     uplink) and refuses a file whose sha256 differs from the pin for its architecture, installing nothing.
     When the server cannot fetch it (no route out, a missing file), the controller fetches it once, checks the
-    same pin, and uploads the binary: the fallback. ``install: upload``: the controller's binary, gzipped."""
+    same pin, and uploads the binary: the fallback. ``install: upload``: the controller's binary, compressed (zstd
+    where the server has libzstd, else gzip)."""
     d = o.desired
     assert d is not None and o.facts is not None
     engine, b = d.engine, d.binary

@@ -119,19 +119,22 @@ def packed(rows: List[List[Any]]) -> Dict[str, Any]:
 
     pairs = {}  # type: Dict[Tuple[str, str], int]
     marks, kinds, packets, nbytes = array.array("I"), array.array("B"), array.array("Q"), array.array("Q")
+    dropped = 0  # rows the kernel could not have made (the controller then says the counters are unreadable)
     for mark, family, transport, p, b in rows:
         if not all(type(v) is int and 0 <= v < 2**64 for v in (mark, p, b)) or mark >= 2**32:
-            continue  # the set's key is a 32-bit mark and its counters 64-bit: anything else is not the kernel's
+            dropped += 1  # the set's key is a 32-bit mark and its counters 64-bit
+            continue
         pair = (str(family), str(transport))
         if pair not in pairs:
             if len(pairs) == 255:
-                continue  # the kernel knows a handful; more would be a broken table
+                dropped += 1  # the kernel knows a handful; more would be a broken table
+                continue
             pairs[pair] = len(pairs)
         marks.append(mark)
         kinds.append(pairs[pair])
         packets.append(p)
         nbytes.append(b)
-    out = {"rows": len(marks), "kinds": [list(k) for k in pairs]}  # type: Dict[str, Any]
+    out = {"rows": len(marks), "kinds": [list(k) for k in pairs], "dropped": dropped}  # type: Dict[str, Any]
     for name, column in (("mark", marks), ("kind", kinds), ("packets", packets), ("bytes", nbytes)):
         if sys.byteorder == "big":
             column.byteswap()

@@ -216,7 +216,7 @@ def _usage_checked(raw: object) -> tuple[UsageCounters | None, str]:
     if "error" in value:
         return None, _text(value["error"], "usage.error")
     rows: dict[str, CounterRows] = {}
-    if value.get("packed") == 1:  # agent 2
+    if type(value.get("packed")) is int and value["packed"] == 1:  # agent 2
         return UsageCounters(tx=_packed_rows(value.get("tx"), "tx"), rx=_packed_rows(value.get("rx"), "rx"),
                              epoch=_text(value.get("epoch", ""), "usage.epoch")), ""
     for side in ("tx", "rx"):
@@ -247,6 +247,10 @@ def _packed_rows(raw: object, side: str) -> CounterRows:
     """Agent 2's packed counters (``reconciler.engine.agent.packed``): the (family, transport) pairs and four
     base64 columns of little-endian numbers, each checked whole (its length, every index and counter in range)."""
     value = _mapping(raw, f"usage.{side}")
+    dropped = value.get("dropped", 0)
+    if dropped != 0:  # as agent 1's rows would have been: the server's usage is unreadable this interval, and says why
+        raise ReportError(f"the agent could not read {_whole(dropped, f'usage.{side}.dropped')} of the kernel's "
+                          f"`{side}` counter rows (an nft whose output this agent does not know?)")
     n = value.get("rows")
     if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_ENTRIES:
         raise ReportError(f"`usage.{side}.rows` is not a count of counters")

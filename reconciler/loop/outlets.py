@@ -539,7 +539,7 @@ def _write_users(snapshot: Snapshot, secret: Secret, directory: str, formats: tu
                 tokens[k], prints[k], sizes[k] = had, before[1][k], before[2][k]
                 unchanged += 1
                 continue
-            size = _rewrite_userinfo(snapshot, directory, had.decode(), user, int(before[2][k]))
+            size = _rewrite_userinfo(snapshot, directory, formats, had.decode(), user, int(before[2][k]))
             if size is not None:
                 tokens[k], prints[k], sizes[k] = had, fp.encode(), size
                 written += 1
@@ -558,7 +558,8 @@ def _write_users(snapshot: Snapshot, secret: Secret, directory: str, formats: tu
     return Part(which, tokens, prints, sizes, written, unchanged)
 
 
-def _rewrite_userinfo(snapshot: Snapshot, directory: str, token: str, user: User, size: int) -> int | None:
+def _rewrite_userinfo(snapshot: Snapshot, directory: str, formats: tuple[str, ...], token: str, user: User,
+                      size: int) -> int | None:
     """A user's ``headers.json`` with this interval's ``subscription-userinfo`` in every format, read from the
     file and written back in the same form (``headers_json``'s bytes: its JSON, keys in order); the folder's new
     size. Rendering the bodies again (and deriving the user's keys) cost ~4x this for the same bytes. None when
@@ -568,9 +569,10 @@ def _rewrite_userinfo(snapshot: Snapshot, directory: str, token: str, user: User
         with open(path, "rb") as f:
             old = f.read(1 << 20)
         table = json.loads(old)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
-    if not isinstance(table, dict) or not all(isinstance(h, dict) and "subscription-userinfo" in h for h in table.values()):
+    if (not isinstance(table, dict) or list(table) != list(formats)
+            or not all(isinstance(h, dict) and "subscription-userinfo" in h for h in table.values())):
         return None
     info = userinfo(snapshot, user)
     for h in table.values():

@@ -60,26 +60,26 @@ def inflate_zstd(src: BinaryIO, path: str, library: str) -> None:
     """A zstd stream on stdin into ``path``, through the server's own libzstd (ctypes: no package to install;
     Python's zstd module is 3.14's). It inflates a 44 MB engine in ~40% of zlib's time. ``Failed("codec")`` when
     the library does not load: stdin is drained first, so that the controller's upload ends and it sends gzip."""
-    import ctypes
+    try:  # a Python without ctypes (no libffi) is the same case as a missing library
+        import ctypes
 
-    try:
         lib = ctypes.CDLL(library)
+
+        class Buffer(ctypes.Structure):  # ZSTD_inBuffer and ZSTD_outBuffer: {pointer, size, pos}
+            _fields_ = [("ptr", ctypes.c_void_p), ("size", ctypes.c_size_t), ("pos", ctypes.c_size_t)]
+
         stream = lib.ZSTD_decompressStream
-    except (OSError, AttributeError) as e:
-        for _ in iter(lambda: src.read(1 << 16), b""):
+        stream.argtypes = [ctypes.c_void_p, ctypes.POINTER(Buffer), ctypes.POINTER(Buffer)]
+        stream.restype = ctypes.c_size_t
+        lib.ZSTD_createDStream.restype = ctypes.c_void_p
+        lib.ZSTD_freeDStream.argtypes = [ctypes.c_void_p]
+        lib.ZSTD_isError.argtypes = [ctypes.c_size_t]
+        lib.ZSTD_getErrorName.argtypes = [ctypes.c_size_t]
+        lib.ZSTD_getErrorName.restype = ctypes.c_char_p
+    except (ImportError, OSError, AttributeError) as e:
+        for _ in iter(lambda: src.read(1 << 16), b""):  # the whole upload, so that the controller's send ends
             pass
-        raise Failed("codec", "cannot load %s: %s" % (library, e)) from None
-
-    class Buffer(ctypes.Structure):  # ZSTD_inBuffer and ZSTD_outBuffer: {pointer, size, pos}
-        _fields_ = [("ptr", ctypes.c_void_p), ("size", ctypes.c_size_t), ("pos", ctypes.c_size_t)]
-
-    lib.ZSTD_createDStream.restype = ctypes.c_void_p
-    lib.ZSTD_freeDStream.argtypes = [ctypes.c_void_p]
-    lib.ZSTD_isError.argtypes = [ctypes.c_size_t]
-    lib.ZSTD_getErrorName.argtypes = [ctypes.c_size_t]
-    lib.ZSTD_getErrorName.restype = ctypes.c_char_p
-    stream.argtypes = [ctypes.c_void_p, ctypes.POINTER(Buffer), ctypes.POINTER(Buffer)]
-    stream.restype = ctypes.c_size_t
+        raise Failed("codec", "cannot use %s: %s" % (library, e)) from None
     ds = lib.ZSTD_createDStream()
     if not ds:
         raise MemoryError("ZSTD_createDStream")
