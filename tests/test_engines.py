@@ -507,8 +507,15 @@ def test_a_server_whose_libzstd_does_not_load_reads_the_whole_upload_and_says_co
     tmp = tmp_path / "engine.reconciler-new"
     text, _ = remote.ENGINE.prepare({"tmp": str(tmp), "mode": "upload", "codec": "zstd", "sha256": "x", "version": "v",
                                      "library": str(tmp_path / "libzstd.so.1")})
-    run = subprocess.run([sys.executable, "-I", "-S", "-c", text], input=os.urandom(3 << 20), capture_output=True,
-                         timeout=60)
-    answer = json.loads(run.stdout)
-    assert run.returncode == 0 and answer["ok"] is False and answer["kind"] == "codec", (run.stderr, answer)
+    with subprocess.Popen([sys.executable, "-I", "-S", "-c", text], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL) as proc:
+        try:
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(os.urandom(3 << 20))  # BrokenPipeError if the script answered without reading it all
+            proc.stdin.close()
+            answer = json.loads(proc.stdout.read())
+            assert proc.wait(60) == 0 and answer["ok"] is False and answer["kind"] == "codec", answer
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     assert not list(tmp_path.iterdir())
