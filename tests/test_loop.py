@@ -371,7 +371,7 @@ def test_a_pass_that_fails_midway_and_a_folder_removed_behind_the_outlets_back_a
     out.write(snap)
     # u2 is refused (too many devices) and the disk fills up right after its files were written.
     refused = dataclasses.replace(snap, usage={"u2": UserUsage(devices=3), "u9": UserUsage(up=300_000_000)})
-    real, rewrite, calls = outlets._write_user, outlets._rewrite_userinfo, []
+    real, rewrite, calls = outlets._write_user, outlets._restamp_userinfo, []
 
     def recording(*args, **kw):
         calls.append(args[4])
@@ -382,11 +382,11 @@ def test_a_pass_that_fails_midway_and_a_folder_removed_behind_the_outlets_back_a
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(outlets, "_write_user", recording)
-    monkeypatch.setattr(outlets, "_rewrite_userinfo", full_disk)
+    monkeypatch.setattr(outlets, "_restamp_userinfo", full_disk)
     with pytest.raises(OSError):
         out.write(refused)
     monkeypatch.setattr(outlets, "_write_user", real)
-    monkeypatch.setattr(outlets, "_rewrite_userinfo", rewrite)
+    monkeypatch.setattr(outlets, "_restamp_userinfo", rewrite)
     assert calls == ["u2", "u9"]
     # u2 is back under its limit, and only its usage step moved since the last pass that ended well: its refusal
     # body must not stay beside new headers. The next pass compares everyone.

@@ -369,7 +369,7 @@ async def _stage_engine(runner: Runner, o: Observed) -> tuple[list[list[str]], l
         # The same bytes report the same version: no 44 MB binary to start on every server.
         version = await asyncio.to_thread(_local_version, local, engine.version_args)
         for codec in ("zstd", "gzip") if o.facts.zstd else ("gzip",):
-            data, digest = await asyncio.to_thread(packed, local, codec)  # tens of MB: never on the event loop
+            data, digest = await asyncio.to_thread(packed_engine, local, codec)  # tens of MB: never on the event loop
             res = await runner.script(o.target, remote.ENGINE, {**req, "mode": "upload", "sha256": digest,
                                                                 "version": version, "codec": codec,
                                                                 "library": o.facts.zstd},
@@ -408,7 +408,7 @@ def _local_version(path: str, args: tuple[str, ...]) -> str | None:
 PACK_LEVELS = {"gzip": 6, "zstd": 9}  # gzip 6 inflates ~35% faster than 1; zstd 9: 14.3 of 44.6 MB in ~1 s (19: 12.7 in 28 s)
 
 
-def packed(path: str, codec: str = "gzip") -> tuple[bytes, str]:
+def packed_engine(path: str, codec: str = "gzip") -> tuple[bytes, str]:
     """(compressed bytes, sha256 of the original) of a local file: compressed once per file version and codec
     (cached on disk across runs, the three newest kept) and held once in memory for every server of this run."""
     with _PACKING:

@@ -215,10 +215,10 @@ def _usage_checked(raw: object) -> tuple[UsageCounters | None, str]:
     value = _mapping(raw, "usage")
     if "error" in value:
         return None, _text(value["error"], "usage.error")
-    rows: dict[str, CounterRows] = {}
     if type(value.get("packed")) is int and value["packed"] == 1:  # agent 2
         return UsageCounters(tx=_packed_rows(value.get("tx"), "tx"), rx=_packed_rows(value.get("rx"), "rx"),
                              epoch=_text(value.get("epoch", ""), "usage.epoch")), ""
+    rows: dict[str, CounterRows] = {}
     for side in ("tx", "rx"):
         items = value.get(side)
         if not isinstance(items, list) or len(items) > MAX_ENTRIES:

@@ -38,7 +38,7 @@ from reconciler.model import Cluster, User, UserUsage
 from reconciler.model.roster import ACTIVE, NO_LIMIT, STANDINGS
 from reconciler.state.files import write_atomic, write_new
 from reconciler.subscriptions import FORMATS, Document, render
-from reconciler.subscriptions.document import EXTENSIONS, headers_json, render_formats, userinfo
+from reconciler.subscriptions.document import EXTENSIONS, headers_json, headers_json_restamped, render_formats, userinfo
 
 MANIFEST = "subscription-files.json"
 FINGERPRINT_CHARS = 32  # user_fingerprint: hex
@@ -534,50 +534,41 @@ def _write_users(snapshot: Snapshot, secret: Secret, directory: str, formats: tu
         entries = decide(snapshot, user.name)
         fp = user_fingerprint(snapshot, user.name, inbound_json, outputs_json, entries, steps[k])
         had = bytes(before[0][k])
-        if light and had:  # only the usage step moved: the same token and bodies, new figures in headers.json
-            if bytes(before[1][k]) == fp.encode() and os.path.isdir(os.path.join(directory, had.decode())):
-                tokens[k], prints[k], sizes[k] = had, before[1][k], before[2][k]
-                unchanged += 1
-                continue
-            size = _rewrite_userinfo(snapshot, directory, formats, had.decode(), user, int(before[2][k]))
-            if size is not None:
-                tokens[k], prints[k], sizes[k] = had, fp.encode(), size
-                written += 1
-                continue
-        creds = user_credentials(secret, user.name, user.rotate, shadowsocks)  # once a pass: not kept (~500 B a user)
-        token = creds.token.encode()
+        # Only the usage step moved (the same file and keys): the same token and bodies, new figures in headers.json.
+        stamp = light and bool(had)
+        creds = None if stamp else user_credentials(secret, user.name, user.rotate, shadowsocks)  # not kept (~500 B)
+        token = had if creds is None else creds.token.encode()
         if (had == token and bytes(before[1][k]) == fp.encode()
-                and os.path.isdir(os.path.join(directory, creds.token))):
+                and os.path.isdir(os.path.join(directory, token.decode()))):
             tokens[k], prints[k], sizes[k] = token, before[1][k], before[2][k]
             unchanged += 1
             continue
-        sizes[k] = _write_user(snapshot, secret, directory, formats, user.name, creds.token, entries, creds,
+        size = _restamp_userinfo(snapshot, directory, formats, token.decode(), user, int(before[2][k])) if stamp else None
+        if size is None:
+            if creds is None:
+                creds = user_credentials(secret, user.name, user.rotate, shadowsocks)
+            token = creds.token.encode()
+            size = _write_user(snapshot, secret, directory, formats, user.name, creds.token, entries, creds,
                                known=bool(had), headers_only=light and had == token)
-        tokens[k], prints[k] = token, fp.encode()
+        tokens[k], prints[k], sizes[k] = token, fp.encode(), size
         written += 1
     return Part(which, tokens, prints, sizes, written, unchanged)
 
 
-def _rewrite_userinfo(snapshot: Snapshot, directory: str, formats: tuple[str, ...], token: str, user: User,
+def _restamp_userinfo(snapshot: Snapshot, directory: str, formats: tuple[str, ...], token: str, user: User,
                       size: int) -> int | None:
-    """A user's ``headers.json`` with this interval's ``subscription-userinfo`` in every format, read from the
-    file and written back in the same form (``headers_json``'s bytes: its JSON, keys in order); the folder's new
-    size. Rendering the bodies again (and deriving the user's keys) cost ~4x this for the same bytes. None when
-    the file is not one this outlet wrote: the caller renders the user whole."""
+    """A user's ``headers.json`` with this interval's ``subscription-userinfo`` (``headers_json_restamped``): the
+    folder's new size. Rendering the bodies again (and deriving the user's keys) cost ~4x this for the same bytes.
+    None when the file is not one this outlet wrote: the caller renders the user whole."""
     path = f"{directory}/{token}/headers.json"
     try:
         with open(path, "rb") as f:
             old = f.read(1 << 20)
-        table = json.loads(old)
-    except (OSError, ValueError, RecursionError):
+    except OSError:
         return None
-    if (not isinstance(table, dict) or list(table) != list(formats)
-            or not all(isinstance(h, dict) and "subscription-userinfo" in h for h in table.values())):
+    new = headers_json_restamped(old, formats, userinfo(snapshot, user))
+    if new is None:
         return None
-    info = userinfo(snapshot, user)
-    for h in table.values():
-        h["subscription-userinfo"] = info
-    new = json.dumps(table, ensure_ascii=False).encode()
     write_atomic(path, new, DOC_MODE, sync=False)
     return size - len(old) + len(new)
 

@@ -126,6 +126,22 @@ def headers_json(snapshot: Snapshot, docs: dict[str, Document]) -> bytes:
     return ("{" + ", ".join(parts) + "}").encode()
 
 
+def headers_json_restamped(data: bytes, formats: tuple[str, ...], info: str) -> bytes | None:
+    """``headers_json``'s bytes of a user's documents with another ``subscription-userinfo`` (the bodies, hence
+    the ETags, unchanged): its JSON read and written back, keys in order, in the same form. None when ``data``
+    is not that file for these formats."""
+    try:
+        table = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if (not isinstance(table, dict) or list(table) != list(formats)
+            or not all(isinstance(h, dict) and "subscription-userinfo" in h for h in table.values())):
+        return None
+    for h in table.values():
+        h["subscription-userinfo"] = info
+    return json.dumps(table, ensure_ascii=False).encode()
+
+
 def refusal(snapshot: Snapshot, user: User, fmt: str) -> Document:
     """What a user who is not served gets instead of a profile: 403 and one line that says why."""
     why = refusal_reason(snapshot, user)
