@@ -8,6 +8,7 @@ the pure parts through every case a fleet meets, fast."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 from datetime import UTC, datetime
@@ -165,6 +166,57 @@ def test_the_ledger_counts_each_users_payload_exactly_over_thousands_of_interval
     for n in names:
         assert (ledger.book(n).total, view[n].total) == (sum(truth[n]),) * 2, n
     assert sum(v[0] + v[1] for v in ledger.by_server.values()) == sum(sum(t) for t in truth.values())
+
+
+def test_the_row_order_memo_counts_exactly_what_matching_every_report_afresh_counts():
+    # The ledger remembers how each server's last report was matched to users (read_counters' RowOrder) and reuses
+    # it for a report with the same keys in the same order. Over reports that keep their rows, grow them, shuffle
+    # them, repeat a key, change the file's users (a new index) and reboot, a ledger using the memo and one that
+    # matches every report afresh hold the same counters and books after every interval.
+    rng = random.Random(17)
+    names = [f"u{i}" for i in range(30)]
+    files = [cluster([{"name": n} for n in names[:k]], servers=3) for k in (30, 24, 30)]  # 24: six users leave
+    marks = usage_marks(files[0])
+    kernels = {s.name: Kernel() for s in files[0].servers}
+    memo, afresh = Ledger(), Ledger()
+    reused = 0
+    now = ts(2026, 11, 1)
+    for tick in range(600):
+        now += 60
+        c = files[(tick // 150) % 3]
+        if tick % 97 == 50:
+            rng.choice(list(kernels.values())).reboot()
+        if rng.random() < 0.3:  # new counters this interval (the keys change), else the same rows grow
+            for _ in range(rng.randrange(1, 4)):
+                kernels[rng.choice(list(kernels))].carry(rng, marks[rng.choice(names)], rng.randrange(2), 90_000)
+        for k in kernels.values():
+            for row in k.counters.values():
+                row[0] += 3
+                row[1] += 3 * 1500
+        reports = {}
+        for name, k in kernels.items():
+            rep = k.report(name, now)
+            tx = rep.usage.tx
+            if rng.random() < 0.05 and len(tx.marks) > 1:  # the same rows in another order: the memo must not match
+                turn = np.array(rng.sample(range(len(tx.marks)), len(tx.marks)))
+                tx = CounterRows(tx.marks[turn], tx.kinds[turn], tx.packets[turn], tx.nbytes[turn])
+                rep = dataclasses.replace(rep, usage=dataclasses.replace(rep.usage, tx=tx))
+            reports[name] = rep
+        before = {s: o for s, o in memo._orders.items()}
+        memo.fold(c, reports, now)
+        reused += sum(memo._orders.get(s) is o for s, o in before.items())
+        afresh._orders.clear()
+        afresh.fold(c, reports, now)
+        for server in kernels:
+            a, b = memo.counters.get(server), afresh.counters.get(server)
+            assert (a is None) == (b is None)
+            if a is not None:
+                for col in ("keys", "owners", "packets", "nbytes"):
+                    assert np.array_equal(getattr(a, col), getattr(b, col)), (tick, server, col)
+        for col in ("up", "down", "total"):
+            assert np.array_equal(getattr(memo.books, col), getattr(afresh.books, col)), (tick, col)
+    assert 300 < reused < 3 * 600  # the memo was used, and not for every report
+    assert memo.by_server == afresh.by_server and memo.by_route == afresh.by_route
 
 
 def test_a_mark_that_changes_owner_is_a_baseline_and_periods_start_from_zero():
