@@ -16,7 +16,7 @@ import asyncssh
 import pytest
 
 from reconciler.config import load_cluster
-from reconciler.errors import HostKeyChanged, RemoteError
+from reconciler.errors import ConnectError, HostKeyChanged, RemoteError
 from reconciler.ssh import KnownHosts, SSHPool, Target
 from reconciler.ssh.fake import FakeRunner
 from reconciler.ssh.pool import openssh_line
@@ -36,9 +36,10 @@ class SSHServers:
         self.thread.start()
         self.servers: list[asyncssh.SSHAcceptor] = []
 
-    def start(self, *keys: asyncssh.SSHKey) -> int:
+    def start(self, *keys: asyncssh.SSHKey, process_factory: object = None) -> int:
         async def listen() -> asyncssh.SSHAcceptor:
-            return await asyncssh.create_server(_NoAuth, "127.0.0.1", 0, server_host_keys=list(keys))
+            return await asyncssh.create_server(_NoAuth, "127.0.0.1", 0, server_host_keys=list(keys),
+                                                process_factory=process_factory, encoding=None)
 
         server = asyncio.run_coroutine_threadsafe(listen(), self.loop).result(10)
         self.servers.append(server)
@@ -211,3 +212,50 @@ def test_plan_warns_of_first_contact_and_strict_refuses_only_those_servers(cli, 
 
 def test_pin_and_secret_commands_are_registered(cli):
     assert cli("hostkeys").rc == 1 and cli("secret").rc == 1  # a group without its action prints its help
+
+
+async def _commands(process: asyncssh.SSHServerProcess) -> None:
+    """A server's answers to the pool's sessions: echo stdin (and a line on stderr, and an exit code), bytes that
+    are not UTF-8, or a command that never ends."""
+    command = process.command or ""
+    if command == "hang":
+        await asyncio.sleep(3600)
+    elif command == "garbage":
+        process.stdout.write(b"ok \xff\xfe\n")
+        process.exit(0)
+    else:
+        data = await process.stdin.read()
+        process.stdout.write(data)
+        process.stderr.write(b"said on stderr\n")
+        process.exit(int(command.split()[-1]))
+
+
+def test_a_pooled_session_carries_input_output_and_exit_and_a_hung_one_costs_only_its_connection(tmp_path, ssh_servers):
+    # The pool's sessions (reconciler.ssh.pool._execute) against a real SSH server: stdin (text or bytes, large)
+    # in, stdout and stderr apart, the exit code; output that is not UTF-8 is replaced, never an exception. A
+    # session past its timeout drops its connection from the pool (the next run connects afresh), and the dropped
+    # connection is closed once its last session is over (a slower one on it still finishes), never left open.
+    ed, ed_line = key_line()
+    port = ssh_servers.start(ed, process_factory=_commands)
+    target = Target("s", "127.0.0.1", port, host_key=ed_line)
+
+    async def scenario() -> None:
+        async with SSHPool(KnownHosts(tmp_path / "known.json"), retries=0) as pool:
+            res = await pool.run(target, "echo 3", check=False, input="héllo\n")
+            assert (res.code, res.stdout, res.stderr) == (3, "héllo\n", "said on stderr\n")
+            big = bytes(range(256)) * 8192  # 2 MB: more than any window
+            res = await pool.run(target, "echo 0", input=big)
+            assert res.stdout == big.decode(errors="replace")
+            assert (await pool.run(target, "garbage")).stdout == "ok \ufffd\ufffd\n"
+            first = await pool.connection(target)
+            slow = asyncio.ensure_future(pool.run(target, "hang", timeout=1.5))
+            with pytest.raises(ConnectError, match="connection lost while running a command"):
+                await pool.run(target, "hang", timeout=0.3)
+            assert not first.is_closed()  # the slower session on it is still running
+            with pytest.raises(ConnectError):
+                await slow
+            assert first.is_closed()  # dropped, and its last session over: closed
+            again = await pool.connection(target)
+            assert again is not first and (await pool.run(target, "echo 0", input="x")).stdout == "x"
+
+    asyncio.run(scenario())
