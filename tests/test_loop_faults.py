@@ -142,6 +142,79 @@ def test_state_is_saved_even_when_the_loop_is_stopped_mid_interval(tmp_path):
     assert (tmp_path / ".reconciler" / "learned.npz").exists()
 
 
+def test_a_big_learned_state_is_saved_at_most_every_five_minutes_and_always_at_a_stop(tmp_path, monkeypatch):
+    # A big learned state (a million users: ~50 MB) is written after an interval only when BIG_STATE_EVERY has
+    # passed since the last write; a small one after every interval; every stop writes it. What is on disk is
+    # always a whole state that reads back.
+    import reconciler.loop.service as service
+    from reconciler.fleet.learned import Learned
+
+    path, port, ops = write_cluster(tmp_path)
+    loop = make_loop(path, port)
+    learned_file = tmp_path / ".reconciler" / "learned.npz"
+    clock = [1000.0]
+    monkeypatch.setattr(service.time, "monotonic", lambda: clock[0])
+
+    async def collect(cluster: Cluster) -> dict[str, object]:
+        return {s.name: a_report(s.name, time.time()) for s in cluster.servers}
+
+    loop.collect = collect  # type: ignore[method-assign]
+
+    def ticks_on_disk() -> int:
+        return Learned.from_bytes(learned_file.read_bytes()).ticks
+
+    async def intervals(n: int, step: float) -> None:
+        for _ in range(n):
+            clock[0] += step
+            assert await loop.tick() is not None
+
+    asyncio.run(intervals(3, 60))
+    assert ticks_on_disk() == 3  # small: every interval
+    monkeypatch.setattr(service, "BIG_STATE_BYTES", 1)  # every state written is big now
+    asyncio.run(intervals(4, 60))
+    assert ticks_on_disk() == 3  # 240 s since the last write: not yet
+    asyncio.run(intervals(1, 60))
+    assert ticks_on_disk() == 8  # 300 s since the last write
+    asyncio.run(intervals(2, 60))
+    assert ticks_on_disk() == 8
+    loop._save()  # what every stop calls
+    assert ticks_on_disk() == 10
+
+
+def test_a_leader_serializes_its_learned_state_once_an_interval_for_the_folder_and_the_publish(tmp_path, monkeypatch):
+    # A leader writes its state to the folder and publishes it to etcd after each interval: one serialization
+    # (a million users' state took ~1 CPU-s to serialize), the same bytes in both; nothing kept after the publish.
+    # The election and the channel are stand-ins here: tests/test_leader.py runs the real ones against etcd.
+    from types import SimpleNamespace
+
+    from reconciler.fleet.learned import Learned
+    from reconciler.loop.leader import unpack
+
+    path, port, ops = write_cluster(tmp_path)
+    loop = make_loop(path, port)
+    calls = [0]
+    real = Learned.to_bytes
+
+    def counting(self: Learned) -> bytes:
+        calls[0] += 1
+        return real(self)
+
+    monkeypatch.setattr(Learned, "to_bytes", counting)
+
+    async def collect(cluster: Cluster) -> dict[str, object]:
+        return {s.name: a_report(s.name, time.time()) for s in cluster.servers}
+
+    loop.collect = collect  # type: ignore[method-assign]
+    loop.election, loop.channel = SimpleNamespace(is_leader=True), object()  # type: ignore[assignment]
+    assert asyncio.run(loop.tick()) is not None
+    assert calls[0] == 1
+    blob = loop._bundle()
+    assert calls[0] == 1 and unpack(blob)[0] == (tmp_path / ".reconciler" / "learned.npz").read_bytes()
+    assert loop._serialized is None  # the ~50 MB are not kept past the publish
+    loop._bundle()
+    assert calls[0] == 2  # nothing kept: a later bundle serializes the state as it is then
+
+
 def test_healthz_names_what_failed_until_it_recovers(tmp_path):
     path, port, ops = write_cluster(tmp_path)
     loop = make_loop(path, port)

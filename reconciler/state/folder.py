@@ -125,7 +125,11 @@ class StateFolder:
         return learned
 
     def save_learned(self, learned: Learned) -> None:
-        self.write_bytes(LEARNED, learned.to_bytes())
+        self.save_learned_bytes(learned.to_bytes())
+
+    def save_learned_bytes(self, data: bytes) -> None:
+        """``Learned.to_bytes``' output, written as the learned state."""
+        self.write_bytes(LEARNED, data)
 
     @property
     def known_hosts(self) -> Path:
