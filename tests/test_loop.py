@@ -10,6 +10,7 @@ import asyncio
 import base64
 import dataclasses
 import json
+import random
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from reconciler.loop.outlets import FileOutlet, LiveAnswers, PublishedTable, Tok
 from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
 from reconciler.model import Cluster, UserUsage
 from reconciler.state.folder import StateFolder
+from reconciler.subscriptions import FORMATS
 
 SECRET = Secret(b"loop-test-secret-0123456789abcdef")
 
@@ -357,6 +359,60 @@ def test_a_usage_step_rewrites_headers_from_the_file_and_a_file_not_ours_from_th
     assert tree(tmp_path / "subs") == tree(tmp_path / "ref" / "subs") and out.published == ref.published
     assert json.loads((folder["u1"] / "headers.json").read_text())["clash"]["subscription-userinfo"].startswith(
         "upload=250000000; download=7;")
+
+
+def test_headers_are_restamped_in_place_exactly_as_a_json_round_trip_would_or_not_at_all():
+    # headers_json_restamped replaces the figures in the bytes. Over the outlet's own files and thousands of
+    # mutations of them (cut, doubled, keys and values changed, formats reordered, a header's text that quotes
+    # the header's name), it gives exactly what reading the JSON and writing it back gives, or None (then the
+    # user is rendered whole); never other bytes.
+    from reconciler.subscriptions.document import headers_json, headers_json_restamped, render_formats
+
+    def by_json(data: bytes, formats: tuple[str, ...], info: str) -> bytes | None:
+        try:
+            table = json.loads(data)
+        except (ValueError, RecursionError):
+            return None
+        if (not isinstance(table, dict) or list(table) != list(formats)
+                or not all(isinstance(h, dict) and "subscription-userinfo" in h for h in table.values())):
+            return None
+        for h in table.values():
+            h["subscription-userinfo"] = info
+        return json.dumps(table, ensure_ascii=False).encode()
+
+    data = cluster(3, users=2).model_dump(mode="json", exclude_none=True)
+    data["settings"]["outputs"] = {"profile_title": 'Ünïcode "subscription-userinfo": "x", "etag": {'}
+    c = Cluster.model_validate(data)
+    snap = snapshot_after(c, Learned.fresh(c))
+    formats = tuple(FORMATS)
+    files = []
+    for user in ("u0", "u1"):
+        docs = render_formats(snap, user, formats, SECRET)
+        files.append(headers_json(snap, docs))
+    rng = random.Random(5)
+    info = "upload=1; download=2; total=0; expire=0"
+    accepted = 0
+    for k in range(4000):
+        raw = bytearray(rng.choice(files))
+        for _ in range(0 if k < 50 else rng.randrange(1, 4)):  # the first 50: the files as written
+            cut = rng.randrange(len(raw) + 1)
+            what = rng.randrange(5)
+            if what == 0:
+                del raw[cut:cut + rng.randrange(1, 40)]
+            elif what == 1:
+                raw[cut:cut] = rng.choice([b'"', b"}", b"{", b", ", b'"subscription-userinfo": "y"', b"\\", b"\x00"])
+            elif what == 2:
+                raw = raw.replace(rng.choice([f'"{f}"'.encode() for f in formats]), b'"other"', 1)
+            elif what == 3:
+                raw = raw[:cut] + raw[cut:] * 2
+            else:
+                raw = raw.replace(b"subscription-userinfo", b"subscription-userinfO", 1)
+        got, want = headers_json_restamped(snap, bytes(raw), formats, info), by_json(bytes(raw), formats, info)
+        if got is not None:
+            accepted += 1
+            assert got == want, bytes(raw)
+    assert 50 <= accepted < 4000  # the outlet's own files are taken, mutated ones mostly not
+    assert headers_json_restamped(snap, files[0], formats, 'upload=1"') is None  # not a figure userinfo writes
 
 
 def test_a_pass_that_fails_midway_and_a_folder_removed_behind_the_outlets_back_are_repaired(tmp_path, monkeypatch):

@@ -574,7 +574,7 @@ def _restamp_userinfo(snapshot: Snapshot, directory: str, formats: tuple[str, ..
         return None
     if len(old) >= HEADERS_MAX:  # no headers.json of ours is this long: render the user whole
         return None
-    new = headers_json_restamped(old, formats, userinfo(snapshot, user))
+    new = headers_json_restamped(snapshot, old, formats, userinfo(snapshot, user))
     if new is None:
         return None
     write_atomic(path, new, DOC_MODE, sync=False)
