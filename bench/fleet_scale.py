@@ -50,6 +50,7 @@ INTERVAL = 60.0
 TARGET_SHARE = 0.10
 TARGET_RSS_MB = 2048
 SECRET = b"fleet-scale-bench-secret-0123456789abcdef"
+IDLE_S = 10.0  # seconds of idling sampled after the intervals (the work between intervals)
 BURST = 0.01  # the share of users whose usage crosses a step of their subscription-userinfo in an interval
 
 
@@ -184,12 +185,13 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
             ok = sum(v.status == "ok" for v in verdicts.servers().values())
             if i:  # the first interval connects to every server and writes every user's files: a warm-up
                 samples.append((cpu, wall, received[0], len(metrics), ok, dict(phases)))
-        # Work between intervals: the pool's keepalives (one per connection idle for KEEPALIVE_S), measured over
-        # one keepalive period of idling and scaled to the rest of a 60 s interval.
+        # Work between intervals (timers, keepalives: the pool's connections send one after KEEPALIVE_S of idling,
+        # longer than the rest of an interval), measured over IDLE_S of idling and scaled to the rest of 60 s.
         wall = statistics.median(s[1] for s in samples)
         c0 = _cpu()
-        await asyncio.sleep(KEEPALIVE_S + 1)
-        idle = (_cpu() - c0) * max(0.0, INTERVAL - wall) / (KEEPALIVE_S + 1)
+        await asyncio.sleep(IDLE_S)
+        idle = (_cpu() - c0) * max(0.0, INTERVAL - wall) / IDLE_S
+        assert KEEPALIVE_S > INTERVAL, "the idle sample would miss the keepalives"
         # A big learned state is saved every BIG_STATE_EVERY seconds, not after every interval (the intervals here
         # run back to back, so none of them did): one save measured, and its share of a 60 s interval counted.
         c0 = _cpu()

@@ -110,12 +110,12 @@ class KnownHosts:
 CIPHERS = ["aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "chacha20-poly1305@openssh.com",
            "aes128-ctr", "aes192-ctr", "aes256-ctr"]
 
-# A pooled connection idle this long sends a keepalive; three unanswered close it. Every 5 s was ~11 round trips a
-# minute per server between the loop's reports, ~140 µs of the controller's CPU each (a thousand servers: ~1.5
-# CPU-s a minute, as much as a fifth of a million users' interval). The loop does not rely on keepalives to find
-# a dead connection: a session that outlives its timeout drops it from the pool. 30 s stays well below NATs'
-# idle timeouts (minutes).
-KEEPALIVE_S = 30
+# A pooled connection idle this long sends a keepalive; three unanswered close it. Longer than the usual report
+# interval: the loop's report sessions keep its connections busy, so they send none. Every 5 s was ~11 round trips
+# a minute per server between reports, 140-300 µs of the controller's CPU each (a thousand servers: ~1 CPU-s of
+# every minute, measured by bench/fleet_scale.py). The loop does not need keepalives to find a dead connection: a
+# session that outlives its timeout drops it from the pool. 2 minutes stays below NATs' idle timeouts for TCP.
+KEEPALIVE_S = 120
 
 _RETRYABLE = (OSError, asyncio.TimeoutError, asyncssh.ConnectionLost, asyncssh.DisconnectError)
 
