@@ -20,7 +20,7 @@ from reconciler.engine.adapters import adapter_of
 from reconciler.engine.base import CLASH_API, USAGE_NFT, USAGE_TABLE
 from reconciler.errors import ReportError
 from reconciler.health.engine import Observation
-from reconciler.health.probing import probe_plan
+from reconciler.health.probing import ProbePlan, probe_plan
 from reconciler.health.topology import Topology
 from reconciler.model import Cluster, InboundRef
 
@@ -325,6 +325,17 @@ class _Probing:
     topology: Topology
     index: dict[str, int]  # server name → index
     inbounds_of: tuple[tuple[InboundRef, ...], ...]  # per server index, in file order
+    probes_of: tuple[tuple[dict[str, object], ...], ...]  # per server index: the probe entries of its inbounds
+    plans: dict[int, ProbePlan] = field(default_factory=dict)  # the last interval's plan (one entry)
+
+    def plan(self, interval: int) -> ProbePlan:
+        """This interval's probe plan, made once for the interval's N requests."""
+        got = self.plans.get(interval)
+        if got is None:
+            got = probe_plan(self.topology, interval, self.cluster.settings.health)
+            self.plans.clear()
+            self.plans[interval] = got
+        return got
 
 
 _probing: list[_Probing] = []  # the last cluster's (one entry): every agent_request of an interval shares it
@@ -338,8 +349,20 @@ def _probing_of(cluster: Cluster) -> _Probing:
     by_server: list[list[InboundRef]] = [[] for _ in topology.servers]
     for ref in cluster.inbounds:
         by_server[index[ref.server.name]].append(ref)
-    entry = _Probing(cluster, topology, index, tuple(tuple(refs) for refs in by_server))
+    entry = _Probing(cluster, topology, index, tuple(tuple(refs) for refs in by_server),
+                     tuple(tuple(_probe_entry(ref) for ref in refs) for refs in by_server))
     _probing[:] = [entry]
+    return entry
+
+
+def _probe_entry(ref: InboundRef) -> dict[str, object]:
+    """How one inbound is probed (the request's entry; shared by every request that probes it: read only)."""
+    ib = ref.inbound
+    entry: dict[str, object] = {"id": ib.id, "host": ref.server.host, "port": ib.port, "kind": probe_kind(ib.protocol)}
+    if ib.protocol == "vless-reality":
+        entry["sni"] = ib.camouflage
+    elif ib.protocol != "shadowsocks-2022":
+        entry["sni"] = ib.tls.server_name
     return entry
 
 
@@ -353,17 +376,8 @@ def agent_request(cluster: Cluster, server_name: str, clash_secret: str, timeout
     server = cluster.server(server_name)
     listeners = sorted({(ib.port, t) for ib in server.inbounds for t in ib.transports})
     probing = _probing_of(cluster)
-    plan = probe_plan(probing.topology, interval, cluster.settings.health)
     witness = probing.index[server_name]
-    probes = []
-    for ref in (ref for target in plan.targets_of(witness).tolist() for ref in probing.inbounds_of[target]):
-        ib = ref.inbound
-        entry: dict[str, object] = {"id": ib.id, "host": ref.server.host, "port": ib.port, "kind": probe_kind(ib.protocol)}
-        if ib.protocol == "vless-reality":
-            entry["sni"] = ib.camouflage
-        elif ib.protocol != "shadowsocks-2022":
-            entry["sni"] = ib.tls.server_name
-        probes.append(entry)
+    probes = [entry for target in probing.plan(interval).targets_of(witness).tolist() for entry in probing.probes_of[target]]
     return {"service": adapter_of(cluster, server).layout.service, "listeners": [list(x) for x in listeners], "clash_api": CLASH_API,
             "clash_secret": clash_secret, "probes": probes, "timeout": timeout, "device_salt": device_salt,
             "usage_table": USAGE_TABLE, "usage_load": USAGE_NFT}

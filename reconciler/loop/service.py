@@ -401,8 +401,9 @@ class Loop:
             req = agent_request(cluster, name, clash_api_secret(self.secret, name), probe_timeout, self._device_salt,
                                 interval=self._tick_index)
             try:
-                res = await asyncio.wait_for(self.pool.run(Target.from_server(server), f"python3 {AGENT}", check=False,
-                                                           timeout=budget, input=json.dumps(req)), budget + 2)
+                async with asyncio.timeout(budget + 2):  # not wait_for: no task of its own per server and interval
+                    res = await self.pool.run(Target.from_server(server), f"python3 {AGENT}", check=False,
+                                              timeout=budget, input=json.dumps(req))
                 if res.code != 0:
                     hint = " (the agent is not installed yet: apply first)" if "No such file" in res.stderr else ""
                     raise ReportError(f"the agent exited {res.code}{hint}: {res.stderr.strip()[-300:]}")
