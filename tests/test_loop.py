@@ -470,6 +470,9 @@ def test_a_pass_that_fails_midway_and_a_folder_removed_behind_the_outlets_back_a
 
 
 def test_a_big_write_in_worker_processes_gives_the_same_files(tmp_path, monkeypatch):
+    # The workers read the snapshot from a file in the state folder (0600, without the secret), removed after.
+    import reconciler.loop.outlets as outlets
+
     c = cluster(5, users=300)
     learned = Learned.fresh(c)
     snap = snapshot_after(c, learned)
@@ -477,8 +480,18 @@ def test_a_big_write_in_worker_processes_gives_the_same_files(tmp_path, monkeypa
     one.write(snap)
     monkeypatch.setattr(FileOutlet, "PARALLEL_MIN", 10)
     two = FileOutlet(tmp_path / "b", tmp_path / "sb", SECRET, workers=2)
+    spilled = []
+    real = outlets._write_users
+
+    def looking(*args, **kw):  # this process's slice runs while the workers have the file
+        spilled.extend((p, p.stat().st_mode & 0o777, p.read_bytes()) for p in (tmp_path / "sb").glob(".outlet-snapshot.*"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(outlets, "_write_users", looking)
     stats = two.write(snap)
     assert stats.written == 300
+    assert len(spilled) == 1 and spilled[0][1] == 0o600 and SECRET.value not in spilled[0][2]
+    assert not list((tmp_path / "sb").glob(".outlet-snapshot.*"))
     assert two.published == one.published
     for token in (p.token for p in one.published.values()):
         for name in ("links.txt", "sing-box.json", "clash.yaml", "headers.json"):
@@ -507,8 +520,9 @@ def test_temporaries_of_a_killed_writer_are_cleaned(tmp_path):
     out.write(Snapshot(cluster=c, now=1e9))
     folder = next((tmp_path / "subs").iterdir())
     (folder / ".links.txt.123.tmp").write_bytes(b"half a docu")
-    assert out.clean_temporaries() == 1
-    assert not list((tmp_path / "subs").glob("*/.*.tmp"))
+    (tmp_path / "state" / ".outlet-snapshot.123.abcd.pickle").write_bytes(b"a killed pass's snapshot")
+    assert out.clean_temporaries() == 2
+    assert not list((tmp_path / "subs").glob("*/.*.tmp")) and not list((tmp_path / "state").glob(".outlet-snapshot.*"))
 
 
 # --------------------------------------------------------------------------- metrics

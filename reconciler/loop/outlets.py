@@ -347,8 +347,11 @@ class FileOutlet:
     def clean_temporaries(self) -> int:
         """Remove temporary files a killed writer left behind (never complete documents)."""
         removed = 0
+        for path in self.manifest_path.parent.glob(f"{SPILL_PREFIX}*.pickle"):  # a pass's snapshot for its workers
+            path.unlink(missing_ok=True)
+            removed += 1
         if not self.directory.is_dir():
-            return 0
+            return removed
         for path in self.directory.glob("*/.*.tmp"):
             path.unlink(missing_ok=True)
             removed += 1
@@ -472,21 +475,36 @@ class FileOutlet:
         extra = self.workers - 1
         head = round(n * 0.6) if extra == 1 else n // self.workers
         bounds = [head + round(i * (n - head) / extra) for i in range(extra + 1)]
-        payload = pickle.dumps((snapshot, self.secret, str(self.directory), self.formats), protocol=pickle.HIGHEST_PROTOCOL)
-        with ProcessPoolExecutor(extra, mp_context=multiprocessing.get_context("forkserver")) as pool:
-            futures = []
-            for lo, hi in zip(bounds, bounds[1:], strict=False):
-                mine = which[lo:hi]
-                futures.append(pool.submit(_worker, payload, _before(old, mine), mine, headers_only[lo:hi]))
-            here = _write_users(snapshot, self.secret, str(self.directory), self.formats, _before(old, which[:head]),
-                                which[:head], headers_only[:head], _has_shadowsocks(snapshot))
-            return [here] + [f.result() for f in futures]
+        # The snapshot goes to the workers as a file in the state folder, pickled straight into it: as bytes it was
+        # in memory twice more (the pickle, and the executor's own pickle of the call), ~250 MB at a million users,
+        # the loop's peak. The secret travels with the call, never in the file.
+        spill = self.manifest_path.parent / f"{SPILL_PREFIX}{os.getpid()}.{os.urandom(4).hex()}.pickle"
+        spill.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            with open(os.open(spill, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                pickle.dump(snapshot, f, protocol=pickle.HIGHEST_PROTOCOL)
+            with ProcessPoolExecutor(extra, mp_context=multiprocessing.get_context("forkserver")) as pool:
+                futures = []
+                for lo, hi in zip(bounds, bounds[1:], strict=False):
+                    mine = which[lo:hi]
+                    futures.append(pool.submit(_worker, str(spill), self.secret, str(self.directory), self.formats,
+                                               _before(old, mine), mine, headers_only[lo:hi]))
+                here = _write_users(snapshot, self.secret, str(self.directory), self.formats, _before(old, which[:head]),
+                                    which[:head], headers_only[:head], _has_shadowsocks(snapshot))
+                return [here] + [f.result() for f in futures]
+        finally:
+            spill.unlink(missing_ok=True)
 
 
-def _worker(payload: bytes, before: Before, which: np.ndarray, headers_only: np.ndarray) -> Part:
+SPILL_PREFIX = ".outlet-snapshot."  # the snapshot file of a pass in worker processes (state folder; see _in_workers)
+
+
+def _worker(spill: str, secret: Secret, directory: str, formats: tuple[str, ...], before: Before, which: np.ndarray,
+            headers_only: np.ndarray) -> Part:
     import pickle
 
-    snapshot, secret, directory, formats = pickle.loads(payload)
+    with open(spill, "rb") as f:  # written by this controller into its own state folder (0600): trusted
+        snapshot = pickle.load(f)
     return _write_users(snapshot, secret, directory, formats, before, which, headers_only, _has_shadowsocks(snapshot))
 
 
