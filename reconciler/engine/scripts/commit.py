@@ -124,11 +124,14 @@ class Commit:
         # daemon-reload costs ~150 ms of the manager's time: only when systemd says the unit needs it
         # (a new unit file loads on first use; a changed one sets NeedDaemonReload).
         service = self.req["service"]
-        props = self.unit()
+        props = self.unit("LoadState,NeedDaemonReload,UnitFileState,ActiveState")
         if props.get("LoadState") != "loaded" or props.get("NeedDaemonReload") == "yes":
             sh(["systemctl", "daemon-reload"])
-            props = self.unit()
+            props = self.unit("LoadState,NeedDaemonReload,UnitFileState,ActiveState")
         if props.get("UnitFileState") != "enabled":
+            if action in ("restart", "start") and props.get("ActiveState") in ("inactive", "failed"):
+                sh(["systemctl", "enable", "--now", "--no-reload", service])  # a bare server: one systemctl, not two
+                return
             sh(["systemctl", "enable", "--no-reload", service])
         if action == "reload":
             code, out = sh(["systemctl", "reload", service])
