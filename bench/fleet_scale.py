@@ -147,7 +147,7 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
     from reconciler.fleet.reports import agent_request
     from reconciler.loop.service import Loop
     from reconciler.model import Cluster
-    from reconciler.ssh.pool import KEEPALIVE_S
+    from reconciler.ssh.pool import IDLE_KEEPALIVE_S
 
     case = work / f"n{servers}-u{users}"
     case.mkdir()
@@ -185,13 +185,13 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
             ok = sum(v.status == "ok" for v in verdicts.servers().values())
             if i:  # the first interval connects to every server and writes every user's files: a warm-up
                 samples.append((cpu, wall, received[0], len(metrics), ok, dict(phases)))
-        # Work between intervals (timers, keepalives: the pool's connections send one after KEEPALIVE_S of idling,
+        # Work between intervals (timers, keepalives: the pool's idle connections send one after IDLE_KEEPALIVE_S,
         # longer than the rest of an interval), measured over IDLE_S of idling and scaled to the rest of 60 s.
         wall = statistics.median(s[1] for s in samples)
         c0 = _cpu()
         await asyncio.sleep(IDLE_S)
         idle = (_cpu() - c0) * max(0.0, INTERVAL - wall) / IDLE_S
-        assert KEEPALIVE_S > INTERVAL, "the idle sample would miss the keepalives"
+        assert IDLE_KEEPALIVE_S > INTERVAL, "the idle sample would miss the keepalives"
         # A big learned state is saved every BIG_STATE_EVERY seconds, not after every interval (the intervals here
         # run back to back, so none of them did): one save measured, and its share of a 60 s interval counted.
         c0 = _cpu()

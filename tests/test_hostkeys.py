@@ -19,7 +19,7 @@ from reconciler.config import load_cluster
 from reconciler.errors import ConnectError, HostKeyChanged, RemoteError
 from reconciler.ssh import KnownHosts, SSHPool, Target
 from reconciler.ssh.fake import FakeRunner
-from reconciler.ssh.pool import openssh_line
+from reconciler.ssh.pool import IDLE_KEEPALIVE_S, KEEPALIVE_S, openssh_line
 
 
 class _NoAuth(asyncssh.SSHServer):
@@ -248,7 +248,12 @@ def test_a_pooled_session_carries_input_output_and_exit_and_a_hung_one_costs_onl
             assert res.stdout == big.decode(errors="replace")
             assert (await pool.run(target, "garbage")).stdout == "ok \ufffd\ufffd\n"
             first = await pool.connection(target)
+            # keepalives: after 5 s of silence while a session runs (a cut is found mid-step), after 2 minutes idle
+            # (asyncssh has no getter for the interval: its attribute is read)
+            assert first._keepalive_interval == IDLE_KEEPALIVE_S
             slow = asyncio.ensure_future(pool.run(target, "hang", timeout=1.5))
+            await asyncio.sleep(0.1)
+            assert first._keepalive_interval == KEEPALIVE_S
             with pytest.raises(ConnectError, match="connection lost while running a command"):
                 await pool.run(target, "hang", timeout=0.3)
             assert not first.is_closed()  # the slower session on it is still running

@@ -110,12 +110,13 @@ class KnownHosts:
 CIPHERS = ["aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "chacha20-poly1305@openssh.com",
            "aes128-ctr", "aes192-ctr", "aes256-ctr"]
 
-# A pooled connection idle this long sends a keepalive; three unanswered close it. Longer than the usual report
-# interval: the loop's report sessions keep its connections busy, so they send none. Every 5 s was ~11 round trips
-# a minute per server between reports, 140-300 µs of the controller's CPU each (a thousand servers: ~1 CPU-s of
-# every minute, measured by bench/fleet_scale.py). The loop does not need keepalives to find a dead connection: a
-# session that outlives its timeout drops it from the pool. 2 minutes stays below NATs' idle timeouts for TCP.
-KEEPALIVE_S = 120
+# Keepalives: a connection running a session sends one after KEEPALIVE_S of silence, and three unanswered close
+# it (a cut server is found within ~20 s, mid-step). Between sessions a pooled connection sends them only after
+# IDLE_KEEPALIVE_S: every 5 s there was ~11 round trips a minute per server between the loop's reports, 140-300 µs
+# of the controller's CPU each (a thousand servers: ~1 CPU-s of every minute, bench/fleet_scale.py). Longer
+# than the usual report interval, so the loop's connections send none; below NATs' idle timeouts for TCP.
+KEEPALIVE_S = 5
+IDLE_KEEPALIVE_S = 120
 
 _RETRYABLE = (OSError, asyncio.TimeoutError, asyncssh.ConnectionLost, asyncssh.DisconnectError)
 
@@ -259,6 +260,8 @@ class SSHPool:
         async with self.sem:
             conn = await self.connection(target)
             self._busy[conn] = self._busy.get(conn, 0) + 1
+            if self._busy[conn] == 1:
+                conn.set_keepalive(KEEPALIVE_S)
             try:
                 res = await _execute(conn, command, timeout, input)
             except _RETRYABLE as exc:
@@ -271,6 +274,8 @@ class SSHPool:
                     del self._busy[conn]
                     if self._conns.get(target.name) is not conn:
                         conn.close()  # dropped from the pool and its last session is over (else it stays open)
+                    else:
+                        conn.set_keepalive(IDLE_KEEPALIVE_S)
         if check and res.code != 0:
             raise RemoteCommandError(target.name, command, res.code, res.stderr)
         return res
