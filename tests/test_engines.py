@@ -396,6 +396,17 @@ def test_a_downloaded_release_is_pinned_per_architecture(tmp_path):
         cluster(tmp_path, engine={"install": "download", "url": "https://example.invalid/{arch}", "sha256": "ab" * 32})
 
 
+def engine_requests(runner: FakeRunner) -> list[dict]:
+    """The engine step's requests in order, on their own or run in the lock's session (``lock.Deferred``)."""
+    out = []
+    for _s, name, req in runner.calls:
+        if name == "engine":
+            out.append(req)
+        elif name == "lock" and req.get("then_name") == "engine":
+            out.append(req["then_request"])
+    return out
+
+
 def test_servers_downloading_one_release_start_its_binary_once_for_the_version(tmp_path, runner, mirror, monkeypatch):
     # The same bytes report the same version: one server runs the downloaded binary, the others take its answer
     # (their binary's sha256 checked equal) and their commit writes the sidecar; a failed asker leaves none waiting.
@@ -406,9 +417,9 @@ def test_servers_downloading_one_release_start_its_binary_once_for_the_version(t
                        "inbounds": [{**ib, "id": f"{n}-{ib['id']}"} for ib in one["inbounds"]]} for i, n in enumerate("abc")]
     results = apply(plan(Cluster.model_validate(doc), runner), runner)
     assert all(r.ok for r in results), [r.message for r in results]
-    staging = [req for _name, script, req in runner.calls if script == "engine" and req.get("mode") == "download"]
+    staging = [req for req in engine_requests(runner) if req.get("mode") == "download"]
     assert len(staging) == 3 and sum(not req["version_later"] for req in staging) == 1
-    assert not [req for _name, script, req in runner.calls if script == "engine" and req.get("mode") == "version"]
+    assert not [req for req in engine_requests(runner) if req.get("mode") == "version"]
     versions = {runner.host(n).read("/usr/local/bin/sing-box.version") for n in "abc"}
     assert len(versions) == 1 and b"1.14.4" in versions.pop()
     for n in "abc":  # again from bare hosts, one of them offline: whoever asked, every server ends with its version
@@ -452,7 +463,7 @@ def test_the_engine_goes_up_as_zstd_where_the_server_has_libzstd_else_as_gzip(tm
             o.facts.zstd == ("/nonexistent/libzstd.so.1" if zstd.startswith("/nonexistent") else ""))
     [r] = apply([o], runner)
     assert r.ok, r.message
-    codecs = [req["codec"] for _s, name, req in runner.calls if name == "engine"]
+    codecs = [req["codec"] for req in engine_requests(runner)]
     assert codecs == {"real": ["zstd"], "": ["gzip"], "/nonexistent/libzstd.so.1": ["zstd", "gzip"]}.get(zstd, ["gzip"])
     host = runner.host("a")
     assert host.read("/usr/local/bin/mihomo") == engine_file(tmp_path, "mihomo", "1.19.32").read_bytes()

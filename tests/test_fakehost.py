@@ -183,12 +183,56 @@ def test_a_held_lock_refuses_the_apply_and_a_stale_one_is_taken_over(tmp_path, r
     [r] = apply([o], runner)
     assert not r.ok and r.phase == "lock" and "another apply holds the lock on a: ci@runner-7 (pid 4242)" in r.message
     assert host.read(LOCK_FILE).decode() == other and host.read(TEMPLATE) is None and host.log == log
+    assert host.read(BINARY + ".reconciler-new") is None  # the engine step never ran under another's lock
 
     stale = json.dumps({"by": "ci@runner-7", "pid": 4242, "since": int(time.time()) - LEASE_SECONDS - 5})
     host.write(LOCK_FILE, stale.encode())
     [r] = apply(plan(c, runner), runner)
     assert r.ok, r.message
     assert host.read(TEMPLATE) is not None and not host.path(LOCK_DIR).exists()
+
+
+def test_a_cold_server_takes_its_lock_in_the_engine_steps_session(tmp_path, runner):
+    # The lock script takes the lock, then runs the engine step in the same process: one Python start and one
+    # round trip less per cold server. What it runs is the same: the lock's holder, the engine staged under it.
+    c = cluster(tmp_path)
+    [o] = plan(c, runner)
+    runner.calls.clear()
+    [r] = apply([o], runner)
+    assert r.ok, r.message
+    steps = [(name, req.get("op"), req.get("then_name")) for _, name, req in runner.calls]
+    assert steps[:2] == [("lock", "acquire", "engine"), ("commit", None, None)], steps
+    assert not any(name == "engine" for name, _, _ in steps)
+    host = runner.host("a")
+    assert host.read(BINARY) == fake_engine("1.14.4") and not host.path(LOCK_DIR).exists()
+
+
+def test_a_lock_taken_by_the_engine_step_is_renewed_a_third_of_the_lease_after_it_was_written(tmp_path, runner):
+    # Renewal counts from the lock's `since` (written when the engine step's session began), not from when the
+    # controller heard back: after a long step the first renewal is due at once. Never before the lock is taken.
+    from reconciler.plan import lock
+
+    c = cluster(tmp_path)
+    target = Target.from_server(c.servers[0])
+
+    async def scenario() -> tuple[int, int, int, int]:
+        d = lock.Deferred(runner, target, "a", [], [], None, lambda: None)
+        async with lock.Renewal(runner, target, every=1.0, deferred=d) as idle:
+            await asyncio.sleep(1.3)  # never taken: nothing renewed
+        await lock.acquire(runner, target, "a")
+        d.since = time.time() - 2.5  # the step took 2.5 s
+        d.is_taken.set()
+        async with lock.Renewal(runner, target, every=1.0, deferred=d) as late:
+            await asyncio.sleep(0.5)
+            at_once = late.renewed
+        d.since = time.time()
+        async with lock.Renewal(runner, target, every=1.0, deferred=d) as fresh:
+            await asyncio.sleep(0.5)
+            not_yet = fresh.renewed
+            await asyncio.sleep(0.9)
+        return idle.renewed, at_once, not_yet, fresh.renewed
+
+    assert asyncio.run(scenario()) == (0, 1, 0, 1)
 
 
 def test_prune_removes_keys_of_inbounds_that_left_and_whole_servers(tmp_path, runner):
@@ -368,6 +412,9 @@ def test_a_slow_apply_renews_its_lock_so_it_is_never_taken_over(tmp_path, runner
             await asyncio.sleep(0.9)
         return await real_script(self, target, script, request, **kw)
 
+    # The lock on its own step, before the slow one (a lock the engine step takes is tested below: no step under
+    # it outlasts the lease, LONGEST_STEP_SECONDS < LEASE_SECONDS, which this test shortens to 3 s).
+    monkeypatch.setattr("reconciler.apply.run.DEFER_LOCK", False)
     monkeypatch.setattr(FakeRunner, "script", slow_script)
     [o] = plan(cluster(tmp_path, harden=False), runner)
     [r] = apply([o], runner)

@@ -53,6 +53,7 @@ log = logging.getLogger("reconciler.apply")
 COMMIT_KINDS = frozenset({"install-engine", "write-file", "restart", "reload", "start"})
 SERVICE_KINDS = ("restart", "reload", "start")
 ENGINE_UPLOAD_SECONDS = lock.LONGEST_STEP_SECONDS
+DEFER_LOCK = True  # a plan that installs the engine takes the lock in the engine step's session (lock.Deferred)
 
 
 @dataclass
@@ -104,6 +105,11 @@ async def _apply_one(o: Observed, runner: Runner, progress: Callable[[str, str],
         result.phase = name
         progress(o.plan.server, name)
 
+    held: _Held | None = None
+
+    def lock_taken() -> bool:
+        return held is not None and (held.ours or held.handed)
+
     try:
         phase("connect")
         if o.plan.error:
@@ -119,14 +125,25 @@ async def _apply_one(o: Observed, runner: Runner, progress: Callable[[str, str],
             phase("done")
             return result
         phase("lock")
+        held = _Held(fence=fence)
+        base = runner  # the lock's own renewals and release go straight to the server
         if o.plan.removed:
             await lock.acquire(runner, o.target, o.plan.server, fence=fence)
+        elif DEFER_LOCK and _of(o, "install-engine"):  # the lock is taken by the engine step's session (lock.Deferred)
+            assert o.desired is not None
+            held.ours = False  # not until it is taken: a lock held by another apply is never ours to release
+
+            def taken() -> None:
+                held.ours = True
+
+            runner = lock.Deferred(runner, o.target, o.plan.server, _folders(o), [o.desired.engine.tls_dir], fence,
+                                   taken)
         else:
             assert o.desired is not None
             await lock.acquire(runner, o.target, o.plan.server, _folders(o), [o.desired.engine.tls_dir], fence=fence)
-        held = _Held(fence=fence)
         try:
-            async with lock.Renewal(runner, o.target) as held.renewal:
+            deferred = runner if isinstance(runner, lock.Deferred) else None
+            async with lock.Renewal(base, o.target, deferred=deferred) as held.renewal:
                 if o.plan.removed:
                     await _remove_server(runner, o)
                 else:
@@ -134,7 +151,7 @@ async def _apply_one(o: Observed, runner: Runner, progress: Callable[[str, str],
         finally:
             if held.ours:
                 try:
-                    await lock.release(runner, o.target)
+                    await lock.release(base, o.target)
                 except RemoteError:
                     pass  # the lease ends it
         result.ok = result.changed = True
@@ -143,6 +160,8 @@ async def _apply_one(o: Observed, runner: Runner, progress: Callable[[str, str],
     except (LockHeld, CommitFailed, RemoteCommandError) as exc:
         result.ok = False
         result.message = str(exc)
+        if isinstance(exc, LockHeld) and not lock_taken():  # refused by the session that was to take the lock
+            result.phase = "lock"
     except RemoteError as exc:
         result.ok = False
         result.message = f"{exc} (the server finishes or rolls back a started commit on its own; run apply again)"
@@ -174,10 +193,11 @@ class _Held:
     ours: bool = True
     renewal: lock.Renewal | None = None
     fence: lock.Fence | None = None  # a leading controller's: still leading before the commit? (issue 17)
+    handed: bool = False  # to a commit that releases it
 
     async def hand_over(self) -> None:
         """The commit about to start releases the lock: stop renewing it first."""
-        self.ours = False
+        self.ours, self.handed = False, True
         if self.renewal is not None:
             await self.renewal.stop()
 
