@@ -207,6 +207,38 @@ def test_a_cold_server_takes_its_lock_in_the_engine_steps_session(tmp_path, runn
     assert host.read(BINARY) == fake_engine("1.14.4") and not host.path(LOCK_DIR).exists()
 
 
+def test_a_lock_the_engine_step_may_have_taken_is_given_back_when_its_session_fails_and_never_anothers(tmp_path):
+    # The session that takes the lock and stages the engine fails (the connection drops) after the server took
+    # the lock: the lock is released, since its holder is ours. Had another apply's lock been there, it stays.
+    from reconciler.errors import ConnectError
+
+    other = json.dumps({"by": "ci@runner-7", "pid": 4242, "since": int(time.time())})
+
+    class Drops(FakeRunner):
+        mode = "after"
+
+        async def script(self, target, script, request, **kw):  # type: ignore[no-untyped-def]
+            if script.name == "lock" and request.get("then"):
+                if self.mode == "after":
+                    await super().script(target, script, request, **kw)
+                else:  # another apply took it meanwhile; our session never got there
+                    self.host(target.name).write(LOCK_FILE, other.encode())
+                raise ConnectError(f"{target.name}: connection lost while running a command (test)", target.name)
+            return await super().script(target, script, request, **kw)
+
+    for mode in ("after", "before"):
+        runner = Drops(tmp_path / mode)
+        runner.mode = mode
+        c = cluster(tmp_path / mode)
+        [r] = apply(plan(c, runner), runner)
+        host = runner.host("a")
+        assert not r.ok and "connection lost" in r.message, r.message
+        if mode == "after":
+            assert not host.path(LOCK_DIR).exists()  # ours: given back
+        else:
+            assert host.read(LOCK_FILE).decode() == other  # another's: untouched
+
+
 def test_a_lock_taken_by_the_engine_step_is_renewed_a_third_of_the_lease_after_it_was_written(tmp_path, runner):
     # Renewal counts from the lock's `since` (written when the engine step's session began), not from when the
     # controller heard back: after a long step the first renewal is due at once. Never before the lock is taken.
@@ -217,19 +249,23 @@ def test_a_lock_taken_by_the_engine_step_is_renewed_a_third_of_the_lease_after_i
 
     async def scenario() -> tuple[int, int, int, int]:
         d = lock.Deferred(runner, target, "a", [], [], None, lambda: None)
-        async with lock.Renewal(runner, target, every=1.0, deferred=d) as idle:
-            await asyncio.sleep(1.3)  # never taken: nothing renewed
+        async with lock.Renewal(runner, target, every=0.3, deferred=d) as idle:
+            await asyncio.sleep(1.0)  # never taken: nothing renewed
         await lock.acquire(runner, target, "a")
-        d.since = time.time() - 2.5  # the step took 2.5 s
+        d.since = time.time() - 5  # the step took 5 s: the first renewal is due at once
         d.is_taken.set()
-        async with lock.Renewal(runner, target, every=1.0, deferred=d) as late:
-            await asyncio.sleep(0.5)
+        async with lock.Renewal(runner, target, every=3.0, deferred=d) as late:
+            until = time.monotonic() + 2.5  # well before `every` would bring it
+            while not late.renewed and time.monotonic() < until:
+                await asyncio.sleep(0.05)
             at_once = late.renewed
         d.since = time.time()
-        async with lock.Renewal(runner, target, every=1.0, deferred=d) as fresh:
-            await asyncio.sleep(0.5)
+        async with lock.Renewal(runner, target, every=3.0, deferred=d) as fresh:
+            await asyncio.sleep(1.0)
             not_yet = fresh.renewed
-            await asyncio.sleep(0.9)
+            until = time.monotonic() + 6
+            while not fresh.renewed and time.monotonic() < until:
+                await asyncio.sleep(0.05)
         return idle.renewed, at_once, not_yet, fresh.renewed
 
     assert asyncio.run(scenario()) == (0, 1, 0, 1)

@@ -24,6 +24,7 @@ operator's ``reconciler apply``) are not fenced.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -181,11 +182,18 @@ class Deferred:
             else:
                 now = self.since = time.time()
                 plain = _request(self.server, self.dirs, self.private, now, self.fence)
-                res = await self.runner.script(target, remote.LOCK, {
-                    **plain, "then": script.source, "then_name": script.name, "then_request": dict(request),
-                    "then_stdin": input is not None}, input=input, timeout=timeout)
-                lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
-                got = answer(Result(res.code, lines[0] if lines else "", res.stderr), target, remote.LOCK, {"ok": bool})
+                try:
+                    res = await self.runner.script(target, remote.LOCK, {
+                        **plain, "then": script.source, "then_name": script.name, "then_request": dict(request),
+                        "then_stdin": input is not None}, input=input, timeout=timeout)
+                    lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
+                    got = answer(Result(res.code, lines[0] if lines else "", res.stderr), target, remote.LOCK,
+                                 {"ok": bool})
+                except BaseException:  # the lock may be ours by now (the step failed under it): given back if so
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(self.runner.script(target, remote.LOCK, {
+                            "op": "release", "lock": LOCK_DIR, "holder_file": LOCK_FILE, "holder": plain["holder"]}), 30)
+                    raise
                 await _settle(self.runner, target, self.server, plain, got, now)  # a take-over: without the script
                 self.taken()
                 if got["ok"]:  # the script ran under it: its answer follows the lock's
@@ -194,6 +202,11 @@ class Deferred:
 
     async def run(self, target: Target, command: str, check: bool = True, timeout: float = 120.0,
                   input: str | bytes | None = None) -> Result:
+        if self.pending and target == self.target:  # a raw command first: under the lock, taken on its own
+            self.pending = False
+            self.since = time.time()
+            await acquire(self.runner, target, self.server, self.dirs, self.private, now=self.since, fence=self.fence)
+            self.taken()
         return await self.runner.run(target, command, check=check, timeout=timeout, input=input)
 
     async def close(self) -> None:

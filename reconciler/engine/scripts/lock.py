@@ -111,7 +111,17 @@ def renew(req: dict[str, Any]) -> dict[str, Any]:
 
 
 def release(req: dict[str, Any]) -> dict[str, Any]:
-    shutil.rmtree(at(req.get("root", "/"), req["lock"]), ignore_errors=True)
+    """Remove the lock; with ``holder`` (``release_if``), only while its holder file says exactly that: a lock
+    this controller may or may not have taken (its session failed midway) is never another's to remove."""
+    root = req.get("root", "/")
+    if "holder" in req:
+        try:
+            with open(at(root, req["holder_file"])) as f:
+                if f.read(4096) != req["holder"]:
+                    return {"ok": False}
+        except OSError:
+            return {"ok": False}
+    shutil.rmtree(at(root, req["lock"]), ignore_errors=True)
     return {"ok": True}
 
 
