@@ -492,6 +492,12 @@ def test_a_big_write_in_worker_processes_gives_the_same_files(tmp_path, monkeypa
     assert stats.written == 300
     assert len(spilled) == 1 and spilled[0][1] == 0o600 and SECRET.value not in spilled[0][2]
     assert not list((tmp_path / "sb").glob(".outlet-snapshot.*"))
+    # A file that is not the one the pass wrote (its HMAC differs) is never unpickled by a worker.
+    monkeypatch.setattr(outlets._SpillMac, "hexdigest", lambda self: "0" * 64)
+    three = FileOutlet(tmp_path / "c", tmp_path / "sc", SECRET, workers=2)
+    with pytest.raises(RuntimeError, match="is not the one this pass wrote"):
+        three.write(snap)
+    assert not list((tmp_path / "sc").glob(".outlet-snapshot.*"))
     assert two.published == one.published
     for token in (p.token for p in one.published.values()):
         for name in ("links.txt", "sing-box.json", "clash.yaml", "headers.json"):

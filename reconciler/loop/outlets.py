@@ -23,10 +23,10 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 
@@ -477,18 +477,20 @@ class FileOutlet:
         bounds = [head + round(i * (n - head) / extra) for i in range(extra + 1)]
         # The snapshot goes to the workers as a file in the state folder, pickled straight into it: as bytes it was
         # in memory twice more (the pickle, and the executor's own pickle of the call), ~250 MB at a million users,
-        # the loop's peak. The secret travels with the call, never in the file.
+        # the loop's peak. The secret travels with the call, never in the file; the call carries the file's HMAC
+        # too, and a worker unpickles only the bytes it checked (a file swapped in the folder is refused).
         spill = self.manifest_path.parent / f"{SPILL_PREFIX}{os.getpid()}.{os.urandom(4).hex()}.pickle"
         spill.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         try:
+            mac = _SpillMac(self.secret)
             with open(os.open(spill, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
-                pickle.dump(snapshot, f, protocol=pickle.HIGHEST_PROTOCOL)
+                pickle.dump(snapshot, _Tee(f, mac.update), protocol=pickle.HIGHEST_PROTOCOL)
             with ProcessPoolExecutor(extra, mp_context=multiprocessing.get_context("forkserver")) as pool:
                 futures = []
                 for lo, hi in zip(bounds, bounds[1:], strict=False):
                     mine = which[lo:hi]
-                    futures.append(pool.submit(_worker, str(spill), self.secret, str(self.directory), self.formats,
-                                               _before(old, mine), mine, headers_only[lo:hi]))
+                    futures.append(pool.submit(_worker, str(spill), mac.hexdigest(), self.secret, str(self.directory),
+                                               self.formats, _before(old, mine), mine, headers_only[lo:hi]))
                 here = _write_users(snapshot, self.secret, str(self.directory), self.formats, _before(old, which[:head]),
                                     which[:head], headers_only[:head], _has_shadowsocks(snapshot))
                 return [here] + [f.result() for f in futures]
@@ -499,12 +501,43 @@ class FileOutlet:
 SPILL_PREFIX = ".outlet-snapshot."  # the snapshot file of a pass in worker processes (state folder; see _in_workers)
 
 
-def _worker(spill: str, secret: Secret, directory: str, formats: tuple[str, ...], before: Before, which: np.ndarray,
-            headers_only: np.ndarray) -> Part:
+class _SpillMac:
+    """The HMAC of a pass's snapshot file, keyed from the master secret."""
+
+    def __init__(self, secret: Secret) -> None:
+        import hmac
+
+        self._mac = hmac.new(secret.derive("outlet-snapshot-file"), digestmod="sha256")
+        self.update = self._mac.update
+
+    def hexdigest(self) -> str:
+        return self._mac.hexdigest()
+
+
+class _Tee:
+    """A writable file that also hands every piece written to ``also``."""
+
+    def __init__(self, f: BinaryIO, also: Callable[[bytes], object]) -> None:
+        self._f, self._also = f, also
+
+    def write(self, data: bytes) -> int:
+        self._also(data)
+        return self._f.write(data)
+
+
+def _worker(spill: str, mac: str, secret: Secret, directory: str, formats: tuple[str, ...], before: Before,
+            which: np.ndarray, headers_only: np.ndarray) -> Part:
+    import hmac
     import pickle
 
-    with open(spill, "rb") as f:  # written by this controller into its own state folder (0600): trusted
-        snapshot = pickle.load(f)
+    with open(spill, "rb") as f:
+        data = f.read()
+    check = _SpillMac(secret)
+    check.update(data)
+    if not hmac.compare_digest(check.hexdigest(), mac):  # not the file the pass wrote: never unpickled
+        raise RuntimeError(f"the snapshot file {spill} is not the one this pass wrote")
+    snapshot = pickle.loads(data)
+    del data
     return _write_users(snapshot, secret, directory, formats, before, which, headers_only, _has_shadowsocks(snapshot))
 
 
