@@ -17,6 +17,11 @@ CPU seconds (this process and the worker processes it waited for) and wall time 
 received per interval, probes per server, and the process's peak memory. Targets at N = 1,000, U = 1M: an
 interval's work ≤ 10% of a 60 s interval on one core, memory ≤ 2 GB.
 
+The intervals run back to back here, so two costs of a real 60 s interval are counted apart and added to its
+CPU: the work between intervals (10 s of idling sampled, scaled to the rest of the interval: timers and
+keepalives) and the learned state's save, which a big state (≥ 16 MB) gets every 5 minutes, not every
+interval (one save measured; a fifth of it per interval). ``phases_cpu_s`` shows both (``idle``, ``save``).
+
     python bench/fleet_scale.py [--quick] [--json] [--disk]   (--quick: U = 100k only; the full run adds U = 1M)
 
 The subscription files are on tmpfs (a tmpfs of its own for a million users: root), as an operator serving them

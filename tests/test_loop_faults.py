@@ -153,7 +153,7 @@ def test_a_big_learned_state_is_saved_at_most_every_five_minutes_and_always_at_a
     loop = make_loop(path, port)
     learned_file = tmp_path / ".reconciler" / "learned.npz"
     clock = [1000.0]
-    monkeypatch.setattr(service.time, "monotonic", lambda: clock[0])
+    loop._clock = lambda: clock[0]
 
     async def collect(cluster: Cluster) -> dict[str, object]:
         return {s.name: a_report(s.name, time.time()) for s in cluster.servers}

@@ -272,7 +272,9 @@ class SSHPool:
                 self._busy[conn] -= 1
                 if not self._busy[conn]:
                     del self._busy[conn]
-                    if self._conns.get(target.name) is not conn:
+                    if self._conns.get(target.name) is not conn or conn.is_closed():
+                        if self._conns.get(target.name) is conn:
+                            del self._conns[target.name]
                         conn.close()  # dropped from the pool and its last session is over (else it stays open)
                     else:
                         conn.set_keepalive(IDLE_KEEPALIVE_S)
