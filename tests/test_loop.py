@@ -347,13 +347,15 @@ def test_a_usage_step_rewrites_headers_from_the_file_and_a_file_not_ours_from_th
     (folder["u4"] / "headers.json").unlink()
     (folder["u5"] / "headers.json").write_text("{}")  # no format at all: not what the outlet wrote either
     (folder["u6"] / "headers.json").write_text("[" * 100_000)  # nested past the parser's depth
-    rendered = []
-    real = outlets.render_formats
+    rendered, decided = [], []
+    real, real_decide = outlets.render_formats, outlets.decide
     monkeypatch.setattr(outlets, "render_formats", lambda s, user, *a, **k: rendered.append(user) or real(s, user, *a, **k))
+    monkeypatch.setattr(outlets, "decide", lambda s, user, *a, **k: decided.append(user) or real_decide(s, user, *a, **k))
     usage = {u: UserUsage(up=250_000_000, down=7) for u in folder}
     changed = dataclasses.replace(snap, usage=usage)
     stats = out.write(changed)
     assert (stats.written, sorted(rendered)) == (6, ["u2", "u3", "u4", "u5", "u6"])
+    assert sorted(decided) == ["u2", "u3", "u4", "u5", "u6"]  # u1's entries did not move: its step alone is stamped
     ref = FileOutlet(tmp_path / "ref" / "subs", tmp_path / "ref" / "state", SECRET, workers=1)
     ref.write(changed)
     assert tree(tmp_path / "subs") == tree(tmp_path / "ref" / "subs") and out.published == ref.published
