@@ -81,7 +81,7 @@ T = TypeVar("T")
 MAX_BACKOFF_TICKS = 16
 # A learned state this big is written to the state folder at most every BIG_STATE_EVERY seconds after intervals
 # (and always at a stop). A million users' state is ~40 MB: written every minute it cost 1 CPU-s of each interval
-# and ~60 GB of disk writes a day. The users' usage is not lost by saving late: the kernel's counters are
+# and ~55 GB of disk writes a day. The users' usage is not lost by saving late: the kernel's counters are
 # cumulative, so the fold after a restart counts everything since the counters saved (but for a server that
 # rebooted in between: what it counted since the save went with its counters). A crash (never a stop) costs at
 # most that long of: the peaks', streaks' and EWMAs' updates, new assignments (those users may be placed
