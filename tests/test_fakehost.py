@@ -248,7 +248,7 @@ def test_a_lock_taken_by_the_engine_step_is_renewed_a_third_of_the_lease_after_i
     target = Target.from_server(c.servers[0])
 
     async def scenario() -> tuple[int, int, int, int]:
-        d = lock.Deferred(runner, target, "a", [], [], None, lambda: None)
+        d = lock.Deferred(runner, target, "a", [], [], None)
         async with lock.Renewal(runner, target, every=0.3, deferred=d) as idle:
             await asyncio.sleep(1.0)  # never taken: nothing renewed
         await lock.acquire(runner, target, "a")

@@ -107,9 +107,6 @@ async def _apply_one(o: Observed, runner: Runner, progress: Callable[[str, str],
 
     held: _Held | None = None
 
-    def lock_taken() -> bool:
-        return held is not None and (held.ours or held.handed)
-
     try:
         phase("connect")
         if o.plan.error:
@@ -131,19 +128,13 @@ async def _apply_one(o: Observed, runner: Runner, progress: Callable[[str, str],
             await lock.acquire(runner, o.target, o.plan.server, fence=fence)
         elif DEFER_LOCK and _of(o, "install-engine"):  # the lock is taken by the engine step's session (lock.Deferred)
             assert o.desired is not None
-            held.ours = False  # not until it is taken: a lock held by another apply is never ours to release
-
-            def taken() -> None:
-                held.ours = True
-
-            runner = lock.Deferred(runner, o.target, o.plan.server, _folders(o), [o.desired.engine.tls_dir], fence,
-                                   taken)
+            runner = held.deferred = lock.Deferred(runner, o.target, o.plan.server, _folders(o),
+                                                   [o.desired.engine.tls_dir], fence)
         else:
             assert o.desired is not None
             await lock.acquire(runner, o.target, o.plan.server, _folders(o), [o.desired.engine.tls_dir], fence=fence)
         try:
-            deferred = runner if isinstance(runner, lock.Deferred) else None
-            async with lock.Renewal(base, o.target, deferred=deferred) as held.renewal:
+            async with lock.Renewal(base, o.target, deferred=held.deferred) as held.renewal:
                 if o.plan.removed:
                     await _remove_server(runner, o)
                 else:
@@ -160,7 +151,7 @@ async def _apply_one(o: Observed, runner: Runner, progress: Callable[[str, str],
     except (LockHeld, CommitFailed, RemoteCommandError) as exc:
         result.ok = False
         result.message = str(exc)
-        if isinstance(exc, LockHeld) and not lock_taken():  # refused by the session that was to take the lock
+        if isinstance(exc, LockHeld) and held is not None and not held.taken:  # refused by the session taking it
             result.phase = "lock"
     except RemoteError as exc:
         result.ok = False
@@ -187,17 +178,26 @@ def _of(o: Observed, kind: str) -> list[Action]:
 
 @dataclass
 class _Held:
-    """Whether releasing the server's lock is still up to us: not once a commit that releases it has started
-    (even if our session drops, the detached commit finishes and releases; another apply may hold it next)."""
+    """Whether releasing the server's lock is still up to us: not before a deferred lock is taken (a lock held by
+    another apply is never ours to release), not once a commit that releases it has started (even if our session
+    drops, the detached commit finishes and releases; another apply may hold it next)."""
 
-    ours: bool = True
     renewal: lock.Renewal | None = None
     fence: lock.Fence | None = None  # a leading controller's: still leading before the commit? (issue 17)
+    deferred: lock.Deferred | None = None  # the lock is taken by the apply's first script
     handed: bool = False  # to a commit that releases it
+
+    @property
+    def taken(self) -> bool:
+        return self.deferred is None or self.deferred.is_taken.is_set()
+
+    @property
+    def ours(self) -> bool:
+        return self.taken and not self.handed
 
     async def hand_over(self) -> None:
         """The commit about to start releases the lock: stop renewing it first."""
-        self.ours, self.handed = False, True
+        self.handed = True
         if self.renewal is not None:
             await self.renewal.stop()
 

@@ -155,31 +155,30 @@ class Deferred:
     The lock is the same as ``acquire``'s: a live one raises ``LockHeld`` (the script never ran; what it had on
     stdin was read and dropped), a stale one is taken over and the script then runs on its own, a newer fence is
     refused. A script that reads its request on stdin, or runs detached or over a fresh connection, is preceded
-    by ``acquire`` instead. ``taken`` is called once the lock is ours (until then, releasing it is not ours to do)."""
+    by ``acquire`` instead. ``is_taken`` is set once the lock is ours (until then, releasing it is not ours to do)."""
 
     def __init__(self, runner: Runner, target: Target, server: str, dirs: Sequence[str], private: Sequence[str],
-                 fence: Fence | None, taken: Callable[[], None]):
+                 fence: Fence | None):
         self.runner, self.target, self.server = runner, target, server
         self.dirs, self.private, self.fence = list(dirs), list(private), fence
         self.pending = True
-        self.is_taken = asyncio.Event()  # for the Renewal
+        self.is_taken = asyncio.Event()  # the apply's release and the Renewal wait for it
         self.since = 0.0  # when the lock's holder was written (its ``since``)
 
-        def took() -> None:
-            self.is_taken.set()
-            taken()
-
-        self.taken = took
+    async def _take_alone(self) -> None:
+        """The lock on its own step (``acquire``), before a first step that cannot carry it."""
+        self.pending = False
+        self.since = time.time()
+        await acquire(self.runner, self.target, self.server, self.dirs, self.private, now=self.since, fence=self.fence)
+        self.is_taken.set()
 
     async def script(self, target: Target, script: Script, request: Mapping[str, Any], *, input: bytes | None = None,
                      timeout: float = 120.0, detach: bool = False, fresh: bool = False) -> Result:
         if self.pending and target == self.target:
-            self.pending = False
             if script.stdin or detach or fresh:
-                self.since = time.time()
-                await acquire(self.runner, target, self.server, self.dirs, self.private, now=self.since, fence=self.fence)
-                self.taken()
+                await self._take_alone()
             else:
+                self.pending = False
                 now = self.since = time.time()
                 plain = _request(self.server, self.dirs, self.private, now, self.fence)
                 try:
@@ -195,7 +194,7 @@ class Deferred:
                             "op": "release", "lock": LOCK_DIR, "holder_file": LOCK_FILE, "holder": plain["holder"]}), 30)
                     raise
                 await _settle(self.runner, target, self.server, plain, got, now)  # a take-over: without the script
-                self.taken()
+                self.is_taken.set()
                 if got["ok"]:  # the script ran under it: its answer follows the lock's
                     return Result(res.code, "\n".join(lines[1:]), res.stderr)
         return await self.runner.script(target, script, request, input=input, timeout=timeout, detach=detach, fresh=fresh)
@@ -203,10 +202,7 @@ class Deferred:
     async def run(self, target: Target, command: str, check: bool = True, timeout: float = 120.0,
                   input: str | bytes | None = None) -> Result:
         if self.pending and target == self.target:  # a raw command first: under the lock, taken on its own
-            self.pending = False
-            self.since = time.time()
-            await acquire(self.runner, target, self.server, self.dirs, self.private, now=self.since, fence=self.fence)
-            self.taken()
+            await self._take_alone()
         return await self.runner.run(target, command, check=check, timeout=timeout, input=input)
 
     async def close(self) -> None:
