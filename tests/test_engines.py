@@ -225,9 +225,10 @@ def test_a_server_without_libzstd_gets_the_arch_packages_binary_from_the_control
     assert not list(host.path("/usr/local/bin").glob("*.download"))
 
 
-def test_zstd_releases_unpack_in_one_pass_and_broken_ones_are_refused(tmp_path):
-    # The server's unpacking of .tar.zst and .zst files: a first frame smaller than a tar header, the binary alone,
-    # a package without it, a truncated file, and a server without libzstd (said as codec: the controller steps in).
+def test_releases_unpack_in_one_pass_and_broken_ones_are_refused(tmp_path, monkeypatch):
+    # The server's unpacking of .tar.zst and .zst files (a first frame smaller than a tar header, the binary alone,
+    # a PAX header before it), of gzip and plain tars; a package without the binary, a truncated file, and a
+    # server without libzstd (said as codec: the controller steps in).
     import zstandard
 
     from reconciler.engine.scripts import engine as script
@@ -237,17 +238,33 @@ def test_zstd_releases_unpack_in_one_pass_and_broken_ones_are_refused(tmp_path):
     package = arch_package(binary, "1.14.4")
     tar_bytes = zstandard.ZstdDecompressor().decompress(package, max_output_size=1 << 24)
     z = zstandard.ZstdCompressor(level=1)
+    long_named = io.BytesIO()  # a path past ustar's 100 characters: a PAX header before the member
+    with tarfile.open(fileobj=long_named, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in ("LICENSE", "x" * 120 + "/sing-box"):
+            info = tarfile.TarInfo(name)
+            info.size = len(binary)
+            tar.addfile(info, io.BytesIO(binary))
     cases = {
         "package": package,
         "two frames, the first 100 bytes": z.compress(tar_bytes[:100]) + z.compress(tar_bytes[100:]),
         "the binary alone": z.compress(binary),
+        "a PAX header, zstd": z.compress(long_named.getvalue()),
+        "a PAX header, gzip": gzip.compress(long_named.getvalue()),
+        "a .tar.gz": gzip.compress(tar_bytes),
+        "a .gz": gzip.compress(binary),
+        "a .tar": tar_bytes,
     }
     digest = hashlib.sha256(binary).hexdigest()
+    through_tarfile = []  # a member read through tarfile's own buffers: only a plain tar's (the others come direct)
+    copy_hashed = script.copy_hashed
+    monkeypatch.setattr(script, "copy_hashed", lambda *a: through_tarfile.append(1) or copy_hashed(*a))
     for what, data in cases.items():
         archive, dest = tmp_path / "release", tmp_path / "out"
         archive.write_bytes(data)
         assert script.unpack(str(archive), str(dest), "sing-box", library) == digest, what
         assert dest.read_bytes() == binary, what
+        assert len(through_tarfile) == (what == "a .tar"), what
+        through_tarfile.clear()
     other = io.BytesIO()
     with tarfile.open(fileobj=other, mode="w") as tar:
         info = tarfile.TarInfo("usr/bin/sing-box-helper")

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import io
 import json
 import shutil
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from ruamel.yaml import YAML
 from reconciler.certificates import derived_certificate
 from reconciler.credentials import Secret
 from reconciler.lab import lab_cluster_yaml
+from reconciler.lab.releases import arch_package, tarball
 from tests.lab.conftest import ORIGIN_PORT, SING_BOX, blob_sha, reconciler, reset_hosts, ssh
 from tests.test_real_clients import MIHOMO, Processes, fetch_through, run_mihomo
 
@@ -124,23 +123,21 @@ def test_a_fresh_init_runs_reality_on_mihomo_downloaded_by_the_server(lab, env, 
     assert f"CN = {CAMOUFLAGE}" in seen.stdout or f"CN={CAMOUFLAGE}" in seen.stdout, seen.stdout[-2000:]
 
 
-def sing_box_release(mirror: Path) -> str:
-    """The wheel's sing-box as an official-style release, .tar.gz with a folder; its sha256."""
+def sing_box_release(mirror: Path) -> tuple[str, str]:
+    """The wheel's sing-box as upstream publishes it: the .tar.gz (a folder) and the Arch package (.pkg.tar.zst);
+    their sha256s."""
     folder = mirror / "v1.14.4"
     folder.mkdir()
     data = Path(SING_BOX).read_bytes()
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=1) as tar:
-        info = tarfile.TarInfo("sing-box-1.14.4-linux-amd64/sing-box")
-        info.size, info.mode = len(data), 0o755
-        tar.addfile(info, io.BytesIO(data))
-    (folder / "sing-box-1.14.4-linux-amd64.tar.gz").write_bytes(buf.getvalue())
-    return hashlib.sha256(buf.getvalue()).hexdigest()
+    targz, package = tarball(data, "1.14.4", level=1), arch_package(data, "1.14.4")
+    (folder / "sing-box-1.14.4-linux-amd64.tar.gz").write_bytes(targz)
+    (folder / "sing-box_1.14.4_linux_amd64.pkg.tar.zst").write_bytes(package)
+    return hashlib.sha256(targz).hexdigest(), hashlib.sha256(package).hexdigest()
 
 
 def test_the_sing_box_release_is_pinned_refused_missing_and_uploaded_where_a_server_cannot_fetch(lab, env, mirror):
     reset_hosts(lab)
-    digest = sing_box_release(mirror)
+    digest, package_digest = sing_box_release(mirror)
     h = lab.state.hosts[0]
     url = f"http://{MIRROR}:{MIRROR_PORT}/v{{version}}/sing-box-{{version}}-linux-{{arch}}.tar.gz"
 
@@ -171,13 +168,18 @@ def test_the_sing_box_release_is_pinned_refused_missing_and_uploaded_where_a_ser
         lab.netns_exec(h, ["nft", "delete", "table", "inet", "labout"], check=False)
     installed = ssh(lab, h, "sha256sum /usr/local/bin/sing-box; systemctl is-active sing-box").stdout.split()
     assert installed[0] == hashlib.sha256(Path(SING_BOX).read_bytes()).hexdigest() and installed[-1] == "active"
-    # and where the server can fetch it, it does (no upload): a second host
+    # and where the server can fetch it, it does (no upload): a second host, the Arch package (what `init` pins),
+    # inflated through the host's own libzstd
     shutil.rmtree(Path.home() / ".cache" / "reconciler" / "releases", ignore_errors=True)
     text = lab_cluster_yaml(lab, lab.state.hosts[1:2], ["DE"])
-    engine = f"  engine: {{version: 1.14.4, install: download, sha256: {{amd64: {digest}}}, url: \"{url}\"}}\n"
+    package = f"http://{MIRROR}:{MIRROR_PORT}/v{{version}}/sing-box_{{version}}_linux_{{arch}}.pkg.tar.zst"
+    engine = f"  engine: {{version: 1.14.4, install: download, sha256: {{amd64: {package_digest}}}, url: \"{package}\"}}\n"
     Path("d.yaml").write_text(text.replace("settings:\n", "settings:\n" + engine, 1))
     direct = reconciler("apply", "-f", "d.yaml")
     assert direct.returncode == 0 and "uploads it" not in direct.stderr, direct.stdout + direct.stderr
+    second = lab.state.hosts[1]
+    installed = ssh(lab, second, "sha256sum /usr/local/bin/sing-box; systemctl is-active sing-box").stdout.split()
+    assert installed[0] == hashlib.sha256(Path(SING_BOX).read_bytes()).hexdigest() and installed[-1] == "active"
     assert not (Path.home() / ".cache" / "reconciler" / "releases").exists() or not list(
         (Path.home() / ".cache" / "reconciler" / "releases").glob("sing-box-*"))
     assert json.loads(reconciler("plan", "-f", "d.yaml", "--json").stdout)["summary"] == {"add": 0, "change": 0, "destroy": 0}

@@ -159,6 +159,10 @@ class Inflating:
 
         self.src, self.d, self.tail = src, zlib.decompressobj(31), b""
 
+    def chunk(self) -> bytes:
+        """The next inflated block (128 kB at most: it stays in the CPU's cache); empty at the end."""
+        return self.read(1 << 17)
+
     def read(self, size: int = -1) -> bytes:
         size = size if size > 0 else 1 << 20
         while True:
@@ -222,62 +226,94 @@ def fetch(url: str, path: str) -> str:
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
+class Blocks:
+    """Inflated blocks (``chunk()``: the next one, empty at the end) as a readable file that never reads ahead of
+    what it is asked. tarfile's stream mode, asking 512-byte blocks, leaves a member's bytes here, and they are
+    copied to their file from the inflater's own buffer (through tarfile's 1 MB joins and slices, a third of a
+    .pkg.tar.zst's unpacking was copying)."""
+
+    def __init__(self, chunk: Any) -> None:
+        self.chunk, self.pending, self.consumed = chunk, memoryview(b""), 0
+
+    def _fill(self) -> bool:
+        if not self.pending:
+            self.pending = memoryview(self.chunk()).cast("B")
+        return bool(self.pending)
+
+    def read(self, size: int = -1) -> bytes:
+        """``size`` bytes (fewer only at the end; a negative size: the rest of the current block). Exactly: what
+        tarfile asks beyond a block's end must not be read ahead into its buffer."""
+        parts: list[bytes] = []
+        while size and self._fill():
+            n = len(self.pending) if size < 0 else min(size, len(self.pending))
+            parts.append(bytes(self.pending[:n]))
+            self.pending, self.consumed = self.pending[n:], self.consumed + n
+            size = 0 if size < 0 else size - n
+        return b"".join(parts)
+
+    def peek(self, n: int) -> bytes:
+        """Up to ``n`` bytes, left to be read again."""
+        head = self.read(n)
+        self.pending, self.consumed = memoryview(head + bytes(self.pending)), self.consumed - len(head)
+        return head
+
+    def copy(self, path: str, size: int = -1) -> str:
+        """The next ``size`` bytes (all when negative) into ``path``; their sha256."""
+        import hashlib
+
+        h = hashlib.sha256()
+        with open(path, "wb") as out:
+            while size:
+                if not self._fill():
+                    if size > 0:
+                        raise RuntimeError("the release ended early")
+                    break
+                part = self.pending if size < 0 else self.pending[:size]
+                h.update(part)
+                out.write(part)
+                self.pending, self.consumed = self.pending[len(part):], self.consumed + len(part)
+                size = size if size < 0 else size - len(part)
+        return h.hexdigest()
+
+
 def unpack(archive: str, dest: str, name: str, library: str = "") -> str | None:
     """The binary ``name`` out of a release: a .tar.gz, a .tar.zst (an Arch package, ``.pkg.tar.zst``: zstd
     inflates in ~40% of zlib's time, through ``library``, the server's libzstd), a .gz, a .zst, or the file
     itself; its sha256 (None: the file's own). ``Failed("codec")`` for a zstd release where libzstd does not load."""
-    import tarfile
-
     with open(archive, "rb") as f:
         magic = f.read(4)
-    if magic == ZSTD_MAGIC:
+    if magic == ZSTD_MAGIC or magic[:2] == b"\x1f\x8b":
         with open(archive, "rb") as raw:
-            z = Unzstd(raw, library)
+            z = Unzstd(raw, library) if magic == ZSTD_MAGIC else None
             try:
-                first = b""
-                while len(first) < 512:  # one tar header (the first block is almost always far bigger)
-                    more = z.read()
-                    if not more:
-                        break
-                    first += more
-                if first[257:262] == b"ustar":  # a tar inside (POSIX and GNU headers)
-                    return _from_tar(Joined(first, z), dest, name)
-                return copy_hashed(Joined(first, z), dest)
+                blocks = Blocks(z.view if z else Inflating(raw).chunk)
+                if blocks.peek(512)[257:262] == b"ustar":  # a tar inside (POSIX and GNU headers)
+                    return _from_tar(blocks, dest, name)
+                return blocks.copy(dest)
             finally:
-                z.close()
-    if tarfile.is_tarfile(archive):  # reads the first header only
+                if z:
+                    z.close()
+    import tarfile
+
+    if tarfile.is_tarfile(archive):  # reads the first header only; tarfile's own stream detection (bz2, xz)
         with open(archive, "rb") as raw:
-            gz = magic[:2] == b"\x1f\x8b"
-            return _from_tar(Inflating(raw) if gz else raw, dest, name, plain=not gz)
-    if magic[:2] == b"\x1f\x8b":
-        with open(archive, "rb") as raw:
-            return copy_hashed(Inflating(raw), dest)
+            return _from_tar(raw, dest, name)
     os.replace(archive, dest)  # the binary itself: its sha256 is the download's
     return None
 
 
-class Joined:
-    """A block already read, then the rest of a readable file."""
-
-    def __init__(self, first: bytes, rest: Any) -> None:
-        self.first, self.rest = first, rest
-
-    def read(self, size: int = -1) -> bytes:
-        if self.first:
-            out, self.first = self.first, b""
-            return out
-        rest: bytes = self.rest.read(size)
-        return rest
-
-
-def _from_tar(stream: Any, dest: str, name: str, plain: bool = False) -> str:
-    """The file named ``name`` (in any folder) of a tar stream into ``dest``; its sha256. ``plain``: a tar file
-    itself, or compressed in a way tarfile's own stream detection knows (bz2, xz)."""
+def _from_tar(stream: Blocks | BinaryIO, dest: str, name: str) -> str:
+    """The file named ``name`` (in any folder) of a tar stream (``Blocks``, or a file tarfile reads itself) into
+    ``dest``; its sha256."""
     import tarfile
 
-    with tarfile.open(fileobj=stream, mode="r|*" if plain else "r|", bufsize=1 << 20) as tar:
+    direct = stream if isinstance(stream, Blocks) else None
+    with tarfile.open(fileobj=stream, mode="r|" if direct else "r|*",  # type: ignore[call-overload]
+                      bufsize=tarfile.BLOCKSIZE if direct else 1 << 20) as tar:
         for member in tar:  # a stream: the members in order, up to the binary
             if member.isfile() and os.path.basename(member.name) == name:
+                if direct and direct.consumed == member.offset_data:  # nothing read ahead: its bytes come next
+                    return direct.copy(dest, member.size)
                 src = tar.extractfile(member)
                 assert src is not None
                 return copy_hashed(src, dest)
