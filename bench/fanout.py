@@ -3,9 +3,11 @@
 On N lab hosts (real systemd and sshd in network namespaces; needs root) each
 tool installs the sing-box binary, a one-inbound config and a unit, and
 restarts only on change: a cold apply on bare hosts and a no-op re-run,
-medians of several runs. The floor, measured in the same run right after each
-of the reconciler's no-op runs (this VM's speed drifts over a run): one raw
-asyncssh round trip per host, in parallel, on fresh connections. pyinfra and
+medians of several runs, taken round by round (every tool once in each round,
+so that both sides of a ratio see the same stretch of this VM's drifting
+speed; each round's own ratio is in the JSON too). The floor, measured in the
+same run right after each of the reconciler's no-op runs: one raw asyncssh
+round trip per host, in parallel, on fresh connections. pyinfra and
 ansible-core are installed into venvs of their own under .bench/ by the script.
 
 The reconciler runs three times: uploading the engine (as pyinfra and Ansible do), and with the engine fetched
@@ -272,22 +274,29 @@ def bench_hosts(lab: Lab, n: int, runs: int, work: Path, log) -> dict[str, float
         return took
 
     count_ssh_bytes(True)
-    for suffix, run in tools.items():
-        colds, noops, sent = [], [], []
-        for _ in range(runs):
+    colds: dict[str, list[float]] = {suffix: [] for suffix in tools}
+    noops: dict[str, list[float]] = {suffix: [] for suffix in tools}
+    sent: dict[str, list[float]] = {suffix: [] for suffix in tools}
+    for _ in range(runs):  # round by round, every tool in each: a ratio's two sides see the same moment of this VM
+        for suffix, run in tools.items():
             reset_subset(lab, hosts)
             before = ssh_bytes()
-            colds.append(run())
-            sent.append((ssh_bytes() - before) / n)
-            noops.append(noop(suffix, run))
-        result[f"cold_ssh_bytes_per_host{suffix}"] = statistics.median(sent)
+            colds[suffix].append(run())
+            sent[suffix].append((ssh_bytes() - before) / n)
+            noops[suffix].append(noop(suffix, run))
+    for suffix, run in tools.items():
         for _ in range(max(1, runs - 1)):
-            noops.append(noop(suffix, run))
-        result[f"cold{suffix}_s"] = statistics.median(colds)
-        result[f"noop{suffix}_s"] = statistics.median(noops)
+            noops[suffix].append(noop(suffix, run))
+        result[f"cold_ssh_bytes_per_host{suffix}"] = statistics.median(sent[suffix])
+        result[f"cold{suffix}_s"] = statistics.median(colds[suffix])
+        result[f"cold{suffix}_runs"] = colds[suffix]
+        result[f"noop{suffix}_s"] = statistics.median(noops[suffix])
         log(f"  N={n:3d} {suffix.strip('_') or 'reconciler':10s} cold {result[f'cold{suffix}_s']:6.2f} s   "
             f"no-op {result[f'noop{suffix}_s']:6.2f} s   sent over SSH per cold host "
             f"{result[f'cold_ssh_bytes_per_host{suffix}'] / 1e3:8.1f} kB")
+    for suffix in ("", "_download", "_download_targz"):  # each round's own ratio, beside the ratio of the medians
+        result[f"ratio_cold{suffix}_vs_pyinfra_by_round"] = [
+            ours / theirs for ours, theirs in zip(colds[suffix], colds["_pyinfra"], strict=True)]
     count_ssh_bytes(False)
     mirror.terminate()
     mirror.wait(10)

@@ -7,12 +7,13 @@ its sha256 was taken on the controller from the source. Downloaded (``mode: down
 file fetched from ``url`` here (hashed as it arrives), its sha256 checked against the pin (``sha256``)
 before anything is unpacked: a different file is refused and nothing is installed; then the binary
 (``name``) is taken out of a ``.tar.gz``, ``.tar.zst`` (sing-box's Arch package, ``.pkg.tar.zst``: through
-the server's libzstd, ``library``, it costs ~40% of the ``.tar.gz``'s CPU), ``.gz`` or ``.zst`` release (or is
+the server's libzstd, ``library``, it costs ~45% of the ``.tar.gz``'s CPU), ``.gz`` or ``.zst`` release (or is
 the file itself) in one pass: inflated once, read as a tar stream up to that member, hashed as it is written
-(tarfile's random-access reader inflated a 44 MB release twice, then the binary was read again to hash it). The version is the controller's when
-it could run the same bytes (``version``), else this binary's own (``version_args``); with ``version_later``
-it is left to the controller (another server staging the same bytes answers it for all: starting a 44 MB Go
-binary cost ~100 ms of CPU per server on 20 busy lab hosts), and ``mode: version`` asks it of a staged binary.
+(tarfile's random-access reader inflated a 44 MB release twice, then the binary was read again to hash it).
+The version is the controller's when it could run the same bytes (``version``), else this binary's own
+(``version_args``); with ``version_later`` it is left to the controller (another server staging the same bytes
+answers it for all: starting a 44 MB Go binary cost ~100 ms of CPU per server on 20 busy lab hosts), and
+``mode: version`` asks it of a staged binary.
 
 Prints one JSON line: ``{"ok": true, "sha256", "version"}``, or ``{"ok": false, "kind", "error"}`` with
 ``kind`` ``fetch`` (the server could not get the file: the controller may upload it instead), ``codec`` (libzstd
@@ -58,8 +59,9 @@ def inflate(src: BinaryIO, path: str) -> None:
 
 
 def zstd_api(library: str) -> tuple[Any, Any]:
-    """ctypes bindings of the server's libzstd and its buffer struct (no package to install; Python's zstd module is 3.14's), or
-    ``Failed("codec")`` when it does not load (a Python without ctypes, no libffi, is the same case)."""
+    """ctypes bindings of the server's libzstd and its buffer struct (no package to install; Python's zstd
+    module is 3.14's), or ``Failed("codec")`` when it does not load (a Python without ctypes, no libffi, is the
+    same case)."""
     try:
         import ctypes
 
