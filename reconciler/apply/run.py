@@ -333,9 +333,9 @@ async def _stage_engine(runner: Runner, o: Observed) -> tuple[list[list[str]], l
 
     ``install: download``: the server fetches the release itself (a VPS's link is faster than the operator's
     uplink) and refuses a file whose sha256 differs from the pin for its architecture, installing nothing.
-    When the server cannot fetch it (no route out, a missing file), the controller fetches it once, checks the
-    same pin, and uploads the binary: the fallback. ``install: upload``: the controller's binary, compressed (zstd
-    where the server has libzstd, else gzip)."""
+    When the server cannot fetch it (no route out, a missing file) or unpack it (a zstd release, no libzstd
+    there), the controller fetches it once, checks the same pin, and uploads the binary: the fallback.
+    ``install: upload``: the controller's binary, compressed (zstd where the server has libzstd, else gzip)."""
     d = o.desired
     assert d is not None and o.facts is not None
     engine, b = d.engine, d.binary
@@ -350,7 +350,7 @@ async def _stage_engine(runner: Runner, o: Observed) -> tuple[list[list[str]], l
             raise RemoteCommandError(o.plan.server, "install engine", None,
                                      f"no sha256 pinned for {arch} releases of {engine.name} {b.version}: run "
                                      "`reconciler engine pin` (it downloads once, checks the build and writes the pins)")
-        url = b.url.replace("{arch}", arch)
+        url = release.release_url(b.url, arch)
         asked, asking = _version_asker(pin)
         answered: dict[str, Any] = {}
         try:
@@ -372,13 +372,14 @@ async def _stage_engine(runner: Runner, o: Observed) -> tuple[list[list[str]], l
                 res = await runner.script(o.target, remote.ENGINE, {**req, "mode": "version"})
                 staged = answer(res, o.target, remote.ENGINE, {"ok": bool})
         if not staged["ok"] and staged.get("kind") in ("fetch", "codec"):  # codec: a zstd release, no libzstd there
+            could_not = "fetch" if staged["kind"] == "fetch" else "unpack"
             log.warning("%s cannot %s %s itself (%s): the controller fetches it and uploads it", o.plan.server,
-                        "fetch" if staged["kind"] == "fetch" else "unpack", url, str(staged.get("error"))[:200])
+                        could_not, url, str(staged.get("error"))[:200])
             try:
                 local = await asyncio.to_thread(release.fetch_binary, url, pin, engine.process)
             except ReleaseError as exc:
                 raise RemoteCommandError(o.plan.server, "install engine", None,
-                                         f"the server could not fetch {url} ({str(staged.get('error'))[:200]}), "
+                                         f"the server could not {could_not} {url} ({str(staged.get('error'))[:200]}), "
                                          f"nor could the controller: {exc}") from None
         elif not staged["ok"]:
             raise RemoteCommandError(o.plan.server, "install engine", None, str(staged.get("error"))[:600])

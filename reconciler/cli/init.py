@@ -11,10 +11,10 @@ from reconciler.config.schema import SCHEMA_PATH, schema_text
 from reconciler.errors import InvalidInput
 
 #: What `init` writes for each engine: the official release, fetched by the servers, pinned by `engine pin`.
-#: sing-box's is its Arch Linux package (the same binary as the .tar.gz's, zstd: a server unpacks it through its
-#: libzstd in ~45% of the CPU the .tar.gz costs); Mihomo publishes its binary gzipped only.
+#: sing-box's is its Arch Linux package: zstd, which a server unpacks through its own libzstd in ~42% of the CPU a
+#: .tar.gz costs; it holds upstream's musl build, the one its .deb and .rpm install. Mihomo publishes a .gz only.
 INIT_ENGINES = {
-    "sing-box": "https://github.com/SagerNet/sing-box/releases/download/v{{version}}/sing-box_{{version}}_linux_{{arch}}.pkg.tar.zst",
+    "sing-box": "https://github.com/SagerNet/sing-box/releases/download/v{{version}}/sing-box_{{version}}_linux_{{machine}}.pkg.tar.zst",
     "mihomo": "https://github.com/MetaCubeX/mihomo/releases/download/v{{version}}/mihomo-linux-{{arch}}-v{{version}}.gz",
 }
 

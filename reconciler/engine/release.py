@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tarfile
 import tempfile
 import threading
 from collections.abc import Callable
@@ -26,6 +27,14 @@ from reconciler.errors import ReleaseError
 from reconciler.model import EngineSettings
 
 ARCHES = ("amd64", "arm64")
+#: The kernel's name of each architecture (``uname -m``): what ``{machine}`` expands to in a release URL
+#: (sing-box names its Arch Linux packages so: ``sing-box_<version>_linux_x86_64.pkg.tar.zst``).
+MACHINES = {"amd64": "x86_64", "arm64": "aarch64"}
+
+
+def release_url(template: str, arch: str) -> str:
+    """A release URL for one architecture (``amd64``, ``arm64``): ``{arch}`` and ``{machine}`` expanded."""
+    return template.replace("{arch}", arch).replace("{machine}", MACHINES.get(arch, arch))
 LOCAL_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(os.uname().machine, "")
 
 
@@ -77,7 +86,7 @@ def fetch_binary(url: str, pin: str, name: str, fetched: str | None = None) -> s
                 raise ReleaseError(f"the file at {url} has sha256 {got}, not the pinned {pin}: refused")
             try:
                 script.unpack(path, unpacked, name, zstd_library())
-            except script.Failed as exc:
+            except (script.Failed, RuntimeError, tarfile.TarError) as exc:  # the pinned file, but unusable
                 raise ReleaseError(f"{url}: {exc}") from None
             except OSError as exc:
                 raise ReleaseError(f"{url}: cannot unpack it in {cache_dir()}: {exc}", temporary=True) from None
@@ -107,7 +116,7 @@ def pin_release(settings: EngineSettings, arches: tuple[str, ...] = ARCHES,
     pins, missing = {}, {}
     capabilities: tuple[Capability, ...] | None = None
     for arch in arches:
-        url = base.replace("{arch}", arch)
+        url = release_url(base, arch)
         progress(f"fetching {url}")
         try:
             path, digest = _fetch(url)

@@ -5,7 +5,7 @@ text (importlib.resources), once, and sent to the server's ``python3 -I -S`` by 
 
 - ``FACTS``: raw observations (request spliced in: it starts without json);
 - ``COMMIT``: one transaction in one round trip (request on stdin: it carries files; under ``setsid -w``);
-- ``ENGINE``: stage an uploaded (gzip on stdin) or downloaded engine binary with its sidecars;
+- ``ENGINE``: stage an uploaded (zstd or gzip on stdin) or downloaded engine binary with its sidecars;
 - ``FIREWALL``: load the firewall, keep it only if a fresh SSH connection gets in;
 - ``LOCK``: take or release the apply lock (policy: ``reconciler.plan.lock``);
 - ``FILES``: read old contents for diffs, remove files (prune);

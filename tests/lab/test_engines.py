@@ -131,7 +131,7 @@ def sing_box_release(mirror: Path) -> tuple[str, str]:
     data = Path(SING_BOX).read_bytes()
     targz, package = tarball(data, "1.14.4", level=1), arch_package(data, "1.14.4")
     (folder / "sing-box-1.14.4-linux-amd64.tar.gz").write_bytes(targz)
-    (folder / "sing-box_1.14.4_linux_amd64.pkg.tar.zst").write_bytes(package)
+    (folder / "sing-box_1.14.4_linux_x86_64.pkg.tar.zst").write_bytes(package)
     return hashlib.sha256(targz).hexdigest(), hashlib.sha256(package).hexdigest()
 
 
@@ -172,7 +172,7 @@ def test_the_sing_box_release_is_pinned_refused_missing_and_uploaded_where_a_ser
     # inflated through the host's own libzstd
     shutil.rmtree(Path.home() / ".cache" / "reconciler" / "releases", ignore_errors=True)
     text = lab_cluster_yaml(lab, lab.state.hosts[1:2], ["DE"])
-    package = f"http://{MIRROR}:{MIRROR_PORT}/v{{version}}/sing-box_{{version}}_linux_{{arch}}.pkg.tar.zst"
+    package = f"http://{MIRROR}:{MIRROR_PORT}/v{{version}}/sing-box_{{version}}_linux_{{machine}}.pkg.tar.zst"
     engine = f"  engine: {{version: 1.14.4, install: download, sha256: {{amd64: {package_digest}}}, url: \"{package}\"}}\n"
     Path("d.yaml").write_text(text.replace("settings:\n", "settings:\n" + engine, 1))
     direct = reconciler("apply", "-f", "d.yaml")

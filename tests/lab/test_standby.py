@@ -80,7 +80,8 @@ def test_the_leader_killed_mid_apply_is_replaced_and_its_fence_is_refused_by_the
             log("a")[-3000:] + log("b")[-3000:]
         names = ("a", "b") if _leader(first).get("role") == "leader" else ("b", "a")
         old, new = (first, second) if names[0] == "a" else (second, first)
-        assert _leader(new).get("leader") == _leader(old)["identity"]
+        # a standby says "standby" from its start, and names the leader once its first round has read etcd
+        assert _wait(lambda: _leader(new).get("leader") == _leader(old)["identity"], 2 * LEASE), _leader(new)
         # The leader's first plan applies to the bare hosts (engine upload, configuration, start): kill it in the middle.
         assert _wait(lambda: "applying:" in log(names[0]), 120, poll=0.05), log(names[0])[-3000:]
         time.sleep(0.5)

@@ -6,8 +6,8 @@ servers we target, and unpacking overlaps the transfer);
 its sha256 was taken on the controller from the source. Downloaded (``mode: download``): the release
 file fetched from ``url`` here (hashed as it arrives), its sha256 checked against the pin (``sha256``)
 before anything is unpacked: a different file is refused and nothing is installed; then the binary
-(``name``) is taken out of a ``.tar.gz``, ``.tar.zst`` (sing-box's Arch package, ``.pkg.tar.zst``: through
-the server's libzstd, ``library``, it costs ~45% of the ``.tar.gz``'s CPU), ``.gz`` or ``.zst`` release (or is
+(``name``) is taken out of a ``.tar.gz``, ``.tar.zst`` (such as sing-box's Arch package: through the
+server's libzstd, ``library``, ~42% of a ``.tar.gz``'s CPU for the same size), ``.gz`` or ``.zst`` release (or is
 the file itself) in one pass: inflated once, read as a tar stream up to that member, hashed as it is written
 (tarfile's random-access reader inflated a 44 MB release twice, then the binary was read again to hash it).
 The version is the controller's when it could run the same bytes (``version``), else this binary's own
@@ -94,10 +94,10 @@ class Unzstd:
         import ctypes
 
         (self.lib, buffer), self.src, self.ctypes = zstd_api(library), src, ctypes
+        self.inb, self.outb = ctypes.create_string_buffer(1 << 16), ctypes.create_string_buffer(1 << 17)
         self.ds = self.lib.ZSTD_createDStream()
         if not self.ds:
             raise MemoryError("ZSTD_createDStream")
-        self.inb, self.outb = ctypes.create_string_buffer(1 << 16), ctypes.create_string_buffer(1 << 17)
         self.i = buffer(ctypes.addressof(self.inb), 0, 0)
         self.o = buffer(ctypes.addressof(self.outb), len(self.outb), 0)
         self.out = memoryview(self.outb).cast("B")
@@ -228,6 +228,17 @@ def fetch(url: str, path: str) -> str:
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
+def is_tar_header(block: bytes) -> bool:
+    """Whether 512 bytes are a tar header (any format, old v7 ones too: its checksum is right)."""
+    import tarfile
+
+    try:
+        tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+        return True
+    except tarfile.HeaderError:
+        return False
+
+
 class Blocks:
     """Inflated blocks (``chunk()``: the next one, empty at the end) as a readable file that never reads ahead of
     what it is asked. tarfile's stream mode, asking 512-byte blocks, leaves a member's bytes here, and they are
@@ -280,7 +291,7 @@ class Blocks:
 
 def unpack(archive: str, dest: str, name: str, library: str = "") -> str | None:
     """The binary ``name`` out of a release: a .tar.gz, a .tar.zst (an Arch package, ``.pkg.tar.zst``: zstd
-    inflates in ~40% of zlib's time, through ``library``, the server's libzstd), a .gz, a .zst, or the file
+    inflates in ~40% of zlib's time, through ``library``, the server's libzstd), a .gz, a .zst, another tar, or the file
     itself; its sha256 (None: the file's own). ``Failed("codec")`` for a zstd release where libzstd does not load."""
     with open(archive, "rb") as f:
         magic = f.read(4)
@@ -289,7 +300,7 @@ def unpack(archive: str, dest: str, name: str, library: str = "") -> str | None:
             z = Unzstd(raw, library) if magic == ZSTD_MAGIC else None
             try:
                 blocks = Blocks(z.view if z else Inflating(raw).chunk)
-                if blocks.peek(512)[257:262] == b"ustar":  # a tar inside (POSIX and GNU headers)
+                if is_tar_header(blocks.peek(512)):  # a tar inside
                     return _from_tar(blocks, dest, name)
                 return blocks.copy(dest)
             finally:
@@ -314,7 +325,7 @@ def _from_tar(stream: Blocks | BinaryIO, dest: str, name: str) -> str:
                       bufsize=tarfile.BLOCKSIZE if direct else 1 << 20) as tar:
         for member in tar:  # a stream: the members in order, up to the binary
             if member.isfile() and os.path.basename(member.name) == name:
-                if direct and direct.consumed == member.offset_data:  # nothing read ahead: its bytes come next
+                if direct and direct.consumed == member.offset_data and not member.issparse():  # its bytes come next
                     return direct.copy(dest, member.size)
                 src = tar.extractfile(member)
                 assert src is not None
