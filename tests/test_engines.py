@@ -294,6 +294,14 @@ def test_releases_unpack_in_one_pass_and_broken_ones_are_refused(tmp_path, monke
         assert failed.value.kind == "codec"
 
 
+def test_release_urls_expand_the_architecture_both_ways():
+    from reconciler.engine.release import release_url
+
+    # {arch}: Go's and Debian's names (archives); {machine}: the kernel's (Arch Linux packages)
+    assert release_url("v{version}/x_{machine}_{arch}.pkg.tar.zst", "arm64") == "v{version}/x_aarch64_arm64.pkg.tar.zst"
+    assert release_url("{machine}/{arch}", "amd64") == "x86_64/amd64"
+
+
 def test_a_release_with_another_hash_is_refused_and_nothing_is_installed(tmp_path, runner, mirror, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     c = downloading(tmp_path, mirror, {"amd64": "ab" * 32})

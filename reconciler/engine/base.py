@@ -162,7 +162,7 @@ class EngineBinary:
     version: str
     sha256: str | None  # upload: of the binary; download: of the release file, for the server's architecture
     local_path: str | None  # upload from here
-    url: str | None  # or download from here on the server ({version} expanded; {arch} per server)
+    url: str | None  # or download from here on the server ({version} expanded; {arch}, {machine} per server)
     sha256_by_arch: tuple[tuple[str, str], ...] = ()  # download: (arch, sha256) pins
 
     def pin_for(self, arch: str) -> str | None:

@@ -17,6 +17,7 @@ import stat
 import tarfile
 import tempfile
 import threading
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -86,7 +87,7 @@ def fetch_binary(url: str, pin: str, name: str, fetched: str | None = None) -> s
                 raise ReleaseError(f"the file at {url} has sha256 {got}, not the pinned {pin}: refused")
             try:
                 script.unpack(path, unpacked, name, zstd_library())
-            except (script.Failed, RuntimeError, tarfile.TarError) as exc:  # the pinned file, but unusable
+            except (script.Failed, RuntimeError, tarfile.TarError, zlib.error, EOFError) as exc:  # pinned, unusable
                 raise ReleaseError(f"{url}: {exc}") from None
             except OSError as exc:
                 raise ReleaseError(f"{url}: cannot unpack it in {cache_dir()}: {exc}", temporary=True) from None

