@@ -28,6 +28,7 @@ from reconciler.errors import ReleaseError
 from reconciler.model import EngineSettings
 
 ARCHES = ("amd64", "arm64")
+LOCAL_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(os.uname().machine, "")
 #: The kernel's name of each architecture (``uname -m``): what ``{machine}`` expands to in a release URL
 #: (sing-box names its Arch Linux packages so: ``sing-box_<version>_linux_x86_64.pkg.tar.zst``).
 MACHINES = {"amd64": "x86_64", "arm64": "aarch64"}
@@ -36,7 +37,6 @@ MACHINES = {"amd64": "x86_64", "arm64": "aarch64"}
 def release_url(template: str, arch: str) -> str:
     """A release URL for one architecture (``amd64``, ``arm64``): ``{arch}`` and ``{machine}`` expanded."""
     return template.replace("{arch}", arch).replace("{machine}", MACHINES.get(arch, arch))
-LOCAL_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(os.uname().machine, "")
 
 
 def cache_dir() -> str:
