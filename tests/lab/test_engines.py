@@ -20,7 +20,7 @@ from ruamel.yaml import YAML
 from reconciler.certificates import derived_certificate
 from reconciler.credentials import Secret
 from reconciler.lab import lab_cluster_yaml
-from reconciler.lab.releases import arch_package, tarball
+from reconciler.lab.releases import write_mirror
 from tests.lab.conftest import ORIGIN_PORT, SING_BOX, blob_sha, reconciler, reset_hosts, ssh
 from tests.test_real_clients import MIHOMO, Processes, fetch_through, run_mihomo
 
@@ -123,23 +123,12 @@ def test_a_fresh_init_runs_reality_on_mihomo_downloaded_by_the_server(lab, env, 
     assert f"CN = {CAMOUFLAGE}" in seen.stdout or f"CN={CAMOUFLAGE}" in seen.stdout, seen.stdout[-2000:]
 
 
-def sing_box_release(mirror: Path) -> tuple[str, str]:
-    """The wheel's sing-box as upstream publishes it: the .tar.gz (a folder) and the Arch package (.pkg.tar.zst);
-    their sha256s."""
-    folder = mirror / "v1.14.4"
-    folder.mkdir()
-    data = Path(SING_BOX).read_bytes()
-    targz, package = tarball(data, "1.14.4", level=1), arch_package(data, "1.14.4")
-    (folder / "sing-box-1.14.4-linux-amd64.tar.gz").write_bytes(targz)
-    (folder / "sing-box_1.14.4_linux_x86_64.pkg.tar.zst").write_bytes(package)
-    return hashlib.sha256(targz).hexdigest(), hashlib.sha256(package).hexdigest()
-
-
 def test_the_sing_box_release_is_pinned_refused_missing_and_uploaded_where_a_server_cannot_fetch(lab, env, mirror):
     reset_hosts(lab)
-    digest, package_digest = sing_box_release(mirror)
+    forms = write_mirror(mirror, Path(SING_BOX).read_bytes(), "1.14.4", level=1)  # the .tar.gz and the Arch package
+    digest, package_digest = forms["targz"][1], forms["zst"][1]
     h = lab.state.hosts[0]
-    url = f"http://{MIRROR}:{MIRROR_PORT}/v{{version}}/sing-box-{{version}}-linux-{{arch}}.tar.gz"
+    url = f"http://{MIRROR}:{MIRROR_PORT}/{forms['targz'][0]}"
 
     def write(sha: str, where: str = url) -> None:
         engine = f"  engine: {{version: 1.14.4, install: download, sha256: {{amd64: {sha}}}, url: \"{where}\"}}\n"
@@ -172,7 +161,7 @@ def test_the_sing_box_release_is_pinned_refused_missing_and_uploaded_where_a_ser
     # inflated through the host's own libzstd
     shutil.rmtree(Path.home() / ".cache" / "reconciler" / "releases", ignore_errors=True)
     text = lab_cluster_yaml(lab, lab.state.hosts[1:2], ["DE"])
-    package = f"http://{MIRROR}:{MIRROR_PORT}/v{{version}}/sing-box_{{version}}_linux_{{machine}}.pkg.tar.zst"
+    package = f"http://{MIRROR}:{MIRROR_PORT}/{forms['zst'][0]}"
     engine = f"  engine: {{version: 1.14.4, install: download, sha256: {{amd64: {package_digest}}}, url: \"{package}\"}}\n"
     Path("d.yaml").write_text(text.replace("settings:\n", "settings:\n" + engine, 1))
     direct = reconciler("apply", "-f", "d.yaml")
