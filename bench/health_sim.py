@@ -90,8 +90,9 @@ def steady(n: int, ticks: int, seed: int, loss: float, burst: float | None = Non
 
 
 def detect(kind: str, n: int, seed: int, loss: float = 0.05, settings: HealthSettings = SETTINGS,
-           at: int = 20, until: int = 40) -> tuple[int | None, int | None]:
-    """(ticks to detect, ticks to recover) for one fault; None = never."""
+           at: int = 20, until: int = 40, burst: float | None = None) -> tuple[int | None, int | None]:
+    """(ticks to detect, ticks to recover) for one fault; None = never. With ``burst``, the background loss is
+    Gilbert-Elliott (share ``loss``, mean burst ``burst`` ticks) instead of independent."""
     servers = fleet(n, probers=1 if kind == "prober" else 0)
     names = [s["name"] for s in servers]
     target = names[-1]
@@ -112,7 +113,10 @@ def detect(kind: str, n: int, seed: int, loss: float = 0.05, settings: HealthSet
         events, expect = [{"at": at, "until": until, "block": {"from": [names[0]], "to": target}}], "blocked"
     else:
         raise ValueError(kind)
-    sc = Scenario.model_validate({"servers": servers, "ticks": until + 30, "seed": seed, "loss": loss, "events": events})
+    if burst is not None:
+        events = [{"at": 0, "loss": {"p": loss, "burst": burst}}, *events]
+    sc = Scenario.model_validate({"servers": servers, "ticks": until + 30, "seed": seed,
+                                  "loss": 0.0 if burst is not None else loss, "events": events})
     topo = inline_topology(sc.servers)
     world, engine = World(sc, topo, 60.0, settings), HealthEngine(topo, settings)
     i = topo.servers.index(target)
@@ -164,6 +168,85 @@ def scenario_checks(seed: int) -> dict[str, object]:
     out["flapping_target_changes"] = sum(1 for a, b in zip(statuses, statuses[1:], strict=False) if a != b)
     out["flapping_target_undamped_changes"] = 2 * (400 // 12)
     out["flapping_target_heals"] = statuses[-1] == 0
+    return out
+
+
+# Fleets shaped like the ones operators run: two or three servers, one server alone in a censoring country,
+# a prober there, a few countries (name, country, prober).
+SMALL_FLEETS: dict[str, list[tuple[str, str, bool]]] = {
+    "2 servers": [("de-1", "DE", False), ("nl-1", "NL", False)],
+    "3 servers": [("de-1", "DE", False), ("nl-1", "NL", False), ("us-1", "US", False)],
+    "3, prober in RU": [("ru-p", "RU", True), ("de-1", "DE", False), ("nl-1", "NL", False)],
+    "4, one in RU": [("ru-1", "RU", False), ("de-1", "DE", False), ("nl-1", "NL", False), ("us-1", "US", False)],
+    "8, prober in RU": [("ru-p", "RU", True)] + [(f"s{i}", c, False) for i, c in enumerate("DE NL US FR GB FI SE".split())],
+    "10, three in RU": [("ru-p", "RU", True), ("ru-1", "RU", False), ("ru-2", "RU", False)]
+                       + [(f"s{i}", c, False) for i, c in enumerate("DE DE NL US US FR GB".split())],
+}
+BURSTY_LOSS = (0.05, 0.10, 0.20)
+BURSTS = (2.0, 4.0, 5.0)  # mean burst, intervals
+
+
+def bursty(quick: bool, log) -> dict[str, object]:
+    """Gilbert-Elliott loss on fleets of 2..10 servers, with and without a prober, every fleet started cold for each
+    seed (an engine that has learnt nothing yet is the easiest to fool): every blocked or unreachable verdict is
+    false. Then real faults under the same loss: how long their detection takes."""
+    target = 20_000 if quick else 100_000  # server-intervals per (loss, burst) with a prober, and again without
+    seeds = 2 if quick else 4
+    out: dict[str, object] = {}
+    total = false_blocked = false_unreachable = with_prober = 0
+    worst: dict[str, int] = {}
+    for p in BURSTY_LOSS:
+        for burst in BURSTS:
+            row = {"server_intervals": 0, "false_blocked": 0, "false_unreachable": 0}
+            for name, shape in SMALL_FLEETS.items():
+                prober = any(x[2] for x in shape)
+                n = len(shape)
+                share = target / sum(1 for s in SMALL_FLEETS.values() if any(x[2] for x in s) == prober)
+                ticks = max(200, int(share / n / seeds))
+                servers = [{"name": a, "country": c, "prober": pr} for a, c, pr in shape]
+                for seed in range(seeds):
+                    sc = Scenario.model_validate({"servers": servers, "ticks": ticks, "seed": 1000 * seed + int(100 * p + burst),
+                                                  "events": [{"at": 0, "loss": {"p": p, "burst": burst}}]})
+                    topo = inline_topology(sc.servers)
+                    world, engine = World(sc, topo, 60.0, SETTINGS), HealthEngine(topo, SETTINGS)
+                    for t in range(ticks):
+                        v = engine.evaluate(world.observe(t))
+                        fb, fu = int((v.server_status == 2).sum()), int((v.server_status == 3).sum())
+                        row["false_blocked"] += fb
+                        row["false_unreachable"] += fu
+                        if fb or fu:
+                            worst[name] = worst.get(name, 0) + fb + fu
+                    row["server_intervals"] += ticks * n
+                    with_prober += ticks * n if prober else 0
+            total += row["server_intervals"]
+            false_blocked += row["false_blocked"]
+            false_unreachable += row["false_unreachable"]
+            log(f"  {p:4.0%} loss, mean burst {burst:g}: {row['server_intervals']:7d} server-intervals  false blocked "
+                f"{row['false_blocked']}  false unreachable {row['false_unreachable']}")
+    out["bursty_server_intervals"] = total
+    out["bursty_server_intervals_with_prober"] = with_prober
+    out["bursty_false_blocked"] = false_blocked
+    out["bursty_false_unreachable"] = false_unreachable
+    out["bursty_false_by_fleet"] = worst
+    # Detection of real faults under bursty loss (10 and 50 servers, like the iid section): evidence adapts to the
+    # loss, so a lone prober needs a longer streak where a burst of eight is ordinary.
+    detections: dict[str, int] = {}
+    misses = 0
+    for p, burst in ((0.05, 2.0), (0.05, 5.0), (0.10, 4.0), (0.20, 5.0)):
+        for kind in ("outage", "country_block", "prober"):
+            for n in (10, 50):
+                for seed in range(1 if quick else 2):
+                    found, _ = detect(kind, n, seed + 1, loss=p, burst=burst, at=60, until=140)
+                    key = f"{kind} {p:.0%}/{burst:g}"
+                    if found is None:
+                        misses += 1
+                    else:
+                        detections[key] = max(detections.get(key, 0), found)
+    out["bursty_detection"] = detections
+    out["bursty_detect_misses"] = misses
+    quorum = [v for k, v in detections.items() if not k.startswith("prober")]
+    out["bursty_detect_quorum_max"] = max(quorum) if quorum else None
+    log(f"  detection under bursty loss (intervals from the first failed check): {detections}, misses {misses}")
     return out
 
 
@@ -332,6 +415,9 @@ def main() -> int:
         log(f"  {k:36s} {v}")
     result.update(checks)
 
+    log("== bursty loss (Gilbert-Elliott) on the fleets operators run, each started cold (every blocked/unreachable is false)")
+    result.update(bursty(args.quick, log))
+
     log("== probe plans at N = 1000, side by side (same random draws; 5% loss for detection)")
     result.update(plans_side_by_side(args.quick, log))
 
@@ -352,6 +438,9 @@ def main() -> int:
         "false_blocked_rate": (result["false_blocked_rate"], "<= 1e-5"),
         "detect_ticks_max": (result["detect_ticks_max"], f"<= {F + 1}"),
         "silence_removals": (result["silence_removals"], "== 0"),
+        "bursty_false_blocked": (result["bursty_false_blocked"], "== 0"),
+        "bursty_false_unreachable": (result["bursty_false_unreachable"], "== 0"),
+        "bursty_server_intervals_with_prober": (result["bursty_server_intervals_with_prober"], ">= 1e5"),
         "flaps_per_1000": (result["flaps_per_1000"], "<= 1"),
         "tick_ms_n1000": (result["tick_ms_n1000"], "<= 50"),
         "state_mb_n1000": (result["state_mb_n1000"], "<= 16"),

@@ -278,3 +278,92 @@ def test_state_stays_small_for_a_thousand_servers():
                         inbounds=tuple(f"i{i}" for i in range(1000)), inbound_server=tuple(range(1000)))
     assert HealthState.initial(topology).nbytes() <= 16 * 2**20
     assert np.asarray(topology.own).sum() == 1000
+
+
+# --------------------------------------------------------------------------- scenarios that state their own verdicts
+
+EXPECTING = sorted(p.name for p in SCENARIOS.glob("*.yaml") if "\nexpect:" in p.read_text())
+CENSORSHIP = {"two_servers.yaml": "HEALTH-8", "three_servers.yaml": "HEALTH-8", "four_servers.yaml": "HEALTH-6",
+              "lone_censored_witness.yaml": "HEALTH-6", "wide_block.yaml": "HEALTH-7", "allow_list.yaml": "HEALTH-15",
+              "prober_half.yaml": "HEALTH-9", "bursty_loss.yaml": "HEALTH-9"}
+
+
+def test_the_fleets_operators_run_have_scenarios_with_expectations():
+    # spec: HEALTH-6, HEALTH-7, HEALTH-8, HEALTH-9, HEALTH-15: every shape of fleet and censor has its file
+    assert set(CENSORSHIP) <= set(EXPECTING)
+    for name, rule in CENSORSHIP.items():
+        assert rule in (SCENARIOS / name).read_text(), name
+
+
+@pytest.mark.parametrize("name", EXPECTING)
+def test_scenario_expectations_hold(name):
+    # spec: HEALTH-5..HEALTH-15: each file asserts verdicts, marks and reasons at the ticks it names
+    from reconciler.health.simulate import expectations
+
+    scenario, topology, settings = load(name)
+    assert scenario.expect
+    assert expectations(scenario, topology, settings) == []
+
+
+def test_a_missed_expectation_fails_simulate_and_says_where(cli, tmp_path):
+    # spec: HEALTH-8: the expectation is checked, not decoration
+    text = (SCENARIOS / "two_servers.yaml").read_text().replace('at: 48, server: b, marks: ["a cannot reach b (one direction)"]',
+                                                               'at: 48, server: b, marks: ["a cannot reach b (both directions)"]')
+    bad = tmp_path / "two.yaml"
+    bad.write_text(text)
+    out = cli("simulate", str(bad))
+    line = next(i for i, x in enumerate(text.splitlines(), 1) if "(both directions)\"], reason" in x)
+    assert out.rc == 1 and f"two.yaml:{line}:5: error: expectation not met: tick 48: b: marks" in out.err
+    good = cli("simulate", str(SCENARIOS / "two_servers.yaml"))
+    assert good.rc == 0 and "expectation(s) met" in good.err
+
+
+def test_a_regional_verdict_is_in_rotation_elsewhere():
+    # spec: HEALTH-15: out for users of the blocking country's region (and of unknown region), in for the others
+    scenario, topology, settings = load("wide_block.yaml", ticks=10)
+    engine = HealthEngine(topology, settings)
+    world = World(scenario, topology, settings.report_interval)
+    for t in range(10):
+        v = engine.evaluate(world.observe(t))
+    t = topology.inbounds.index("de-1-in")
+    assert v.region_out(t) == "EEU" and not v.in_rotation[t]
+    assert not v.in_rotation_for(t, "EEU") and not v.in_rotation_for(t, None) and v.in_rotation_for(t, "WEU")
+    assert topology.country_codes[engine.state.unreach_scope[t]] == "RU"
+
+
+def _cluster(servers: list[tuple[str, str]]):
+    from reconciler.model import Cluster
+
+    return Cluster.model_validate({"servers": [
+        {"name": name, "host": f"198.18.0.{10 + i}", "country": country,
+         "inbounds": [{"id": f"{name}-in", "name": name, "protocol": "vless-tls", "port": 443,
+                       "tls": {"server_name": "www.lab.test"}}]} for i, (name, country) in enumerate(servers)]})
+
+
+def test_learned_health_survives_a_fleet_change_and_an_older_state_file():
+    # spec: HEALTH-15, GITOPS-5: a regional verdict's country is carried by its code when the fleet's countries
+    # change; a state written before the loss weights and scopes existed restores with them fresh, losing nothing else
+    from reconciler.fleet.learned import Learned
+
+    before = _cluster([("ru-1", "RU"), ("ru-2", "RU"), ("de-1", "DE")])
+    learned = Learned.fresh(before)
+    topo = learned.topology
+    t = topo.inbounds.index("de-1-in")
+    learned.health.unreach_on[t] = True
+    learned.health.unreach_scope[t] = topo.country_codes.index("RU")
+    learned.health.cont_n[:] = 7.0
+    after = learned.adopt(_cluster([("at-1", "AT"), ("ru-1", "RU"), ("ru-2", "RU"), ("de-1", "DE")]))
+    codes = after.topology.country_codes
+    assert codes.index("RU") != topo.country_codes.index("RU")  # the index moved
+    t2 = after.topology.inbounds.index("de-1-in")
+    assert codes[after.health.unreach_scope[t2]] == "RU" and after.health.unreach_on[t2]
+    assert list(after.health.cont_n) == [0.0, 7.0, 7.0, 7.0]
+
+    again, why = Learned.restore(learned.to_bytes(), before)
+    assert why is None and again.health.unreach_scope[t] == learned.health.unreach_scope[t]
+    assert (again.health.cont_n == 7.0).all()
+    old = HealthState.from_arrays({k: v for k, v in vars(learned.health).items()
+                                   if k not in ("hazard_n", "cont_n", "fleet_n", "unreach_scope")}, topo)
+    assert (old.cont_n == 0).all() and (old.unreach_scope == -1).all() and old.unreach_on[t]
+    wrong = HealthState.from_arrays({**vars(learned.health), "fail": np.zeros((9, 9), np.int16)}, topo)
+    assert not wrong.unreach_on.any()  # another fleet's arrays: a fresh state, never a crash

@@ -73,7 +73,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from reconciler.health.simulate import Scenario, check_names, inline_topology, run
+    from reconciler.health.simulate import Scenario, check_expectations, check_names, expectations, inline_topology, run
     from reconciler.health.topology import Topology
 
     scenario, diagnostics, source = load_document(args.scenario, Scenario)
@@ -89,10 +89,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         settings = scenario.health or loaded.cluster.settings.health
     else:
         topology = inline_topology(scenario.servers or [])
-    problems = check_names(scenario, topology)
+    hint = f"known servers: {', '.join(topology.servers)}"
+    problems = [at("error", source.key(("events", i)), msg, hint, "reference") for i, msg in check_names(scenario, topology)]
+    problems += [at("error", source.key(("expect", i)), msg, hint, "reference")
+                 for i, msg in check_expectations(scenario, topology)]
     if problems:
-        print_diagnostics([at("error", source.key(("events", i)), msg, f"known servers: {', '.join(topology.servers)}", "reference")
-                           for i, msg in problems])
+        print_diagnostics(problems)
         return 1
     if args.json:
         import json
@@ -100,8 +102,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         for tick, verdicts in run(scenario, topology, settings):
             line = {"tick": tick, "servers": {name: v.as_json() for name, v in verdicts.servers().items()}}
             print(json.dumps(line, ensure_ascii=False))
-        return 0
-    from reconciler.cli.timeline import print_timeline
+    else:
+        from reconciler.cli.timeline import print_timeline
 
-    print_timeline(scenario, topology, settings, args.all)
+        print_timeline(scenario, topology, settings, args.all)
+    if not scenario.expect:
+        return 0
+    missed = expectations(scenario, topology, settings)
+    if missed:
+        print_diagnostics([at("error", source.key(("expect", i)), f"expectation not met: {msg}", None, "expectation")
+                           for i, msg in missed])
+        return 1
+    print(f"{len(scenario.expect)} expectation(s) met", file=sys.stderr)
     return 0

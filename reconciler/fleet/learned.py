@@ -37,9 +37,9 @@ from reconciler.model import Cluster
 FORMAT = 3  # 3: the assignments as one column per route; 2: the users' ledger and the assignments as arrays; 1: as JSON
 READS = (1, 2, FORMAT)
 # Which axes the engine's arrays run along: s = servers (witnesses), m = inbounds (targets).
-_HEALTH_AXES = {"fail": "sm", "hazard": "s", "cont": "s", "last_report": "s", "last_service_ok": "s",
-                "last_listener_ok": "m", "unreach_on": "m", "unreach_clear": "m", "blocked_on": "m", "blocked_clear": "m",
-                "flap": "m"}
+_HEALTH_AXES = {"fail": "sm", "hazard": "s", "cont": "s", "hazard_n": "s", "cont_n": "s", "last_report": "s",
+                "last_service_ok": "s", "last_listener_ok": "m", "unreach_on": "m", "unreach_clear": "m",
+                "unreach_scope": "m", "blocked_on": "m", "blocked_clear": "m", "flap": "m"}
 
 
 @dataclass
@@ -192,6 +192,11 @@ class Learned:
             if isinstance(value, np.ndarray) and name in _HEALTH_AXES:
                 carry(getattr(new.health, name), value, _HEALTH_AXES[name])
         new.health.fleet = self.health.fleet.copy()
+        new.health.fleet_n = self.health.fleet_n.copy()
+        # A regional verdict's country is an index into the codes of the fleet's countries: by code, not by index.
+        codes = {code: k for k, code in enumerate(topo.country_codes)}
+        remap = np.array([codes.get(code, -1) for code in old.country_codes] + [-1], dtype=np.int16)
+        new.health.unreach_scope = remap[new.health.unreach_scope]
         new.health.evaluations = self.health.evaluations
         new.capacity.peak[ri] = self.capacity.peak[ro]
         new.capacity.peak_time[ri] = self.capacity.peak_time[ro]
@@ -219,6 +224,7 @@ class Learned:
         meta = {
             "format": FORMAT, "servers": list(self.topology.servers), "inbounds": list(self.topology.inbounds),
             "countries": list(self.topology.countries), "probers": list(self.topology.probers),
+            "regions": list(self.topology.regions),
             "inbound_server": list(self.topology.inbound_server),
             "counters": {k: [c.value, c.at] for k, c in self.counters.items()}, "traffic_mbps": self.traffic_mbps,
             "connected": self.connected, "bytes_total": self.bytes_total,
@@ -243,9 +249,9 @@ class Learned:
         if meta.get("format") not in READS:
             raise ValueError(f"state format {meta.get('format')} is not {FORMAT}")
         topo = Topology(servers=tuple(meta["servers"]), countries=tuple(meta["countries"]), probers=tuple(meta["probers"]),
-                        inbounds=tuple(meta["inbounds"]), inbound_server=tuple(meta["inbound_server"]))
-        health = HealthState(**{k[2:]: v for k, v in values.items() if k.startswith("h_") and k != "h_evaluations"},
-                             evaluations=int(values["h_evaluations"]))
+                        inbounds=tuple(meta["inbounds"]), inbound_server=tuple(meta["inbound_server"]),
+                        regions=tuple(meta.get("regions") or ()))
+        health = HealthState.from_arrays({k[2:]: v for k, v in values.items() if k.startswith("h_")}, topo)
         assignments: Mapping[tuple[str, str], str]
         if meta["format"] == 1:
             assignments = {(u, r): i for u, r, i in meta["assignments"]}

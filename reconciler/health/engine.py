@@ -19,17 +19,35 @@ The rules, in the order they are applied:
    when the plan brings it back. Every count below is over the pairs in the
    witnesses' latest reports: the full mesh, or the bounded plan.
 2. **Background loss.** Each witness's chance of failing a probe at random is
-   estimated as two EWMAs: the hazard *h* (a failure after a success) and the
+   estimated as two rates: the hazard *h* (a failure after a success) and the
    continuation *c* (another failure after a failure) — a two-state Markov
    chain, so bursty loss raises *c* and iid loss keeps *c ≈ h*. A streak of at
    least *s* is then this likely by chance: ``π · c^(s-1)`` with the chain's
-   failure share ``π = h / (h + 1 - c)``.
-3. **Unreliable witnesses** (HEALTH-6). A witness voting against at least
-   ``unreliable_ratio`` of its targets *and* at least ``unreliable_margin``
-   above the median share of all fresh witnesses is unreliable: its votes are
-   discarded. Judging against the median keeps every witness when half the
-   fleet really is down (all healthy witnesses then fail about half their
-   targets, and so does the median), while a broken witness stands out.
+   failure share ``π = h / (h + 1 - c)``. Each rate is a weighted mean of the
+   samples seen (recent ones weigh more), started from a prior worth a few
+   samples, so a fleet under bursty loss learns its long bursts from its first
+   bursts, not after hundreds of intervals (an estimate that crept up from an
+   optimistic prior let an early long burst pass as a block). The continuation
+   is learnt from streaks that ended, so a block still in progress never passes
+   itself off as bursty loss, and its prior is cautious (``_C_PRIOR``): until a
+   few streaks have ended, one witness's word needs a longer streak. The
+   fleet's pooled rates stand for any witness whose own are lower; a witness's
+   own count only when higher.
+3. **Witness reliability** (HEALTH-6, HEALTH-9), read at the level of servers.
+   A witness *loses* a server when it votes against any inbound of it. A
+   fraction of one to three neighbours says nothing (``MIN_NEIGHBOURS``). An
+   ordinary witness that loses at least ``unreliable_ratio`` of its neighbours
+   is *heavy*, and *suspect* when that is also at least ``unreliable_margin``
+   above the median of all fresh witnesses (judging against the median keeps
+   every witness when half the fleet really is down). A heavy witness whose
+   failures follow a censor's pattern is *censored*, not broken, and its votes
+   count: it still reaches at least half of the servers of its own country (a
+   censor blocks foreign addresses), or, with no server of its own country to
+   probe, the controller reached it, its self-check passed and the others reach
+   most of what it loses. Only a suspect that is not censored is
+   **unreliable**: its votes are discarded. A designated prober is judged by the rule's own words:
+   it is failing, and blocks no one, when it loses more than half of its
+   neighbours. Unreliable witnesses still make pair marks (rule 6).
 4. **Votes and quorum** (HEALTH-5, HEALTH-7). A reliable witness with fresh
    data votes against a target when its streak reaches ``failure_streak``. A
    target is **unreachable** when, either among all witnesses or among the
@@ -44,19 +62,24 @@ The rules, in the order they are applied:
    elsewhere still see the target: witnesses in one country are *not*
    independent of that country's censor, so they are allowed to convict only
    about their own country, and the reason says so; a lone server in a country
-   never convicts (``min_witnesses``) — that is what a prober is for.
+   never convicts (``min_witnesses``) — that is what a prober is for. A country's
+   conviction is **regional** (HEALTH-15): the verdict carries the country, and
+   the inbound leaves rotation for users of that country's region (and for
+   users whose region is unknown) while it stays for everyone else. A target
+   that the whole fleet, or two countries at once, convict is out everywhere.
 5. **Prober** (HEALTH-9). A reliable designated prober whose streak against a
    target reaches ``prober_streak`` — and is less likely than ``evidence`` by
    chance under its background loss — marks it **blocked**. A prober's own
    inbounds are judged like anyone's: a quorum of witnesses that cannot reach
    it makes it unreachable (a prober blocked from everyone leaves rotation),
    while one ordinary server failing to reach it means nothing (no pair mark).
-   A prober that is itself failing (unreliable, HEALTH-6) blocks no one.
-6. **Pair marks** (HEALTH-8). A reliable ordinary witness whose streak against
-   a target reaches ``prober_streak`` (one witness's word always needs the long
-   streak, and on a lossy network also ``evidence``) without any quorum marks the target's inbound ``pair-unreachable``,
-   naming both servers and whether the reverse direction fails too. Marks never
-   take anything out of rotation.
+   A prober that is itself failing (rule 3) blocks no one.
+6. **Pair marks** (HEALTH-8). Any fresh witness but a prober that blocks —
+   unreliable ones included — whose streak against a target reaches
+   ``prober_streak`` (one witness's word always needs the long streak, and on a
+   lossy network also ``evidence``) without a quorum marks the target's inbound
+   ``pair-unreachable``, naming both servers and whether the reverse direction
+   fails too. Marks never take anything out of rotation.
 7. **Self-reports** (HEALTH-1..3). A fresh report saying the service is not
    running or the inbound's port is not listening makes it **unavailable**; no
    report within the staleness limit makes it **no_data**.
@@ -86,11 +109,16 @@ from reconciler.health.verdicts import BLOCKED, IN_ROTATION, NO_DATA, OK, UNAVAI
 from reconciler.model.cluster import HealthSettings
 
 _STREAK_CAP = 30000
-_H_PRIOR, _C_PRIOR = 0.05, 0.1
+# The rates' priors, and what they weigh in samples. The continuation's is cautious and weak: until streaks have
+# ended, nothing tells a long burst from a block, and a few ended streaks are enough to learn which the fleet has.
+_H_PRIOR, _H_PRIOR_N = 0.05, 10.0
+_C_PRIOR, _C_PRIOR_N = 0.1, 10.0  # the usual short bursts, unless the other targets' failures say otherwise
 _H_RANGE, _C_RANGE = (0.005, 0.5), (0.02, 0.95)
-_EWMA = 0.02  # per-sample weight of a witness's own background-loss estimators
-_FLEET_EWMA = 0.002  # per-sample weight of the fleet-wide estimators (many samples: fast, yet not swayed by a few)
-_FLAP_DECAY = 0.5 ** (1 / 100)  # flap memory halves every 100 evaluations
+_EWMA = 0.02  # per-sample decay of a witness's own background-loss samples (about the last 50 count)
+_FLEET_EWMA = 0.002  # per-sample decay of the fleet-wide samples (about the last 500 count)
+MIN_NEIGHBOURS = 4  # a witness's failure share over fewer servers says nothing about the witness (HEALTH-6)
+_FLAP_DECAY = 0.5 ** (1 / 100)
+_RUN_DECAY = 0.02  # per evaluation: the running streaks' steps weigh about the last 50 evaluations  # flap memory halves every 100 evaluations
 
 
 @dataclass
@@ -116,14 +144,21 @@ class HealthState:
     """Everything the engine carries between evaluations (persisted by the loop)."""
 
     fail: np.ndarray  # (N, M) int16 consecutive failures; -1: not in the witness's latest report (not probing it)
-    hazard: np.ndarray  # (N,) float64
-    cont: np.ndarray  # (N,) float64
+    hazard: np.ndarray  # (N,) float64: the mean of the witness's hazard samples
+    cont: np.ndarray  # (N,) float64: the mean of its continuation samples
     fleet: np.ndarray  # (2,) float64: fleet-wide hazard and continuation
+    hazard_n: np.ndarray  # (N,) float64: what those means weigh, in (decayed) samples
+    cont_n: np.ndarray  # (N,) float64
+    fleet_n: np.ndarray  # (2,) float64
+    # Streaks while they run, as decayed counts of (continued, steps) over the steps 1..F-1: what the fleet's
+    # *other* pairs say about how bursty its loss is before their streaks have ended to say it for sure.
+    fleet_run: np.ndarray  # (2,) float64
     last_report: np.ndarray  # (N,) float64, -inf = never
     last_service_ok: np.ndarray  # (N,) bool
     last_listener_ok: np.ndarray  # (M,) bool
     unreach_on: np.ndarray  # (M,) bool
     unreach_clear: np.ndarray  # (M,) int16
+    unreach_scope: np.ndarray  # (M,) int16: the country (index of the topology's codes) that convicted; -1 everywhere
     blocked_on: np.ndarray  # (M,) bool
     blocked_clear: np.ndarray  # (M,) int16
     flap: np.ndarray  # (M,) float32
@@ -137,11 +172,16 @@ class HealthState:
             hazard=np.full(n, _H_PRIOR),
             cont=np.full(n, _C_PRIOR),
             fleet=np.array([_H_PRIOR, _C_PRIOR]),
+            hazard_n=np.zeros(n),
+            cont_n=np.zeros(n),
+            fleet_n=np.zeros(2),
+            fleet_run=np.zeros(2),
             last_report=np.full(n, -np.inf),
             last_service_ok=np.ones(n, dtype=bool),
             last_listener_ok=np.ones(m, dtype=bool),
             unreach_on=np.zeros(m, dtype=bool),
             unreach_clear=np.zeros(m, dtype=np.int16),
+            unreach_scope=np.full(m, -1, dtype=np.int16),
             blocked_on=np.zeros(m, dtype=bool),
             blocked_clear=np.zeros(m, dtype=np.int16),
             flap=np.zeros(m, dtype=np.float32),
@@ -161,15 +201,79 @@ class HealthState:
         """Restore a persisted state; a state of another topology starts afresh."""
         with np.load(io.BytesIO(data)) as npz:
             values: dict[str, Any] = {k: npz[k] for k in npz.files}
-        evaluations = int(values.pop("evaluations"))
-        state = cls(**values, evaluations=evaluations)
-        if state.fail.shape != (topology.n, topology.m):
-            return cls.initial(topology)
+        return cls.from_arrays(values, topology)
+
+    @classmethod
+    def from_arrays(cls, values: dict[str, Any], topology: Topology) -> HealthState:
+        """A state from its arrays. An array this version does not know is dropped; one it lacks (a state written
+        by an older version) starts as in a fresh state. Arrays of another fleet's shape: a fresh state."""
+        state = cls.initial(topology)
+        evaluations = values.get("evaluations")
+        if evaluations is not None:
+            state.evaluations = int(evaluations)
+        for name, fresh in vars(state).items():
+            value = values.get(name)
+            if not isinstance(fresh, np.ndarray) or value is None:
+                continue
+            value = np.asarray(value)
+            if value.shape != fresh.shape:
+                return cls.initial(topology)
+            setattr(state, name, value.astype(fresh.dtype, copy=False))
         return state
 
     def copy(self) -> HealthState:
         values: dict[str, Any] = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in vars(self).items()}
         return HealthState(**values)
+
+
+@dataclass(frozen=True)
+class Witnesses:
+    """How one evaluation judged each witness (HEALTH-6, HEALTH-9). Arrays by server (N)."""
+
+    unreliable: np.ndarray  # bool: its votes are discarded
+    censored: np.ndarray  # bool: an ordinary witness that loses many, in a censor's pattern: its votes count
+    prober_failing: np.ndarray  # bool: a prober that loses more than half of its neighbours: it blocks no one
+
+    @property
+    def judged(self) -> np.ndarray:
+        """Its failures are not background loss: unreliable, censored or a failing prober."""
+        judged: np.ndarray = self.unreliable | self.censored | self.prober_failing
+        return judged
+
+
+@dataclass(frozen=True)
+class StreakOdds:
+    """How likely a witness's streak of failures is by chance, from the background loss learnt so far (2).
+
+    ``P(streak >= s) = π · E[c^(s-1)]``: the witness's failure share, times the chance of s-1 continuations, the
+    larger of the fleet's predictive one (a Beta over the ended streaks: it stays high while few have ended) and
+    the witness's own continuation to the power s-1 (where its own link is burstier than the fleet's).
+    """
+
+    log_pi: np.ndarray  # (N,) float32
+    log_c: np.ndarray  # (N,) float32: the witness's continuation, at least the fleet's mean
+    ended: tuple[float, float]  # the fleet's ended streaks: (continued, steps)
+    running: tuple[float, float]  # the fleet's running streaks: (continued, steps), its own pair's included
+    steps: int  # the steps a running streak counts: failure_streak - 1
+
+    def log_chance(self, fail: np.ndarray, least: int) -> np.ndarray:
+        """(N, M) log P(a streak at least this long by chance), where ``fail`` >= ``least``; 0 elsewhere.
+
+        The fleet's continuation is a Beta: the ended streaks, plus a prior of ``_C_PRIOR_N`` samples whose mean is
+        the other pairs' running streaks (the pair's own steps taken out) pulled towards ``_C_PRIOR``.
+        """
+        out = np.zeros(fail.shape, dtype=np.float32)
+        ws, ts = np.nonzero(fail >= max(least, 1))
+        if ws.size:
+            k = fail[ws, ts].astype(np.float64) - 1.0
+            own = np.minimum(k, self.steps)  # the steps its own running streak added (all continued)
+            run_f, run_n = np.maximum(self.running[0] - own, 0.0), np.maximum(self.running[1] - own, 0.0)
+            prior = np.clip((run_f + _C_PRIOR * _C_PRIOR_N) / (run_n + _C_PRIOR_N), _C_PRIOR, _C_RANGE[1])
+            a = self.ended[0] + prior * _C_PRIOR_N
+            b = self.ended[1] - self.ended[0] + (1.0 - prior) * _C_PRIOR_N
+            predictive = _lgamma(a + k) - _lgamma(a) + _lgamma(a + b) - _lgamma(a + b + k)
+            out[ws, ts] = self.log_pi[ws] + np.maximum(predictive, k * self.log_c[ws])
+        return out
 
 
 class HealthEngine:
@@ -187,26 +291,10 @@ class HealthEngine:
         F = cfg.failure_streak
         long_streak = cfg.prober_streak
 
-        # 1. Streaks, and the background-loss samples they give. -1: the pair is not in the witness's latest report.
+        # 1-2. Streaks, and the background-loss samples they give. -1: the pair is not in the witness's latest report.
         present = obs.probe_present & obs.reported[:, None] & ~own
         failed = present & ~obs.probe_ok
         prev = np.maximum(st.fail, 0)
-        # Background loss is learnt from targets not already convicted, and not failed by at least half (and 3)
-        # of the witnesses at once: random loss is uncorrelated across witnesses, an outage is not.
-        n_present = present.sum(axis=0)
-        n_failed = failed.sum(axis=0)
-        correlated = (n_failed >= 3) & (2 * n_failed >= n_present)
-        background = present & ~(st.unreach_on | st.blocked_on | correlated)[None, :]
-        fresh_start = background & (prev == 0)
-        in_run = background & (prev > 0) & (prev < F)
-        h_n, h_f = fresh_start.sum(axis=1), (fresh_start & failed).sum(axis=1)
-        c_n, c_f = in_run.sum(axis=1), (in_run & failed).sum(axis=1)
-        _update_rate(st.hazard, h_n, h_f, _H_RANGE)
-        _update_rate(st.cont, c_n, c_f, _C_RANGE)
-        for k, (cnt, fails, bounds) in enumerate(((h_n.sum(), h_f.sum(), _H_RANGE), (c_n.sum(), c_f.sum(), _C_RANGE))):
-            if cnt:
-                weight = 1.0 - (1.0 - _FLEET_EWMA) ** cnt
-                st.fleet[k] = np.clip(st.fleet[k] + weight * (fails / cnt - st.fleet[k]), *bounds)
         held = np.where(obs.reported[:, None], np.int16(-1), st.fail)
         st.fail = np.where(present, np.where(failed, np.minimum(prev + 1, _STREAK_CAP), 0), held).astype(np.int16)
         fail = st.fail
@@ -219,24 +307,20 @@ class HealthEngine:
         st.last_listener_ok = np.where(reported_t, obs.listener_ok, st.last_listener_ok)
         fresh = (obs.now - st.last_report) <= cfg.staleness
 
-        # 2-3. Votes of fresh witnesses; unreliable ones discarded (HEALTH-6). A prober's own inbounds are judged
-        # like anyone's (HEALTH-9): one server failing to reach it means nothing (no pair mark, below), but a
-        # quorum that cannot reach it takes it out of rotation like any other server.
+        # 3. Votes of fresh witnesses, and who among them is unreliable (HEALTH-6) or a failing prober (HEALTH-9).
+        # A prober's own inbounds are judged like anyone's (HEALTH-9): one server failing to reach it means nothing
+        # (no pair mark, below), but a quorum that cannot reach it takes it out of rotation like any other server.
         vote = (fail >= F) & fresh[:, None] & ~own
-        share = vote.sum(axis=1) / np.maximum(1, probing.sum(axis=1))
-        median = float(np.median(share[fresh])) if fresh.any() else 0.0
-        unreliable = fresh & (share >= cfg.unreliable_ratio) & (share >= median + cfg.unreliable_margin)
+        witness = self._witnesses(vote, probing, fresh)
+        self._learn_loss(present & ~witness.judged[:, None], failed, prev)
+        unreliable = witness.unreliable
         reliable = fresh & ~unreliable
         V = vote & reliable[:, None]
 
         # 4. Quorum: globally and per country, with the evidence test (HEALTH-5, HEALTH-7).
-        # A witness's chance of a streak: from the larger of its own and the fleet's loss (the cautious choice).
-        h = np.maximum(st.hazard, st.fleet[0])
-        c = np.maximum(st.cont, st.fleet[1])
-        log_pi = np.log(h / (h + 1.0 - c)).astype(np.float32)
-        log_c = np.log(c).astype(np.float32)
+        log_chance = self._odds().log_chance(fail, F)  # (N, M) log P(a streak this long by chance), where >= F
         # -log P(streak >= s by chance), summed over the voters (Fisher's statistic / 2).
-        surprise = np.where(V, -(log_pi[:, None] + (fail.astype(np.float32) - 1) * log_c[:, None]), np.float32(0))
+        surprise = np.where(V, -log_chance, np.float32(0))
         eligible = (reliable[:, None] & probing).astype(np.int32)
         votes = V.sum(axis=0, dtype=np.int32)
         witnesses = eligible.sum(axis=0, dtype=np.int32)
@@ -244,6 +328,7 @@ class HealthEngine:
         global_conv = self._quorum(votes, witnesses, surprise.sum(axis=0), log_evidence)
 
         local_country = np.full(m, -1, dtype=np.int32)
+        scope_now = np.full(m, -1, dtype=np.int16)
         if len(topo.country_codes) > 1 and n:
             order, starts = topo.country_order, topo.country_starts
             votes_c = np.add.reduceat(V[order].astype(np.int32), starts, axis=0)
@@ -252,17 +337,18 @@ class HealthEngine:
             conv_c = self._quorum(votes_c, wit_c, ev_c, log_evidence)
             any_c = conv_c.any(axis=0)
             local_country = np.where(any_c & ~global_conv, np.argmax(conv_c, axis=0), -1).astype(np.int32)
+            # One country alone convicts for its region (HEALTH-15); the fleet, or two countries at once: everywhere.
+            scope_now = np.where(conv_c.sum(axis=0) == 1, local_country, -1).astype(np.int16)
             unreach_now = global_conv | any_c
         else:
             unreach_now = global_conv
 
         # 5. Probers (HEALTH-9): the long streak, and (on lossy networks) the evidence of one witness.
-        probers = np.flatnonzero(topo.prober_mask & reliable)
+        probers = np.flatnonzero(topo.prober_mask & fresh & ~witness.prober_failing)
         blocked_by = np.full(m, -1, dtype=np.int32)
         if probers.size:
             f = fail[probers]
-            p_chance = log_pi[probers, None] + (f.astype(np.float32) - 1) * log_c[probers, None]
-            hits = (f >= long_streak) & probing[probers] & (p_chance <= log_evidence)
+            hits = (f >= long_streak) & probing[probers] & (log_chance[probers] <= log_evidence)
             any_hit = hits.any(axis=0)
             blocked_by = np.where(any_hit, probers[np.argmax(hits, axis=0)], -1).astype(np.int32)
         else:
@@ -277,11 +363,12 @@ class HealthEngine:
             on[unavailable_t] = False
             clear[unavailable_t] = 0
 
-        # 8. Hysteresis with flap damping (HEALTH-12).
+        # 8. Hysteresis with flap damping (HEALTH-12). A verdict waiting to clear keeps the scope it had.
         st.flap *= _FLAP_DECAY
         required = (cfg.recovery_streak * np.exp2(np.clip(np.floor(st.flap) - 1, 0, 5))).astype(np.int16)
         _hysteresis(st.unreach_on, st.unreach_clear, unreach_now, required, st.flap)
         _hysteresis(st.blocked_on, st.blocked_clear, any_hit, required, st.flap)
+        st.unreach_scope = np.where(unreach_now, scope_now, np.where(st.unreach_on, st.unreach_scope, -1)).astype(np.int16)
 
         # 7. Statuses by precedence.
         status = np.where(
@@ -289,6 +376,8 @@ class HealthEngine:
             np.where(st.unreach_on, UNREACHABLE,
                      np.where(st.blocked_on, BLOCKED, np.where(report_fresh_t, OK, NO_DATA))),
         ).astype(np.int8)
+        # Out of rotation for one region only: unreachable from one country's witnesses, and nothing else (HEALTH-15).
+        regional = np.where((status == UNREACHABLE) & ~st.blocked_on, st.unreach_scope, -1).astype(np.int32)
 
         report_status = np.where(fresh, np.where(st.last_service_ok, OK, UNAVAILABLE), NO_DATA).astype(np.int8)
         listeners_all_down = np.ones(n, dtype=bool)
@@ -299,12 +388,12 @@ class HealthEngine:
         if m:
             np.maximum.at(server_status, topo.server_of, status)
 
-        # 6. Pair marks (HEALTH-8): sparse, long streaks of ordinary reliable witnesses, no quorum.
+        # 6. Pair marks (HEALTH-8): sparse, long streaks of any fresh witness but a prober that blocks, no quorum.
         marks: list[tuple[int, int, bool]] = []
-        ordinary = reliable & ~topo.prober_mask
-        candidates = (fail >= long_streak) & ordinary[:, None] & ~own
+        marking = fresh & ~(topo.prober_mask & ~witness.prober_failing)
+        candidates = (fail >= long_streak) & marking[:, None] & ~own
         if candidates.any():
-            candidates &= (log_pi[:, None] + (fail.astype(np.float32) - 1) * log_c[:, None]) <= log_evidence
+            candidates &= log_chance <= log_evidence
         if candidates.any():
             ws, ts = np.nonzero(candidates & ~st.unreach_on[None, :] & ~topo.prober_target[None, :])
             for w, t in zip(ws.tolist(), ts.tolist(), strict=True):
@@ -318,8 +407,87 @@ class HealthEngine:
             votes=votes, witnesses=witnesses, local_country=local_country, blocked_by=blocked_by,
             server_status=server_status, server_report_status=report_status, unreliable=unreliable,
             last_report=st.last_report.copy(), service_ok=st.last_service_ok.copy(), settings=cfg,
-            vote_matrix=V, fail=fail, pair_marks=marks,
+            vote_matrix=V, fail=fail, pair_marks=marks, regional=regional, censored=witness.censored,
+            prober_failing=witness.prober_failing, fresh=fresh,
         )
+
+    def _learn_loss(self, present: np.ndarray, failed: np.ndarray, prev: np.ndarray) -> None:
+        """Fold this evaluation's background-loss samples into the witnesses' and the fleet's rates (in place)."""
+        st, F = self.state, self.settings.failure_streak
+        # Background loss is learnt from targets not already convicted, and not failed by at least half (and 3)
+        # of the witnesses at once: random loss is uncorrelated across witnesses, an outage is not. Likewise not
+        # from a witness failing half (and 3) of its targets at once (its own network, or a censor), nor from one
+        # judged unreliable, censored or a failing prober (the caller leaves those out of ``present``).
+        failed = failed & present
+        n_present, n_failed = present.sum(axis=0), failed.sum(axis=0)
+        correlated = (n_failed >= 3) & (2 * n_failed >= n_present)
+        w_present, w_failed = present.sum(axis=1), failed.sum(axis=1)
+        cut_off = (w_failed >= 3) & (2 * w_failed >= w_present)
+        background = present & ~(st.unreach_on | st.blocked_on | correlated)[None, :] & ~cut_off[:, None]
+        fresh_start = background & (prev == 0)
+        h_n, h_f = fresh_start.sum(axis=1), (fresh_start & failed).sum(axis=1)
+        # Continuation is learnt from streaks that ended: a streak of L failures made min(L-1, F-1) continuations
+        # among the steps 1..F-1, then (when L < F) a success among them. A streak still running says nothing yet:
+        # counted while it runs, a real block's own failures would pass for bursty loss and slow its detection.
+        ended = background & (prev > 0) & ~failed
+        length = np.where(ended, prev, 0).astype(np.int64)
+        continued = np.minimum(np.maximum(length - 1, 0), F - 1)
+        c_f = continued.sum(axis=1)
+        c_n = c_f + (ended & (length < F)).sum(axis=1)
+        # Running streaks' steps: each evaluation's, the older ones decayed.
+        in_run = background & (prev > 0) & (prev < F)
+        st.fleet_run *= 1.0 - _RUN_DECAY
+        st.fleet_run += (float((in_run & failed).sum()), float(in_run.sum()))
+        _learn(st.hazard, st.hazard_n, h_n, h_f, _EWMA)
+        _learn(st.cont, st.cont_n, c_n, c_f, _EWMA)
+        for k, (cnt, fails) in enumerate(((h_n.sum(), h_f.sum()), (c_n.sum(), c_f.sum()))):
+            _learn(st.fleet[k:k + 1], st.fleet_n[k:k + 1], np.array([cnt]), np.array([fails]), _FLEET_EWMA)
+
+    def _odds(self) -> StreakOdds:
+        """How likely each witness's streaks are by chance (2)."""
+        st = self.state
+        h_fleet = _estimate(st.fleet[:1], st.fleet_n[:1], _H_PRIOR, _H_PRIOR_N)
+        weight = float(st.fleet_n[1])
+        failures = float(st.fleet[1]) * weight
+        # The failure share π from the ended streaks alone: a block in progress must not count its own failures as
+        # the background it is judged against. A witness's own samples start from the fleet's estimate: they count
+        # only where they say worse.
+        c_fleet = (failures + _C_PRIOR * _C_PRIOR_N) / (weight + _C_PRIOR_N)
+        h = np.clip(np.maximum(_estimate(st.hazard, st.hazard_n, h_fleet, _H_PRIOR_N), h_fleet), *_H_RANGE)
+        c = np.clip(np.maximum(_estimate(st.cont, st.cont_n, np.array([c_fleet]), _C_PRIOR_N), c_fleet), *_C_RANGE)
+        return StreakOdds(log_pi=np.log(h / (h + 1.0 - c)).astype(np.float32), log_c=np.log(c).astype(np.float32),
+                          ended=(failures, weight), running=(float(st.fleet_run[0]), float(st.fleet_run[1])),
+                          steps=self.settings.failure_streak - 1)
+
+    def _witnesses(self, vote: np.ndarray, probing: np.ndarray, fresh: np.ndarray) -> Witnesses:
+        """Who is an unreliable witness, a censored one, and a failing prober, read per server (3)."""
+        topo, cfg, st = self.topology, self.settings, self.state
+        probed = topo.per_server(probing) > 0  # (N, N): w probes server s
+        lost = (topo.per_server(vote) > 0) & probed  # w votes against an inbound of s
+        neighbours = probed.sum(axis=1)
+        lost_n = lost.sum(axis=1)
+        share = lost_n / np.maximum(1, neighbours)
+        meaningful = fresh & (neighbours >= MIN_NEIGHBOURS)
+        median = float(np.median(share[fresh])) if fresh.any() else 0.0
+        heavy = meaningful & (share >= cfg.unreliable_ratio)
+        suspect = heavy & (share >= median + cfg.unreliable_margin)
+        # The censor's pattern (a): it still reaches at least half of its own country's servers.
+        home = probed & topo.same_country
+        home_n = home.sum(axis=1)
+        home_reached = (home & ~lost).sum(axis=1)
+        # (b), with no server of its own country to probe: the controller reached it, its self-check passed, and
+        # most of what it loses the others reach (the loss is its own, not the targets').
+        reached_by = (probed & ~lost & fresh[:, None]).sum(axis=0)
+        probed_by = (probed & fresh[:, None]).sum(axis=0)
+        fine_elsewhere = 2 * reached_by > probed_by  # (N,) by target server
+        lost_fine = (lost & fine_elsewhere[None, :]).sum(axis=1)
+        alone = fresh & st.last_service_ok & (2 * lost_fine >= np.maximum(lost_n, 1))
+        pattern = np.where(home_n > 0, (home_reached > 0) & (2 * home_reached >= home_n), alone)
+        ordinary = ~topo.prober_mask
+        censored = heavy & pattern & ordinary
+        prober_failing = topo.prober_mask & meaningful & (2 * lost_n > neighbours)
+        unreliable = np.where(ordinary, suspect & ~censored, prober_failing)
+        return Witnesses(unreliable=unreliable, censored=censored, prober_failing=prober_failing)
 
     def _quorum(self, votes: np.ndarray, witnesses: np.ndarray, surprise: np.ndarray, log_evidence: float) -> np.ndarray:
         cfg = self.settings
@@ -350,14 +518,30 @@ def _log_group_chance(k: np.ndarray, w: np.ndarray, y: np.ndarray, lgamma: np.nd
     return result
 
 
-def _update_rate(rate: np.ndarray, samples: np.ndarray, failures: np.ndarray, bounds: tuple[float, float]) -> None:
-    """EWMA of a failure probability, weighted by how many samples arrived (in place)."""
+def _learn(mean: np.ndarray, weight: np.ndarray, samples: np.ndarray, failures: np.ndarray, decay: float) -> None:
+    """Fold new samples into a decayed mean of a failure probability and what it weighs (in place): the old samples
+    each lose ``decay`` of their weight per new sample, so the mean is the recent samples' share of failures."""
     has = samples > 0
     if not has.any():
         return
-    weight = 1.0 - (1.0 - _EWMA) ** samples[has]
-    rate[has] += weight * (failures[has] / samples[has] - rate[has])
-    np.clip(rate, *bounds, out=rate)
+    kept = weight[has] * (1.0 - decay) ** samples[has]
+    weight[has] = kept + samples[has]
+    mean[has] = (mean[has] * kept + failures[has]) / weight[has]
+
+
+def _estimate(mean: np.ndarray, weight: np.ndarray, prior: float | np.ndarray, prior_weight: float) -> np.ndarray:
+    """The rate's estimate: its samples' mean with the prior counted as ``prior_weight`` more samples."""
+    estimate: np.ndarray = (mean * weight + prior * prior_weight) / (weight + prior_weight)
+    return estimate
+
+
+def _lgamma(x: np.ndarray) -> np.ndarray:
+    """log Γ(x) for x > 0, elementwise (to about 1e-10): Stirling's series at x + 8, shifted back by the recurrence."""
+    z = x + 8.0
+    shift = np.log(x * (x + 1) * (x + 2) * (x + 3) * (x + 4) * (x + 5) * (x + 6) * (x + 7))
+    series = 1.0 / (12.0 * z) - 1.0 / (360.0 * z**3) + 1.0 / (1260.0 * z**5)
+    result: np.ndarray = (z - 0.5) * np.log(z) - z + 0.5 * math.log(2.0 * math.pi) + series - shift
+    return result
 
 
 def _hysteresis(on: np.ndarray, clear: np.ndarray, now: np.ndarray, required: np.ndarray, flap: np.ndarray) -> None:

@@ -19,6 +19,13 @@ Event kinds (one per event):
 - ``reports_missing: {p: 0.5}`` — each server's report goes missing with probability p;
 - ``flap: {server: s, period: 10, kind: unreachable}`` — s alternates unreachable (or, with
   ``kind: down``, service down) and fine every ``period`` ticks.
+
+A scenario may also say what must come out (``expect``): at one tick (``at``) or at every tick
+of a range (``during: [from, until)``), a server's (or every server's, ``server: "*"``) status,
+rotation (for everyone, or ``in_rotation_for`` users of a region, HEALTH-15), marks (the exact
+texts), words its reason must or must not contain, and how it was judged as a witness
+(``unreliable``, ``censored``). ``expectations`` checks them; ``simulate`` reports them and
+fails when one is not met, so a scenario file is a test of the rules it names.
 """
 
 from __future__ import annotations
@@ -106,6 +113,38 @@ class Event(_M):
 
 
 _KINDS = ("block", "down", "listener_down", "silent", "outage", "isolate", "loss", "reports_missing", "flap")
+Status = Literal["ok", "no_data", "blocked", "unreachable", "unavailable"]
+
+
+class Expect(_M):
+    """What one server (or ``*``: every server) must show at a tick, or at every tick of a range."""
+
+    at: int | None = Field(None, ge=0)
+    during: tuple[int, int] | None = Field(None, description="Every tick from the first up to (not including) the second.")
+    server: Name | Literal["*"]
+    status: Status | list[Status] | None = Field(None, description="The status, or one of these.")
+    in_rotation: bool | None = None
+    in_rotation_for: dict[str, bool] | None = Field(None, description="Region → in rotation for users of that region.")
+    unreachable_from: str | None = Field(None, description="The country whose witnesses cannot reach it (regional).")
+    marks: list[str] | None = Field(None, description="The texts of its marks, exactly (in any order).")
+    reason: list[str] | None = Field(None, description="Words its reason contains.")
+    not_in_reason: list[str] | None = Field(None, description="Words its reason must not contain.")
+    unreliable: bool | None = None
+    censored: bool | None = None
+
+    @model_validator(mode="after")
+    def _when(self) -> Expect:
+        if (self.at is None) == (self.during is None):
+            raise ValueError("an expectation needs exactly one of `at` (a tick) or `during` ([from, until))")
+        if self.during is not None and not 0 <= self.during[0] < self.during[1]:
+            raise ValueError("`during` is [from, until) with 0 <= from < until")
+        return self
+
+    def ticks(self) -> range:
+        if self.during is not None:
+            return range(*self.during)
+        assert self.at is not None
+        return range(self.at, self.at + 1)
 
 
 class Scenario(_M):
@@ -116,6 +155,7 @@ class Scenario(_M):
     seed: int = 0
     loss: float = Field(0.0, ge=0, le=1)
     events: list[Event] = []
+    expect: list[Expect] = []
 
     @model_validator(mode="after")
     def _fleet(self) -> Scenario:
@@ -150,6 +190,67 @@ def check_names(scenario: Scenario, topology: Topology) -> list[tuple[int, str]]
             names.append(ev.flap.server)
         problems += [(i, f"{ev.kind}: unknown server {n!r}") for n in names if n not in known]
     return problems
+
+
+def check_expectations(scenario: Scenario, topology: Topology) -> list[tuple[int, str]]:
+    """(expectation index, message) for each ``expect`` entry whose server is unknown or whose tick is past the end."""
+    known = set(topology.servers)
+    problems = []
+    for i, ex in enumerate(scenario.expect):
+        if ex.server != "*" and ex.server not in known:
+            problems.append((i, f"unknown server {ex.server!r}"))
+        if ex.ticks().stop > scenario.ticks:
+            problems.append((i, f"tick {ex.ticks().stop - 1} is past the scenario's last ({scenario.ticks - 1})"))
+    return problems
+
+
+def expectations(scenario: Scenario, topology: Topology, settings: HealthSettings) -> list[tuple[int, str]]:
+    """Replay the scenario and check its ``expect`` entries: (index, what was wrong at which tick), the first
+    miss of each entry; empty when every one holds."""
+    wanted: dict[int, list[int]] = {}
+    for i, ex in enumerate(scenario.expect):
+        for tick in ex.ticks():
+            wanted.setdefault(tick, []).append(i)
+    failed: dict[int, str] = {}
+    if not wanted:
+        return []
+    last = max(wanted)
+    for tick, verdicts in run(scenario, topology, settings):
+        for i in wanted.get(tick, ()):
+            if i not in failed and (miss := _miss(scenario.expect[i], verdicts)):
+                failed[i] = f"tick {tick}: {miss}"
+        if tick >= last:
+            break
+    return sorted(failed.items())
+
+
+def _miss(ex: Expect, verdicts: Verdicts) -> str:
+    """What of ``ex`` does not hold in ``verdicts`` (empty: all of it holds)."""
+    names = verdicts.topology.servers if ex.server == "*" else (ex.server,)
+    for name in names:
+        v = verdicts.server(name)
+        got: list[str] = []
+        statuses = [ex.status] if isinstance(ex.status, str) else ex.status
+        if statuses is not None and v.status not in statuses:
+            got.append(f"status {v.status}, expected {' or '.join(statuses)}")
+        if ex.in_rotation is not None and v.in_rotation != ex.in_rotation:
+            got.append(f"in rotation: {v.in_rotation}, expected {ex.in_rotation}")
+        for region, want in (ex.in_rotation_for or {}).items():
+            if verdicts.server_in_rotation_for(name, region) != want:
+                got.append(f"in rotation for {region}: {not want}, expected {want}")
+        if ex.unreachable_from is not None and v.unreachable_from != ex.unreachable_from:
+            got.append(f"unreachable from {v.unreachable_from}, expected {ex.unreachable_from}")
+        if ex.marks is not None and sorted(m.text for m in v.marks) != sorted(ex.marks):
+            got.append(f"marks {[m.text for m in v.marks]}, expected {ex.marks}")
+        got += [f"reason lacks {w!r}" for w in ex.reason or () if w not in v.reason]
+        got += [f"reason has {w!r}" for w in ex.not_in_reason or () if w in v.reason]
+        if ex.unreliable is not None and v.unreliable_witness != ex.unreliable:
+            got.append(f"unreliable witness: {v.unreliable_witness}, expected {ex.unreliable}")
+        if ex.censored is not None and v.censored_witness != ex.censored:
+            got.append(f"censored witness: {v.censored_witness}, expected {ex.censored}")
+        if got:
+            return f"{name}: " + "; ".join(got) + f" (reason: {v.reason})"
+    return ""
 
 
 @dataclass

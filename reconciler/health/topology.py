@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from reconciler.model import Cluster
+from reconciler.model.regions import COUNTRY_REGION
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class Topology:
     probers: tuple[bool, ...]  # per server
     inbounds: tuple[str, ...]  # target ids
     inbound_server: tuple[int, ...]  # per inbound: index into servers
+    regions: tuple[str, ...] = ()  # per server, the steering region (STEER-4); empty: derived from the countries
 
     server_of: npt.NDArray[np.int32] = field(init=False, compare=False, repr=False)  # (M,) inbound → server
     own: npt.NDArray[np.bool_] = field(init=False, compare=False, repr=False)  # (N, M) server w hosts inbound t
@@ -40,11 +42,19 @@ class Topology:
     prober_mask: npt.NDArray[np.bool_] = field(init=False, compare=False, repr=False)  # (N,)
     prober_target: npt.NDArray[np.bool_] = field(init=False, compare=False, repr=False)  # (M,) inbound of a prober
     lgamma: npt.NDArray[np.float64] = field(init=False, compare=False, repr=False)  # lgamma(x) for x in 0..N+2
+    same_country: npt.NDArray[np.bool_] = field(init=False, compare=False, repr=False)  # (N, N) w and s share a country
+    country_region: tuple[str, ...] = field(init=False, compare=False, repr=False)  # per country code: its region
+    _inbound_order: npt.NDArray[np.intp] = field(init=False, compare=False, repr=False)  # inbounds grouped by server
+    _group_starts: npt.NDArray[np.intp] = field(init=False, compare=False, repr=False)  # group starts in that order
+    _grouped: npt.NDArray[np.intp] = field(init=False, compare=False, repr=False)  # the server of each group
 
     def __post_init__(self) -> None:
         n, m = len(self.servers), len(self.inbounds)
         if not (len(self.countries) == len(self.probers) == n and len(self.inbound_server) == m):
             raise ValueError("topology arrays disagree in length")
+        if self.regions and len(self.regions) != n:
+            raise ValueError("topology arrays disagree in length")
+        regions = self.regions or tuple(COUNTRY_REGION.get(c.upper(), "") for c in self.countries)
         server_of = np.asarray(self.inbound_server, dtype=np.int32)
         own = np.zeros((n, m), dtype=bool)
         own[server_of, np.arange(m)] = True
@@ -53,12 +63,20 @@ class Topology:
         order = np.argsort(country_idx, kind="stable")
         starts = np.flatnonzero(np.r_[True, np.diff(country_idx[order]) != 0]) if n else np.array([], dtype=np.intp)
         prober_mask = np.asarray(self.probers, dtype=bool)
+        inbound_order = np.argsort(server_of, kind="stable")
+        grouped_sorted = server_of[inbound_order]
+        group_starts = np.flatnonzero(np.r_[True, np.diff(grouped_sorted) != 0]) if m else np.zeros(0, np.intp)
+        # A country's region: its first server's (an operator may set a server's region by hand).
+        country_region = tuple(next(regions[i] for i in range(n) if self.countries[i] == code) for code in codes)
         # A frozen dataclass sets its own derived fields through object.__setattr__, once, here.
         derived: dict[str, object] = {
             "server_of": server_of, "own": own, "country_codes": tuple(codes), "country_idx": country_idx,
             "country_order": order, "country_starts": starts, "prober_mask": prober_mask,
             "prober_target": prober_mask[server_of] if m else np.zeros(0, dtype=bool),
             "lgamma": np.array([math.lgamma(x) if x > 0 else np.inf for x in range(n + 3)]),
+            "same_country": country_idx[:, None] == country_idx[None, :], "country_region": country_region,
+            "_inbound_order": inbound_order, "_group_starts": group_starts,
+            "_grouped": grouped_sorted[group_starts] if m else np.zeros(0, np.intp),
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)
@@ -71,6 +89,13 @@ class Topology:
     def m(self) -> int:
         return len(self.inbounds)
 
+    def per_server(self, a: np.ndarray) -> npt.NDArray[np.int32]:
+        """(N, M) per witness and inbound → (N, N) per witness and server: the sum over each server's inbounds."""
+        out = np.zeros((a.shape[0], self.n), dtype=np.int32)
+        if self.m:
+            out[:, self._grouped] = np.add.reduceat(a[:, self._inbound_order].astype(np.int32), self._group_starts, axis=1)
+        return out
+
     @classmethod
     def from_cluster(cls, cluster: Cluster) -> Topology:
         index = {s.name: i for i, s in enumerate(cluster.servers)}
@@ -81,4 +106,5 @@ class Topology:
             probers=tuple(bool(s.prober) for s in cluster.servers),
             inbounds=tuple(r.inbound.id for r in refs),
             inbound_server=tuple(index[r.server.name] for r in refs),
+            regions=tuple(s.region or "" for s in cluster.servers),
         )

@@ -32,6 +32,7 @@ class Mark:
     server: str  # the server it cannot reach
     inbound: str
     both_directions: bool
+    witness_country: str = ""  # where the witness stands: where users may not reach the server either
 
     @property
     def text(self) -> str:
@@ -40,7 +41,7 @@ class Mark:
 
     def as_json(self) -> dict[str, object]:
         return {"kind": self.kind, "witness": self.witness, "server": self.server, "inbound": self.inbound,
-                "both_directions": self.both_directions, "text": self.text}
+                "both_directions": self.both_directions, "witness_country": self.witness_country, "text": self.text}
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class InboundVerdict:
     votes: int
     witnesses: int
     reason: str
+    out_for: str | None = None  # out of rotation only for users of this region (HEALTH-15); None: for everyone, or not out
+    unreachable_from: str | None = None  # the country whose witnesses cannot reach it (a regional verdict)
 
 
 @dataclass(frozen=True)
@@ -66,11 +69,16 @@ class ServerVerdict:
     reason: str
     unreliable_witness: bool
     seconds_since_report: float | None
+    out_for: str | None = None  # out of rotation only for users of this region (HEALTH-15)
+    unreachable_from: str | None = None  # the country whose witnesses cannot reach it (a regional verdict)
+    censored_witness: bool = False  # it loses many servers in a censor's pattern; its votes count (HEALTH-6)
+    sees: str = ""  # what it sees as a witness: the servers it cannot reach, and whether others reach them
 
     def as_json(self) -> dict[str, object]:
         return {"status": self.status, "in_rotation": self.in_rotation, "marks": [m.as_json() for m in self.marks],
                 "votes": self.votes, "witnesses": self.witnesses, "reason": self.reason,
-                "unreliable_witness": self.unreliable_witness}
+                "unreliable_witness": self.unreliable_witness, "censored_witness": self.censored_witness,
+                "out_for": self.out_for, "unreachable_from": self.unreachable_from, "sees": self.sees}
 
 
 def _names(names: list[str], limit: int = 5) -> str:
@@ -108,6 +116,20 @@ class Verdicts:
     vote_matrix: np.ndarray  # (N, M) bool: which reliable witness votes against which inbound
     fail: np.ndarray  # (N, M) int16 streaks; -1: the pair is not in the witness's latest report (not probing it)
     pair_marks: list[tuple[int, int, bool]] = field(default_factory=list)  # (witness, inbound, both)
+    regional: np.ndarray | None = None  # (M,) int32: out of rotation only for this country's region; -1 not so
+    censored: np.ndarray | None = None  # (N,) bool: a witness losing many servers in a censor's pattern
+    prober_failing: np.ndarray | None = None  # (N,) bool: a prober losing more than half of its neighbours
+    fresh: np.ndarray | None = None  # (N,) bool: its report is within the staleness limit
+
+    def __post_init__(self) -> None:
+        n, m = self.topology.n, self.topology.m
+        if self.regional is None:
+            self.regional = np.full(m, -1, dtype=np.int32)
+        for name in ("censored", "prober_failing"):
+            if getattr(self, name) is None:
+                setattr(self, name, np.zeros(n, dtype=bool))
+        if self.fresh is None:
+            self.fresh = (self.now - self.last_report) <= self.settings.staleness
 
     # ------------------------------------------------------------------ lookups
 
@@ -131,6 +153,36 @@ class Verdicts:
     def marks_of_inbound(self, t: int) -> tuple[Mark, ...]:
         return tuple(self._marks_by_inbound.get(t, ()))
 
+    # ------------------------------------------------------------------ rotation by region (HEALTH-15)
+
+    def region_out(self, t: int) -> str | None:
+        """The region for whose users alone inbound ``t`` is out of rotation; None when it is not regional."""
+        assert self.regional is not None
+        c = int(self.regional[t])
+        return self.topology.country_region[c] if c >= 0 else None
+
+    def in_rotation_for(self, t: int, region: str | None) -> bool:
+        """Inbound ``t`` is in rotation for a user of ``region`` (None: unknown, the global rule)."""
+        if self.in_rotation[t]:
+            return True
+        out = self.region_out(t)
+        return out is not None and bool(region) and region != out
+
+    def server_in_rotation_for(self, name: str, region: str | None) -> bool:
+        """Some inbound of server ``name`` is in rotation for a user of ``region`` (a server without inbounds: its
+        own status decides)."""
+        i = self._server_index[name]
+        inbounds = np.flatnonzero(self.topology.server_of == i)
+        if not inbounds.size:
+            return bool(IN_ROTATION[int(self.server_status[i])])
+        return any(self.in_rotation_for(int(t), region) for t in inbounds)
+
+    @cached_property
+    def any_regional(self) -> bool:
+        """Some inbound is out of rotation for one region only (then rotation depends on the user's region)."""
+        assert self.regional is not None
+        return bool((self.regional >= 0).any())
+
     # ------------------------------------------------------------------ views
 
     def inbound(self, inbound_id: str) -> InboundVerdict:
@@ -145,7 +197,14 @@ class Verdicts:
             votes=int(self.votes[t]),
             witnesses=int(self.witnesses[t]),
             reason=self._inbound_reason(t),
+            out_for=self.region_out(t),
+            unreachable_from=self._unreachable_from(t),
         )
+
+    def _unreachable_from(self, t: int) -> str | None:
+        assert self.regional is not None
+        c = int(self.regional[t])
+        return self.topology.country_codes[c] if c >= 0 else None
 
     def server(self, name: str) -> ServerVerdict:
         i = self._server_index[name]
@@ -161,10 +220,16 @@ class Verdicts:
             votes = witnesses = 0
             in_rotation = bool(IN_ROTATION[status])
         since = self.now - float(self.last_report[i]) if np.isfinite(self.last_report[i]) else None
+        regional = [int(t) for t in inbounds if not self.in_rotation[t] and self.region_out(int(t)) is not None]
+        out_for = unreachable_from = None
+        if regional and not in_rotation and len(regional) == int(inbounds.size):
+            out_for, unreachable_from = self.region_out(regional[0]), self._unreachable_from(regional[0])
+        assert self.censored is not None
         return ServerVerdict(
             name=name, status=STATUS_NAMES[status], in_rotation=in_rotation, marks=marks, votes=votes,
             witnesses=witnesses, reason=self._server_reason(i, inbounds, marks), unreliable_witness=bool(self.unreliable[i]),
-            seconds_since_report=since,
+            seconds_since_report=since, out_for=out_for, unreachable_from=unreachable_from,
+            censored_witness=bool(self.censored[i]), sees=self.sees(i),
         )
 
     def servers(self) -> dict[str, ServerVerdict]:
@@ -192,6 +257,13 @@ class Verdicts:
         topo = self.topology
         return [topo.servers[w] for w in np.flatnonzero(self.vote_matrix[:, t])]
 
+    def _reaching(self, t: int) -> list[int]:
+        """The reliable fresh witnesses that probe inbound ``t`` and do not vote against it."""
+        assert self.fresh is not None
+        rows = self.fresh & ~self.unreliable & (self.fail[:, t] >= 0) & ~self.vote_matrix[:, t]
+        rows[int(self.topology.server_of[t])] = False
+        return [int(w) for w in np.flatnonzero(rows)]
+
     def _inbound_reason(self, t: int) -> str:
         topo = self.topology
         status = int(self.status[t])
@@ -203,19 +275,28 @@ class Verdicts:
         if status == UNREACHABLE:
             names = self._witness_names(t)
             country = int(self.local_country[t])
+            region = self.region_out(t)
             if country >= 0:
                 code = topo.country_codes[country]
                 local = [n for n in names if topo.countries[topo.servers.index(n)] == code]
                 # The country's servers probing it: all of them in the full mesh, the plan's share of them when bounded.
                 total = sum(1 for w in range(topo.n) if topo.countries[w] == code and w != server and self.fail[w, t] >= 0)
-                return (f"unreachable from {len(local)} of your {total} servers in {code}: {_names(local)} "
+                text = (f"unreachable from {len(local)} of your {total} servers in {code}: {_names(local)} "
                         f"(likely blocked in {code}; servers elsewhere still reach it)")
+                return text + (f" — {_only_for(region)}" if region is not None else "")
+            if region is not None:  # a regional verdict waiting to clear
+                return (f"unreachable from {self._unreachable_from(t)} (recovering: waiting for the evidence to stay "
+                        f"gone) — {_only_for(region)}")
             if names:
                 text = f"unreachable from {len(names)} of your {int(self.witnesses[t])} servers: {_names(names)}"
                 countries = {topo.countries[topo.servers.index(n)] for n in names}
+                reaching = {topo.countries[w] for w in self._reaching(t)}
                 if len(countries) == 1 and len(names) < int(self.witnesses[t]):
                     code = countries.pop()
                     text += f" — all in {code}; servers elsewhere still reach it (likely blocked in {code})"
+                elif len(reaching) == 1:
+                    code = reaching.pop()
+                    text += f" — only servers in {code} still reach it (likely an allow-list in {code}, or its own uplink)"
                 return text
             return "unreachable (recovering: waiting for the evidence to stay gone)"
         if status == BLOCKED:
@@ -251,11 +332,85 @@ class Verdicts:
             reason = self._inbound_reason(worst[0])
             if 0 < len(worst) < inbounds.size:
                 reason += f" (inbound {self.topology.inbounds[worst[0]]}; others differ)"
+            if sees := self.sees(i):
+                reason += f"; {sees}"
             return reason
         notes = [m.text for m in marks]
-        if self.unreliable[i]:
-            notes.append("its own probes fail to most of the fleet — its votes are ignored (check its outbound network)")
+        if sees := self.sees(i):
+            notes.append(sees)
         return "; ".join(notes) if notes else STATUS_NAMES[status]
+
+    # ------------------------------------------------------------------ what a witness sees (HEALTH-6)
+
+    def lost_servers(self, w: int) -> list[int]:
+        """The servers witness ``w`` votes against (any of their inbounds), in the fleet's order."""
+        assert self.fresh is not None
+        if not self.fresh[w]:
+            return []
+        topo = self.topology
+        hits = (self.fail[w] >= self.settings.failure_streak) & (topo.server_of != w)
+        return sorted({int(topo.server_of[t]) for t in np.flatnonzero(hits)})
+
+    def _reaches(self, v: int, s: int) -> bool | None:
+        """Whether witness ``v`` reaches server ``s`` now (None: it does not probe it, or has no fresh report)."""
+        assert self.fresh is not None
+        if not self.fresh[v] or v == s:
+            return None
+        row = self.fail[v][self.topology.server_of == s]
+        row = row[row >= 0]
+        if not row.size:
+            return None
+        return bool((row < self.settings.failure_streak).all())
+
+    @cached_property
+    def _marking(self) -> dict[int, list[int]]:
+        """Witness → the servers it marks (HEALTH-8), in the fleet's order."""
+        out: dict[int, set[int]] = {}
+        for w, t, _ in self.pair_marks:
+            out.setdefault(w, set()).add(int(self.topology.server_of[t]))
+        return {w: sorted(v) for w, v in out.items()}
+
+    def sees(self, w: int) -> str:
+        """What witness ``w`` sees, in the operator's words: whom it cannot reach, whether the others reach them,
+        and what that says about the witness (HEALTH-6). Empty unless it is worth an operator's attention: the
+        witness was judged (unreliable, censored, a failing prober) or its long streaks mark servers; a short streak
+        under ordinary loss is not news."""
+        assert self.censored is not None and self.prober_failing is not None
+        judged = bool(self.unreliable[w] or self.censored[w] or self.prober_failing[w])
+        lost = self.lost_servers(w) if judged else self._marking.get(w, [])
+        if not lost:
+            return ""
+        topo = self.topology
+        names = [topo.servers[s] for s in lost]
+        text = f"{topo.servers[w]} cannot reach {_names(names)}"
+        among = [self._reaches(a, b) for a in lost for b in lost if a != b]
+        among = [x for x in among if x is not None]
+        others = [self._reaches(v, s) for s in lost for v in range(topo.n) if v != w and v not in lost]
+        if len(lost) > 1 and among and all(among):
+            text += "; they reach each other"
+        elif any(others):
+            text += "; others reach " + ("it" if len(lost) == 1 else "them")
+        code = topo.countries[w]
+        if self.prober_failing[w]:
+            text += (" — a prober that cannot reach most of the fleet blocks no one (HEALTH-9): its own network, "
+                     f"or a censor in {code} that cuts off most foreign servers")
+        elif self.unreliable[w]:
+            text += (f" — not even servers in {code}: its own network looks broken, and its votes are ignored "
+                     "(check its outbound network)" if self._home_lost(w, lost) else
+                     " — its own network looks broken, and its votes are ignored (check its outbound network)")
+        elif self.censored[w]:
+            home = any(topo.countries[s] == code for s in range(topo.n) if s != w and self._reaches(w, s) is not None)
+            why = f"it still reaches servers in {code}" if home else "the controller reaches it and its self-check passes"
+            text += f" — likely censored in {code} ({why}); its votes count"
+        return text
+
+    def _home_lost(self, w: int, lost: list[int]) -> bool:
+        code = self.topology.countries[w]
+        return any(self.topology.countries[s] == code for s in lost)
+
+
+def _only_for(region: str) -> str:
+    return f"out of rotation for users in {region} (and users of unknown region) only"
 
 
 def _listener_only(v: Verdicts, server: int) -> bool:
