@@ -18,12 +18,20 @@ from reconciler.model import Cluster
 #: Fill colours by health status; "unknown" before the loop has a verdict.
 STATUS_COLOURS = {
     "ok": "#2e7d32",
+    "pair-unreachable": "#f9a825",
     "unavailable": "#c62828",
     "unreachable": "#ef6c00",
     "blocked": "#6a1b9a",
     "no_data": "#757575",
     "unknown": "#37474f",
 }
+
+
+def colour_of(label: str) -> str:
+    """The fill of a health label (``Verdicts.labels``): ``unreachable from RU`` is unreachable's."""
+    if label.startswith("unreachable"):
+        return STATUS_COLOURS["unreachable"]
+    return STATUS_COLOURS.get(label, STATUS_COLOURS["unknown"])
 
 
 def _ident(prefix: str, value: str) -> str:
@@ -61,12 +69,14 @@ def _text(cluster: Cluster, health: Mapping[str, str] | None, syn: _Syntax) -> s
     lines = list(syn.head)
     for server in cluster.servers:
         sid = _ident("srv", server.name)
-        colour = STATUS_COLOURS.get(health.get(server.name, "unknown"), STATUS_COLOURS["unknown"])
+        colour = colour_of(health.get(server.name, "unknown"))
         badge = " · prober" if server.prober else ""
-        label = f"{q(server.name)} · {server.country}/{server.region}{badge}"
+        state = f" · {health[server.name]}" if server.name in health else ""
+        label = f"{q(server.name)} · {server.country}/{server.region}{badge}{state}"
         lines.append(syn.server_open.format(id=sid, label=label, colour=colour))
         for ib in server.inbounds:
-            lines.append(syn.inbound.format(id=_ident("in", ib.id), label=q(ib.name), detail=f"{ib.protocol}:{ib.port}"))
+            state = f" · {health[ib.id]}" if ib.id in health else ""
+            lines.append(syn.inbound.format(id=_ident("in", ib.id), label=q(ib.name), detail=f"{ib.protocol}:{ib.port}{state}"))
         if not server.inbounds:
             lines.append(syn.no_inbounds.format(id=_ident("none", server.name)))
         lines.append(syn.server_close.format(id=sid, colour=colour))
@@ -153,7 +163,7 @@ def text_width(text: str, size: float = 13, bold: bool = False) -> float:
 def svg(cluster: Cluster, health: Mapping[str, str] | None = None) -> str:
     """A self-contained SVG: servers left (each inbound with its own health), routes middle, distribution right.
 
-    ``health``: status by server name and by inbound id (the loop's verdicts); the boxes are as wide as their
+    ``health``: the health label by server name and by inbound id (``Verdicts.labels``); the boxes are as wide as their
     longest label, so no label runs out of its box."""
     health = health or {}
     parts: list[str] = []
@@ -172,7 +182,7 @@ def svg(cluster: Cluster, health: Mapping[str, str] | None = None) -> str:
     x_dist = x_route + route_w + 100
     for server in cluster.servers:
         status = health.get(server.name, "unknown")
-        colour = STATUS_COLOURS.get(status, STATUS_COLOURS["unknown"])
+        colour = colour_of(status)
         rows = max(1, len(server.inbounds))
         box = _HEAD + rows * _ROW + 6
         parts.append(
@@ -184,7 +194,7 @@ def svg(cluster: Cluster, health: Mapping[str, str] | None = None) -> str:
         for i, inbound in enumerate(server.inbounds):
             ry = y + _HEAD + i * _ROW
             ib_status = health.get(inbound.id, "unknown")
-            ib_colour = STATUS_COLOURS.get(ib_status, STATUS_COLOURS["unknown"])
+            ib_colour = colour_of(ib_status)
             parts.append(
                 f'<circle cx="{x_srv + 14}" cy="{ry + 11}" r="5" fill="{ib_colour}" data-inbound="{escape(inbound.id)}"'
                 f' data-status="{escape(ib_status)}"><title>{escape(inbound.id)}: {escape(ib_status)}</title></circle>'
@@ -232,7 +242,7 @@ def svg(cluster: Cluster, health: Mapping[str, str] | None = None) -> str:
         f'<text x="{x_dist + 18:.0f}" y="67" font-weight="bold">subscriptions</text></g>'
     )
     height = max(left_bottom, y) + 20
-    width = x_dist + 170
+    width = max(x_dist + 170, 20 + 120 * len(STATUS_COLOURS))  # the legend fits
     legend = " ".join(
         f'<rect x="{20 + i * 120}" y="10" width="12" height="12" fill="{c}"/><text x="{36 + i * 120}" y="21" font-size="11">{s}</text>'
         for i, (s, c) in enumerate(STATUS_COLOURS.items())

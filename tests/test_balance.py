@@ -128,7 +128,7 @@ def test_out_of_rotation_is_excluded_but_silence_is_not():
 def test_pair_marked_inbounds_get_fewer_users_but_some():
     # spec: HEALTH-8, LB-7
     c = cluster([{"name": n, "route": "r"} for n in ("a", "b", "w1", "w2")], R, users=8000)
-    v = verdicts(c, pairs=(("w1", "a"),), ticks=12)
+    v = verdicts(c, pairs=(("w1", "a"),), ticks=24)  # one witness, lossless, from a cold start: a long streak
     assert v.server("a").marks and v.server("a").in_rotation
     got = shares(rebalance(snapshot(c, verdicts=v)))
     assert 0 < got["a-in"] < 0.8 * got["b-in"]
@@ -150,3 +150,28 @@ def test_disabled_expired_and_unknown_users_get_nothing():
     snap = snapshot(c, now=1.8e9)
     assert decide(snap, "on") and not decide(snap, "off") and not decide(snap, "old") and not decide(snap, "ghost")
     assert {u for u, _ in rebalance(snap)} == {"on"}
+
+
+def test_a_server_unreachable_from_one_country_leaves_rotation_only_for_that_region():
+    # spec: HEALTH-15, STEER-4, LB-7: the RU witnesses cannot reach de-1, everyone else can: users of EEU (and of
+    # no known region) get other servers, users elsewhere keep it in their rotation — in the batch and live
+    servers = [{"name": n, "country": c, "route": "r"} for n, c in
+               (("ru-1", "RU"), ("ru-2", "RU"), ("ru-3", "RU"), ("de-1", "DE"), ("nl-1", "NL"))]
+    users = ([{"name": f"e{i}", "region": "EEU"} for i in range(300)] + [{"name": f"w{i}", "region": "WEU"} for i in range(300)]
+             + [{"name": f"x{i}"} for i in range(300)])
+    c = cluster(servers, R, users=users)
+    v = verdicts(c, pairs=(("ru-1", "de-1"), ("ru-2", "de-1"), ("ru-3", "de-1")), ticks=24)
+    de1 = v.server("de-1")
+    assert de1.status == "unreachable" and de1.unreachable_from == "RU" and de1.out_for == "EEU" and not de1.in_rotation
+    snap = snapshot(c, verdicts=v)
+    held = rebalance(snap)
+    by_region: dict[str, Counter] = {p: Counter() for p in "ewx"}
+    for (user, _), inbound in held.items():
+        by_region[user[0]][inbound] += 1
+    assert by_region["e"]["de-1-in"] == 0 and by_region["x"]["de-1-in"] == 0
+    assert by_region["w"]["de-1-in"] > 30  # about a fifth of WEU's users: it stays in their rotation
+    live = snapshot(c, verdicts=v, assignments=held)
+    assert all(e.ref.inbound.id != "de-1-in" for e in decide(live, "x1", region="EEU"))  # the address says EEU
+    got = decide(live, next(u for (u, _), i in held.items() if i == "de-1-in"))
+    assert got[0].ref.inbound.id == "de-1-in" and got[0].in_rotation  # a WEU user keeps it (LB-6)
+    assert "out of rotation for users in EEU" in got[0].health

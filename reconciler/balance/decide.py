@@ -123,8 +123,10 @@ def _usable_members(snapshot: Snapshot, route: Route) -> tuple[InboundRef, ...]:
     return tuple(r for r in snapshot.cluster.members[route.id] if snapshot.usable(r))
 
 
-def _candidates(snapshot: Snapshot, members: tuple[InboundRef, ...], pool: str | None) -> tuple[InboundRef, ...]:
-    return tuple(r for r in members if (pool is None or r.inbound.pool == pool) and snapshot.in_rotation(r.inbound.id))
+def _candidates(snapshot: Snapshot, members: tuple[InboundRef, ...], pool: str | None,
+                region: str | None = None) -> tuple[InboundRef, ...]:
+    return tuple(r for r in members
+                 if (pool is None or r.inbound.pool == pool) and snapshot.in_rotation(r.inbound.id, region))
 
 
 def _loads(snapshot: Snapshot, cands: tuple[InboundRef, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
@@ -245,6 +247,7 @@ def decide(snapshot: Snapshot, user_name: str, region: str | None = None) -> lis
     if not snapshot.active(user):
         return []
     region = region or user.region
+    rkey = snapshot.rotation_region(region)  # rotation for this user's region, where a verdict is regional
     ukey = key64(user.name)
     entries: list[Entry] = []
     memo = snapshot.memo
@@ -257,31 +260,31 @@ def decide(snapshot: Snapshot, user_name: str, region: str | None = None) -> lis
         pool: str | None = None
         pool_why = ""
         if route.pools:
-            healthy = memo.healthy.get(route.id)
+            healthy = memo.healthy.get((route.id, rkey))
             if healthy is None:
-                healthy = memo.healthy[route.id] = healthy_pools(snapshot, route)
+                healthy = memo.healthy[(route.id, rkey)] = healthy_pools(snapshot, route, rkey)
             pool, pool_why = choose_pool(snapshot, route, ukey, region, healthy)
-        cands = memo.candidates.get((route.id, pool))
+        cands = memo.candidates.get((route.id, pool, rkey))
         if cands is None:
-            cands = memo.candidates[(route.id, pool)] = _candidates(snapshot, members, pool)
-            memo.candidate_ids[(route.id, pool)] = {r.inbound.id: r for r in cands}
+            cands = memo.candidates[(route.id, pool, rkey)] = _candidates(snapshot, members, pool, rkey)
+            memo.candidate_ids[(route.id, pool, rkey)] = {r.inbound.id: r for r in cands}
         if not cands:
             ref = snapshot.best_available(members)
             why = "best available: every inbound of this route is out of rotation (HEALTH-11)"
-            entries.append(_entry(snapshot, route, ref, pool, why))
+            entries.append(_entry(snapshot, route, ref, pool, why, rkey))
             continue
-        by_id = memo.candidate_ids[(route.id, pool)]
+        by_id = memo.candidate_ids[(route.id, pool, rkey)]
         prev = snapshot.assignments.get((user.name, route.id))
         kept = by_id.get(prev) if prev is not None else None
         if kept is None and pool is not None:  # the address chose another pool than the record: its placement there
             prev = snapshot.assignments.get((user.name, pool_key(route.id, pool)))
             kept = by_id.get(prev) if prev is not None else None
         if kept is not None:
-            entries.append(_entry(snapshot, route, kept, pool, _join(pool_why, "kept from the last assignment")))
+            entries.append(_entry(snapshot, route, kept, pool, _join(pool_why, "kept from the last assignment"), rkey))
             continue
         w, keys, deficit = _placement(snapshot, route, cands)
         best = int(np.argmax(scores(np.array([ukey], dtype=np.uint64), keys, deficit)[0]))
-        entries.append(_entry(snapshot, route, cands[best], pool, _join(pool_why, w.detail[best])))
+        entries.append(_entry(snapshot, route, cands[best], pool, _join(pool_why, w.detail[best]), rkey))
     return entries
 
 
@@ -375,10 +378,10 @@ def _join(a: str, b: str) -> str:
     return f"{a}; {b}" if a else b
 
 
-def _entry(snapshot: Snapshot, route: Route, ref: InboundRef, pool: str | None, why: str) -> Entry:
+def _entry(snapshot: Snapshot, route: Route, ref: InboundRef, pool: str | None, why: str, region: str | None) -> Entry:
     iid = ref.inbound.id
-    return Entry(route=route, ref=ref, pool=pool, status=snapshot.status(iid), in_rotation=snapshot.in_rotation(iid),
-                 why=why, health=snapshot.health_reason(iid))
+    return Entry(route=route, ref=ref, pool=pool, status=snapshot.status(iid),
+                 in_rotation=snapshot.in_rotation(iid, region), why=why, health=snapshot.health_reason(iid))
 
 
 # --------------------------------------------------------------------------- the batch
@@ -409,9 +412,8 @@ def rebalance(snapshot: Snapshot, chunk: int | None = None) -> Assignments:
         members = _usable_members(snapshot, route)
         if not members:
             continue
-        groups = _pool_groups(snapshot, route, ukeys, regions)
-        for pool, idx in groups:
-            cands = _candidates(snapshot, members, pool)
+        for pool, idx, region in _pool_groups(snapshot, route, ukeys, regions):
+            cands = _candidates(snapshot, members, pool, region)
             if not cands:
                 column(route.id)[active[idx]] = inbound_at[snapshot.best_available(members).inbound.id]
                 continue
@@ -451,22 +453,27 @@ def _measured_all(snapshot: Snapshot) -> np.ndarray:
     return sane
 
 
-def _pool_groups(snapshot: Snapshot, route: Route, ukeys: np.ndarray, regions: np.ndarray) -> list[tuple[str | None, np.ndarray]]:
+def _pool_groups(snapshot: Snapshot, route: Route, ukeys: np.ndarray,
+                 regions: np.ndarray) -> list[tuple[str | None, np.ndarray, str | None]]:
+    """The batch's groups of users (positions in ``ukeys``) that share a pool and a rotation: (pool, users, region).
+    Users are grouped by region where the route steers by region, or where some verdict is regional (HEALTH-15)."""
     everyone = np.arange(len(ukeys))
-    if not route.pools:
-        return [(None, everyone)]
-    healthy = healthy_pools(snapshot, route)
-    if route.steering == "failover":
-        return [(choose_pool(snapshot, route, 0, None, healthy)[0], everyone)]
-    if route.steering == "random":
-        by_pool: dict[str | None, list[int]] = {}
-        for i, key in enumerate(ukeys.tolist()):
-            by_pool.setdefault(choose_pool(snapshot, route, key, None, healthy)[0], []).append(i)
-        return [(p, np.array(v)) for p, v in by_pool.items()]
-    out = []
-    for region in np.unique(regions):
-        idx = np.flatnonzero(regions == region)
-        out.append((choose_pool(snapshot, route, 0, str(region) or None, healthy)[0], idx))
+    by_region = snapshot.regional or (bool(route.pools) and route.steering in ADDRESS_STEERED)
+    groups = [(str(r) or None, np.flatnonzero(regions == r)) for r in np.unique(regions)] if by_region else [(None, everyone)]
+    out: list[tuple[str | None, np.ndarray, str | None]] = []
+    for region, idx in groups:
+        rkey = snapshot.rotation_region(region)
+        if not route.pools:
+            out.append((None, idx, rkey))
+            continue
+        healthy = healthy_pools(snapshot, route, rkey)
+        if route.steering == "random":
+            by_pool: dict[str | None, list[int]] = {}
+            for i, key in zip(idx.tolist(), ukeys[idx].tolist(), strict=True):
+                by_pool.setdefault(choose_pool(snapshot, route, key, None, healthy)[0], []).append(i)
+            out += [(p, np.array(v, dtype=np.int64), rkey) for p, v in by_pool.items()]
+        else:  # failover: one pool for everyone; geo and dynamic: the region's
+            out.append((choose_pool(snapshot, route, 0, region if route.steering != "failover" else None, healthy)[0], idx, rkey))
     return out
 
 

@@ -64,10 +64,11 @@ class SnapshotMemo:
 
     def __init__(self) -> None:
         self.members: dict[str, tuple[InboundRef, ...]] = {}  # route id → usable members
-        self.healthy: dict[str, dict[str, bool]] = {}  # route id → pool → healthy
-        self.candidates: dict[tuple[str, str | None], tuple[InboundRef, ...]] = {}  # (route id, pool)
+        # (route id, rotation region) → pool → healthy; the region is ``Snapshot.rotation_region``'s key
+        self.healthy: dict[tuple[str, str | None], dict[str, bool]] = {}
+        self.candidates: dict[tuple[str, str | None, str | None], tuple[InboundRef, ...]] = {}  # (route, pool, region)
         # the same by inbound id: a kept assignment is found in one lookup (a thousand servers' route: not a scan)
-        self.candidate_ids: dict[tuple[str, str | None], dict[str, InboundRef]] = {}
+        self.candidate_ids: dict[tuple[str, str | None, str | None], dict[str, InboundRef]] = {}
         self.placements: dict[tuple[str, tuple[str, ...]], Placement] = {}  # (route id, candidate ids)
         self.assignment_counts: dict[tuple[str, str], int] | None = None  # (route id, inbound id) → users
         # (what an unmeasured user weighs in Mbps, None: nobody measured; (route id, inbound id) → Mbps assigned)
@@ -115,10 +116,24 @@ class Snapshot:
             return "ok"
         return self.verdicts.inbound(inbound_id).status
 
-    def in_rotation(self, inbound_id: str) -> bool:
+    def in_rotation(self, inbound_id: str, region: str | None = None) -> bool:
+        """The inbound is handed out to a user of ``region`` (None: of unknown region; HEALTH-10, HEALTH-15)."""
         if self.verdicts is None:
             return True
-        return bool(self.verdicts.in_rotation[self._inbound_index[inbound_id]])
+        t = self._inbound_index[inbound_id]
+        if region is None or not self.regional:
+            return bool(self.verdicts.in_rotation[t])
+        return self.verdicts.in_rotation_for(t, region)
+
+    @property
+    def regional(self) -> bool:
+        """Some inbound is out of rotation for one region's users only (HEALTH-15): rotation depends on the region."""
+        return self.verdicts is not None and self.verdicts.any_regional
+
+    def rotation_region(self, region: str | None) -> str | None:
+        """The region rotation depends on for a user of ``region``: that region while some verdict is regional
+        (HEALTH-15), else None, so that every user shares one set of candidates."""
+        return (region or None) if self.regional else None
 
     def marked(self, inbound_id: str) -> bool:
         if self.verdicts is None:

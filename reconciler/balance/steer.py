@@ -31,10 +31,11 @@ def pool_members(snapshot: Snapshot, route: Route, pool: str) -> list[InboundRef
     return [r for r in snapshot.cluster.members[route.id] if r.inbound.pool == pool and snapshot.usable(r)]
 
 
-def healthy_pools(snapshot: Snapshot, route: Route) -> dict[str, bool]:
+def healthy_pools(snapshot: Snapshot, route: Route, region: str | None = None) -> dict[str, bool]:
+    """Pool → healthy, for users of ``region`` (a regional verdict counts only there, HEALTH-15)."""
     out = {}
     for pool in route.pools or []:
-        in_rotation = sum(1 for r in pool_members(snapshot, route, pool) if snapshot.in_rotation(r.inbound.id))
+        in_rotation = sum(1 for r in pool_members(snapshot, route, pool) if snapshot.in_rotation(r.inbound.id, region))
         out[pool] = in_rotation >= route.minimum_healthy
     return out
 

@@ -97,12 +97,11 @@ def cmd_topology(args: argparse.Namespace) -> int:
 
     path = cluster_file(args)
     cluster = load(path)
-    health: dict[str, str] = {}
-    if args.format == "svg":  # the verdicts the loop keeps, as of now: per server and per inbound
-        verdicts = state_of(path, cluster).load_learned(cluster).current_verdicts(cluster, time.time())
-        health = {**{n: v.status for n, v in verdicts.servers().items()},
-                  **{t: verdicts.inbound(t).status for t in verdicts.topology.inbounds}}
-    text = RENDERERS[args.format](cluster, health) if health else RENDERERS[args.format](cluster)
+    # The verdicts the loop keeps, as of now, per server and per inbound: marks and regional verdicts included
+    # (none before the loop's first interval: the picture then shows the file alone).
+    learned = state_of(path, cluster).load_learned(cluster)
+    health = learned.current_verdicts(cluster, time.time()).labels() if learned.ticks else {}
+    text = RENDERERS[args.format](cluster, health)
     if args.out == "-":
         sys.stdout.write(text)
     else:

@@ -80,29 +80,35 @@ def cmd_status(args: argparse.Namespace) -> int:
             v = verdicts.inbound(ib.id)
             t = verdicts.topology.inbounds.index(ib.id)
             streaks = {w: int(verdicts.fail[i, t]) for w, i in idx.items() if w != name and int(verdicts.fail[i, t]) > 0}
-            inbounds.append({"inbound": ib.id, "protocol": ib.protocol, "port": ib.port, "status": v.status,
-                             "in_rotation": v.in_rotation, "reason": v.reason, "marks": [m.text for m in v.marks],
-                             "failing_witnesses": streaks})
+            inbounds.append({"inbound": ib.id, "protocol": ib.protocol, "port": ib.port, "status": v.label,
+                             "in_rotation": v.rotation, "reason": v.reason, "marks": [m.text for m in v.marks],
+                             "unreachable_from": v.unreachable_from, "out_for": v.out_for, "failing_witnesses": streaks})
         eng = cluster.engine_of(server)
         data = {"server": name, "host": server.host, "engine": f"{eng.name} {eng.version}", "status": sv.status,
-                "in_rotation": sv.in_rotation, "reason": sv.reason, "marks": [m.text for m in sv.marks],
-                "unreliable_witness": sv.unreliable_witness, "seconds_since_report": sv.seconds_since_report,
+                "label": sv.label, "in_rotation": sv.in_rotation, "rotation": sv.rotation, "reason": sv.reason,
+                "marks": [m.text for m in sv.marks], "unreachable_from": sv.unreachable_from, "out_for": sv.out_for,
+                "unreliable_witness": sv.unreliable_witness, "censored_witness": sv.censored_witness, "sees": sv.sees,
+                "seconds_since_report": sv.seconds_since_report,
                 "traffic_mbps": learned.traffic_mbps.get(name, 0.0), "connected": len(learned.connected.get(name, ())),
                 "inbounds": inbounds}
-        emit(fmt, data, f"{name} ({server.host}): {sv.status} — {sv.reason}",
+        title = f"{name} ({server.host}): {sv.label}, in rotation: {sv.rotation} — {sv.reason}"
+        emit(fmt, data, title,
              ["inbound", "protocol", "port", "status", "in_rotation", "reason", "marks", "failing_witnesses"], inbounds)
+        if fmt == "table" and sv.sees and sv.sees not in sv.reason:
+            print(f"as a witness: {sv.sees}")
         return 0
     assigned = held_by_server(cluster, learned.assignments)
     rows = []
     for s in cluster.servers:
         sv = verdicts.server(s.name)
         eng = cluster.engine_of(s)
-        rows.append({"server": s.name, "host": s.host, "status": sv.status, "in_rotation": sv.in_rotation,
-                     "why": sv.reason, "users": assigned.get(s.name, 0), "connected": len(learned.connected.get(s.name, ())),
+        rows.append({"server": s.name, "host": s.host, "status": sv.label, "in_rotation": sv.rotation,
+                     "why": sv.reason, "marks": len(sv.marks), "users": assigned.get(s.name, 0),
+                     "connected": len(learned.connected.get(s.name, ())),
                      "mbps": round(learned.traffic_mbps.get(s.name, 0.0), 1), "engine": f"{eng.name} {eng.version}"})
     warnings = [d.message for d in loaded.warnings if d.code in ("unassigned", "empty-route", "empty-pool")]
     emit(fmt, {"servers": rows, "warnings": warnings, "as_of": now}, plural(len(rows), "server"),
-         ["server", "host", "status", "in_rotation", "why", "users", "connected", "mbps", "engine"], rows)
+         ["server", "host", "status", "in_rotation", "marks", "why", "users", "connected", "mbps", "engine"], rows)
     if fmt == "table":
         for w in warnings:
             print(f"warning: {w}", file=sys.stderr)

@@ -19,20 +19,22 @@ The rules, in the order they are applied:
    when the plan brings it back. Every count below is over the pairs in the
    witnesses' latest reports: the full mesh, or the bounded plan.
 2. **Background loss.** Each witness's chance of failing a probe at random is
-   estimated as two rates: the hazard *h* (a failure after a success) and the
-   continuation *c* (another failure after a failure) — a two-state Markov
-   chain, so bursty loss raises *c* and iid loss keeps *c ≈ h*. A streak of at
-   least *s* is then this likely by chance: ``π · c^(s-1)`` with the chain's
-   failure share ``π = h / (h + 1 - c)``. Each rate is a weighted mean of the
-   samples seen (recent ones weigh more), started from a prior worth a few
-   samples, so a fleet under bursty loss learns its long bursts from its first
-   bursts, not after hundreds of intervals (an estimate that crept up from an
-   optimistic prior let an early long burst pass as a block). The continuation
-   is learnt from streaks that ended, so a block still in progress never passes
-   itself off as bursty loss, and its prior is cautious (``_C_PRIOR``): until a
-   few streaks have ended, one witness's word needs a longer streak. The
-   fleet's pooled rates stand for any witness whose own are lower; a witness's
-   own count only when higher.
+   read as a two-state Markov chain: the hazard *h* (a failure after a
+   success) and the continuation *c* (another failure after a failure), so
+   bursty loss raises *c* and iid loss keeps *c ≈ h*. A streak of at least *s*
+   is then this likely by chance: ``π · E[c^(s-1)]`` with the chain's failure
+   share ``π = h / (h + 1 - c)``. The hazard is a weighted mean of recent
+   fresh starts. The continuation is learnt from streaks that *ended* (a block
+   in progress never passes itself off as bursty loss), as a Beta whose prior
+   mean is what the fleet's *other* pairs' running streaks show (a fleet whose
+   streaks keep running is bursty before any has ended), and it is read as the
+   predictive ``E[c^(s-1)]``: while few streaks have ended, it stays wide and
+   one or two witnesses' word needs a longer streak. A continuation estimate
+   that crept up from an optimistic prior once let an early long burst pass as
+   a block; this one cannot be fooled that way, at the price of slower
+   verdicts from one or two witnesses in a fleet that has never seen a streak
+   end. The fleet's pooled rates stand for any witness whose own are lower; a
+   witness's own count only when higher.
 3. **Witness reliability** (HEALTH-6, HEALTH-9), read at the level of servers.
    A witness *loses* a server when it votes against any inbound of it. A
    fraction of one to three neighbours says nothing (``MIN_NEIGHBOURS``). An
@@ -45,9 +47,10 @@ The rules, in the order they are applied:
    censor blocks foreign addresses), or, with no server of its own country to
    probe, the controller reached it, its self-check passed and the others reach
    most of what it loses. Only a suspect that is not censored is
-   **unreliable**: its votes are discarded. A designated prober is judged by the rule's own words:
-   it is failing, and blocks no one, when it loses more than half of its
-   neighbours. Unreliable witnesses still make pair marks (rule 6).
+   **unreliable**: its votes are discarded. A designated prober is judged by
+   the rule's own words: it is failing, and blocks no one, when it loses more
+   than half of its neighbours. Unreliable witnesses still make pair marks
+   (rule 6).
 4. **Votes and quorum** (HEALTH-5, HEALTH-7). A reliable witness with fresh
    data votes against a target when its streak reaches ``failure_streak``. A
    target is **unreachable** when, either among all witnesses or among the
@@ -109,16 +112,16 @@ from reconciler.health.verdicts import BLOCKED, IN_ROTATION, NO_DATA, OK, UNAVAI
 from reconciler.model.cluster import HealthSettings
 
 _STREAK_CAP = 30000
-# The rates' priors, and what they weigh in samples. The continuation's is cautious and weak: until streaks have
-# ended, nothing tells a long burst from a block, and a few ended streaks are enough to learn which the fleet has.
+# The rates' priors, and what they weigh in samples. The continuation's mean is the usual short bursts unless the
+# other pairs' running streaks say otherwise (``StreakOdds``).
 _H_PRIOR, _H_PRIOR_N = 0.05, 10.0
-_C_PRIOR, _C_PRIOR_N = 0.1, 10.0  # the usual short bursts, unless the other targets' failures say otherwise
-_H_RANGE, _C_RANGE = (0.005, 0.5), (0.02, 0.95)
+_C_PRIOR, _C_PRIOR_N = 0.1, 10.0
+_H_RANGE, _C_RANGE = (0.001, 0.5), (0.02, 0.95)
 _EWMA = 0.02  # per-sample decay of a witness's own background-loss samples (about the last 50 count)
 _FLEET_EWMA = 0.002  # per-sample decay of the fleet-wide samples (about the last 500 count)
 MIN_NEIGHBOURS = 4  # a witness's failure share over fewer servers says nothing about the witness (HEALTH-6)
-_FLAP_DECAY = 0.5 ** (1 / 100)
-_RUN_DECAY = 0.02  # per evaluation: the running streaks' steps weigh about the last 50 evaluations  # flap memory halves every 100 evaluations
+_FLAP_DECAY = 0.5 ** (1 / 100)  # flap memory halves every 100 evaluations
+_RUN_DECAY = 0.02  # per evaluation: the running streaks' steps weigh about the last 50 evaluations
 
 
 @dataclass
@@ -336,9 +339,17 @@ class HealthEngine:
             ev_c = np.add.reduceat(surprise[order], starts, axis=0)
             conv_c = self._quorum(votes_c, wit_c, ev_c, log_evidence)
             any_c = conv_c.any(axis=0)
-            local_country = np.where(any_c & ~global_conv, np.argmax(conv_c, axis=0), -1).astype(np.int32)
+            # A fleet-wide quorum whose voters all stand in one country, while witnesses elsewhere reach the target,
+            # is that country's block too: its witnesses are not independent of its censor (HEALTH-7).
+            voter_country = np.argmax(votes_c, axis=0)
+            reach_c = wit_c - votes_c
+            elsewhere = reach_c.sum(axis=0) - reach_c[voter_country, np.arange(m)]
+            one_country = global_conv & ((votes_c > 0).sum(axis=0) == 1) & (elsewhere > 0)
+            local_country = np.where(any_c & ~global_conv, np.argmax(conv_c, axis=0),
+                                     np.where(one_country, voter_country, -1)).astype(np.int32)
             # One country alone convicts for its region (HEALTH-15); the fleet, or two countries at once: everywhere.
-            scope_now = np.where(conv_c.sum(axis=0) == 1, local_country, -1).astype(np.int16)
+            alone = (conv_c.sum(axis=0) == 1) & ~global_conv
+            scope_now = np.where(alone | one_country, local_country, -1).astype(np.int16)
             unreach_now = global_conv | any_c
         else:
             unreach_now = global_conv

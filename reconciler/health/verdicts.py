@@ -57,6 +57,26 @@ class InboundVerdict:
     out_for: str | None = None  # out of rotation only for users of this region (HEALTH-15); None: for everyone, or not out
     unreachable_from: str | None = None  # the country whose witnesses cannot reach it (a regional verdict)
 
+    @property
+    def label(self) -> str:
+        return _label(self.status, self.unreachable_from, bool(self.marks))
+
+    @property
+    def rotation(self) -> str:
+        return _rotation(self.in_rotation, self.out_for)
+
+
+def _label(status: str, unreachable_from: str | None, marked: bool) -> str:
+    if unreachable_from is not None and status == "unreachable":
+        return f"unreachable from {unreachable_from}"
+    return "pair-unreachable" if status == "ok" and marked else status
+
+
+def _rotation(in_rotation: bool, out_for: str | None) -> str:
+    if in_rotation:
+        return "yes"
+    return f"not for {out_for}" if out_for else "no"
+
 
 @dataclass(frozen=True)
 class ServerVerdict:
@@ -73,6 +93,17 @@ class ServerVerdict:
     unreachable_from: str | None = None  # the country whose witnesses cannot reach it (a regional verdict)
     censored_witness: bool = False  # it loses many servers in a censor's pattern; its votes count (HEALTH-6)
     sees: str = ""  # what it sees as a witness: the servers it cannot reach, and whether others reach them
+
+    @property
+    def label(self) -> str:
+        """The status as views show it: ``unreachable from RU`` for a regional verdict, ``pair-unreachable`` for an
+        ok server that carries marks (HEALTH-8, HEALTH-15)."""
+        return _label(self.status, self.unreachable_from, bool(self.marks))
+
+    @property
+    def rotation(self) -> str:
+        """``yes``, ``no``, or ``not for EEU`` (out of rotation for one region's users only, HEALTH-15)."""
+        return _rotation(self.in_rotation, self.out_for)
 
     def as_json(self) -> dict[str, object]:
         return {"status": self.status, "in_rotation": self.in_rotation, "marks": [m.as_json() for m in self.marks],
@@ -234,6 +265,12 @@ class Verdicts:
 
     def servers(self) -> dict[str, ServerVerdict]:
         return {name: self.server(name) for name in self.topology.servers}
+
+    def labels(self) -> dict[str, str]:
+        """Every server's and inbound's ``label`` (keyed by server name and inbound id): what pictures show."""
+        out = {name: v.label for name, v in self.servers().items()}
+        out.update({t: self.inbound(t).label for t in self.topology.inbounds})
+        return out
 
     # ------------------------------------------------------------------ best available (HEALTH-11, LB-8)
 

@@ -48,7 +48,7 @@ from reconciler.metrics import FleetView
 from reconciler.subscriptions import FORMATS, choose_format
 from reconciler.subscriptions.page import choose_language, page_headers, render_page, wants_page
 from reconciler.subscriptions.urls import request_base
-from reconciler.topology import STATUS_COLOURS, svg
+from reconciler.topology import colour_of, svg
 
 _FORMAT_ALIASES = {"links.txt": "links", "sing-box.json": "sing-box", "clash.yaml": "clash", "singbox": "sing-box",
                    "mihomo": "clash", "base64": "links"}
@@ -214,16 +214,21 @@ def status_document(view: FleetView | None) -> dict[str, Any]:
     servers = {}
     for s in view.cluster.servers:
         sv = v.server(s.name) if v is not None else None
-        servers[s.name] = {"status": sv.status if sv else "no_data", "in_rotation": sv.in_rotation if sv else True,
+        servers[s.name] = {"status": sv.status if sv else "no_data", "label": sv.label if sv else "no_data",
+                           "in_rotation": sv.in_rotation if sv else True, "rotation": sv.rotation if sv else "yes",
+                           "out_for": sv.out_for if sv else None, "unreachable_from": sv.unreachable_from if sv else None,
+                           "marks": [m.as_json() for m in sv.marks] if sv else [],
                            "reason": sv.reason if sv else "no health data yet", "country": s.country,
                            "traffic_mbps": round(view.traffic_mbps.get(s.name, 0.0), 3),
                            "connected_users": view.connected.get(s.name, 0), "assigned_users": view.assigned.get(s.name, 0)}
     routes = {}
     for route in view.cluster.effective_routes:
         members = view.cluster.members.get(route.id, ())
-        active = [m.inbound.id for m in members if v is None or v.inbound(m.inbound.id).in_rotation]
-        routes[route.id] = {"inbounds": [m.inbound.id for m in members], "active": active,
-                            "best_available_only": bool(members) and not active}
+        verdicts = {m.inbound.id: v.inbound(m.inbound.id) for m in members} if v is not None else {}
+        active = [m.inbound.id for m in members if v is None or verdicts[m.inbound.id].in_rotation]
+        regional = {i: iv.out_for for i, iv in verdicts.items() if iv.out_for}  # out for one region only (HEALTH-15)
+        routes[route.id] = {"inbounds": [m.inbound.id for m in members], "active": active, "regional": regional,
+                            "best_available_only": bool(members) and not active and not regional}
     return {"ready": True, "time": v.now if v is not None else time.time(), "servers": servers, "routes": routes}
 
 
@@ -231,21 +236,24 @@ def status_html(view: FleetView | None) -> str:
     if view is None:
         return "<!doctype html><title>reconciler</title><p>Starting: no interval has finished yet.</p>"
     doc = status_document(view)
-    health = {name: s["status"] for name, s in doc["servers"].items()}
-    if view.verdicts is not None:  # each inbound's own verdict too (ROUTE-8)
-        health.update({t: view.verdicts.inbound(t).status for t in view.verdicts.topology.inbounds})
+    # Each server's and inbound's own verdict (ROUTE-8), marks and regional verdicts included.
+    health = view.verdicts.labels() if view.verdicts is not None else {}
     rows = []
     for name, s in doc["servers"].items():
-        colour = STATUS_COLOURS.get(s["status"], STATUS_COLOURS["unknown"])
-        rows.append(f"<tr><td>{escape(name)}</td><td>{escape(s['country'])}</td>"
-                    f"<td><span class=dot style='background:{colour}'></span>{escape(s['status'])}</td>"
-                    f"<td>{'yes' if s['in_rotation'] else '<b>no</b>'}</td><td>{s['traffic_mbps']:g}</td>"
-                    f"<td>{s['connected_users']}</td><td>{s['assigned_users']}</td><td>{escape(s['reason'])}</td></tr>")
+        rotation = escape(s["rotation"]) if s["in_rotation"] else f"<b>{escape(s['rotation'])}</b>"
+        marks = "".join(f"<li>{escape(m['text'])}</li>" for m in s["marks"])
+        rows.append(f"<tr data-server='{escape(name)}'><td>{escape(name)}</td><td>{escape(s['country'])}</td>"
+                    f"<td><span class=dot style='background:{colour_of(s['label'])}'></span>{escape(s['label'])}</td>"
+                    f"<td>{rotation}</td><td>{s['traffic_mbps']:g}</td>"
+                    f"<td>{s['connected_users']}</td><td>{s['assigned_users']}</td><td>{escape(s['reason'])}"
+                    f"{f'<ul class=marks>{marks}</ul>' if marks else ''}</td></tr>")
     route_rows = []
     for rid, r in doc["routes"].items():
         flag = " ⚠ best available only" if r["best_available_only"] else ""
+        elsewhere = "; ".join(f"{i} (not for {region})" for i, region in r["regional"].items())
         route_rows.append(f"<tr><td>{escape(rid)}</td><td>{len(r['active'])}/{len(r['inbounds'])}{flag}</td>"
-                          f"<td>{escape(', '.join(r['active']))}</td></tr>")
+                          f"<td>{escape(', '.join(r['active']))}{escape(('; ' if r['active'] else '') + elsewhere) if elsewhere else ''}"
+                          f"</td></tr>")
     stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(doc["time"])))
     return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="15">
 <title>reconciler status</title><style>
