@@ -166,6 +166,29 @@ def _le(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(float(bound))
 
 
+def _regional_and_marks(view: FleetView) -> Iterator[Metric]:
+    """HEALTH-8, HEALTH-15: who cannot reach whom, and from where a server is out of rotation (sparse: a series only
+    while it holds, so an alert names the server, the witness and the country customers most likely cannot use)."""
+    v = view.verdicts
+    ours = {s.name for s in view.cluster.servers}
+    regional = GaugeMetricFamily("reconciler_server_unreachable_from",
+                                 "1 while the server is unreachable from one country's witnesses only, and out of rotation "
+                                 "for users of that country's region alone (HEALTH-15).", labels=["server", "country", "region"])
+    mark = GaugeMetricFamily("reconciler_pair_mark", "1 while the witness alone cannot reach the server (a pair mark, "
+                             "HEALTH-8): users where the witness stands most likely cannot reach it either.",
+                             labels=["witness", "witness_country", "server"])
+    if v is not None:
+        for name, sv in v.servers().items():
+            if name in ours and sv.unreachable_from and sv.out_for:
+                regional.add_metric([name, sv.unreachable_from, sv.out_for], 1.0)
+        pairs = {(m.witness, m.witness_country, m.server) for m in v.marks()}
+        for witness, country, server in sorted(pairs):
+            if server in ours:
+                mark.add_metric([witness, country, server], 1.0)
+    yield regional
+    yield mark
+
+
 def _fleet_metrics(view: FleetView) -> Iterator[Metric]:
     cluster, v = view.cluster, view.verdicts
     servers = cluster.servers
@@ -176,6 +199,7 @@ def _fleet_metrics(view: FleetView) -> Iterator[Metric]:
     witnesses = {r.inbound.id: 0 for r in refs}
     votes = {r.inbound.id: 0 for r in refs}
     unreliable = {s.name: False for s in servers}
+    censored = {s.name: False for s in servers}
     if v is not None:
         for name, sv in v.servers().items():
             server_status[name] = sv.status
@@ -185,9 +209,11 @@ def _fleet_metrics(view: FleetView) -> Iterator[Metric]:
                 rotation[t] = bool(v.in_rotation[j])
                 witnesses[t] = int(v.witnesses[j])
                 votes[t] = int(v.votes[j])
+        assert v.censored is not None
         for i, name in enumerate(v.topology.servers):
             if name in unreliable:
                 unreliable[name] = bool(v.unreliable[i])
+                censored[name] = bool(v.censored[i])
 
     g = GaugeMetricFamily("reconciler_server_status", "1 for the server's current status (one of five), 0 for the others.",
                           labels=["server", "country", "status"])
@@ -225,6 +251,13 @@ def _fleet_metrics(view: FleetView) -> Iterator[Metric]:
     for s in servers:
         g.add_metric([s.name], 1.0 if unreliable[s.name] else 0.0)
     yield g
+    g = GaugeMetricFamily("reconciler_witness_censored", "1 when the server loses many others in a censor's pattern (it "
+                          "still reaches its own country, or the controller reaches it); its votes count (HEALTH-6).",
+                          labels=["server", "country"])
+    for s in servers:
+        g.add_metric([s.name, s.country], 1.0 if censored[s.name] else 0.0)
+    yield g
+    yield from _regional_and_marks(view)
     # HEALTH-14: the evidence behind the verdicts. Streaks are sparse (only the failing pairs have a sample).
     streak = GaugeMetricFamily("reconciler_probe_failure_streak",
                                "Consecutive failed probes of a witness against an inbound (HEALTH-5); failing pairs only.",

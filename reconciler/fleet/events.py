@@ -3,7 +3,10 @@
 ``user_events`` compares each user's usage and dates with what was already said (``said``: event key → the
 value it was said for) so each event is sent once: a quota warning once per period, an expiry warning once per
 expiry date, a device-limit breach once until the user is back under it. ``fleet_event`` says when the fleet
-became degraded (a route with no healthy inbound, or most servers not ok) and when it recovered. The loop sends
+became degraded (a route with no healthy inbound, or most servers not ok) and when it recovered.
+``verdict_events`` says which servers customers most likely cannot reach — blocked (HEALTH-9), unreachable from
+one country (HEALTH-15), or marked by a lone witness (HEALTH-8) — each time a server's verdict becomes one of
+these, and for every server already in one on the first interval after a start or a takeover (``last`` empty). The loop sends
 them to the webhook (``settings.outputs.webhook_url``) and the log; Prometheus alerts say the same through
 Alertmanager (``deploy/``).
 """
@@ -18,14 +21,16 @@ from typing import Any
 import numpy as np
 
 from reconciler.balance import Snapshot
+from reconciler.health.verdicts import Verdicts
 from reconciler.model import Cluster, UserUsage
 from reconciler.text import size_text
 
 
 @dataclass(frozen=True)
 class Event:
-    kind: str  # quota_warning, quota_reached, expiring, expired, device_limit, fleet_degraded, fleet_recovered
-    subject: str  # the user, or "fleet"
+    kind: str  # quota_warning, quota_reached, expiring, expired, device_limit, fleet_degraded, fleet_recovered,
+    # blocked, unreachable_from, pair_unreachable
+    subject: str  # the user, the server, or "fleet"
     text: str  # one line for people
     data: dict[str, Any] = field(default_factory=dict)
 
@@ -88,6 +93,36 @@ def user_events(cluster: Cluster, usage: Mapping[str, UserUsage], now: float, sa
     known = roster.index
     for key in [k for k in said if k.split(":", 1)[-1] not in known and not k.startswith("fleet")]:
         del said[key]  # users that left the file
+    return events
+
+
+BLOCKED_ADVICE = ("the server's address is likely blocked: move it to a new IP (or a new server) and update `host:` in "
+                  "the cluster file; its users were moved to other inbounds of their routes")
+
+
+def verdict_events(verdicts: Verdicts, last: dict[str, str]) -> list[Event]:
+    """Events for servers whose verdict label (``ServerVerdict.label``) became one customers feel, compared with
+    ``last`` (server → label; updated in place). An empty ``last`` — a start, a takeover — reports every such
+    server once."""
+    events: list[Event] = []
+    for name, sv in verdicts.servers().items():
+        before = last.get(name)
+        last[name] = sv.label
+        if before == sv.label:
+            continue
+        base = {"server": name, "status": sv.status, "label": sv.label, "reason": sv.reason}
+        if sv.status == "blocked":
+            events.append(Event("blocked", name, f"{name} is blocked: {sv.reason}", {**base, "advice": BLOCKED_ADVICE}))
+        elif sv.unreachable_from:
+            events.append(Event("unreachable_from", name, f"customers in {sv.unreachable_from} most likely cannot reach "
+                                f"{name}: {sv.reason}", {**base, "country": sv.unreachable_from, "region": sv.out_for}))
+        elif sv.status == "ok" and sv.marks:
+            where = sorted({m.witness_country for m in sv.marks if m.witness_country})
+            events.append(Event("pair_unreachable", name, f"customers in {', '.join(where) or 'some places'} most likely "
+                                f"cannot reach {name}: {sv.reason}",
+                                {**base, "witnesses": sorted({m.witness for m in sv.marks}), "countries": where}))
+    for name in [n for n in last if n not in verdicts.topology.servers]:
+        del last[name]  # servers that left the file
     return events
 
 

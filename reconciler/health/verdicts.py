@@ -177,12 +177,17 @@ class Verdicts:
         topo = self.topology
         out: dict[int, list[Mark]] = {}
         for w, t, both in self.pair_marks:
-            mark = Mark("pair-unreachable", topo.servers[w], topo.servers[topo.server_of[t]], topo.inbounds[t], both)
+            mark = Mark("pair-unreachable", topo.servers[w], topo.servers[topo.server_of[t]], topo.inbounds[t], both,
+                        topo.countries[w])
             out.setdefault(t, []).append(mark)
         return out
 
     def marks_of_inbound(self, t: int) -> tuple[Mark, ...]:
         return tuple(self._marks_by_inbound.get(t, ()))
+
+    def marks(self) -> list[Mark]:
+        """Every pair mark of this evaluation (HEALTH-8)."""
+        return [m for found in self._marks_by_inbound.values() for m in found]
 
     # ------------------------------------------------------------------ rotation by region (HEALTH-15)
 

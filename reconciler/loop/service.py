@@ -50,11 +50,11 @@ from reconciler.credentials import Secret, clash_api_secret
 from reconciler.engine.base import AGENT
 from reconciler.errors import LockHeld, RemoteError, ReportError, SecretError
 from reconciler.fleet import snapshot
-from reconciler.fleet.events import degraded_reason, fleet_event, user_events
+from reconciler.fleet.events import degraded_reason, fleet_event, user_events, verdict_events
 from reconciler.fleet.learned import Learned
 from reconciler.fleet.reality import with_reality_keys
 from reconciler.fleet.reports import Report, agent_request, parse_report
-from reconciler.health.verdicts import ServerVerdict, Verdicts
+from reconciler.health.verdicts import Verdicts
 from reconciler.loop import gcpause
 from reconciler.loop.client_address import networks
 from reconciler.loop.http import HttpOutlet, status_document
@@ -159,6 +159,7 @@ class Loop:
         self.live: LiveWorkers | None = None  # worker processes answering the public port (settings.outputs.workers > 1)
         self._digest = cluster_digest(cluster)
         self._last_status: dict[str, str] = {}
+        self._last_label: dict[str, str] = {}  # server → the verdict label the webhook last spoke of (empty: say all)
         self._tick_index = 0
         self._last_tick_end = 0.0
         self._started = time.time()
@@ -449,9 +450,10 @@ class Loop:
             if before is not None and before != sv.status:
                 level = logging.INFO if sv.status in ("ok", "no_data") else logging.WARNING
                 log.log(level, "%s: %s → %s: %s", name, before, sv.status, sv.reason)
-                if sv.status == "blocked":
-                    self._webhook(name, sv)
             self._last_status[name] = sv.status
+        for event in verdict_events(verdicts, self._last_label):  # every one on the first interval after a start
+            log.warning("%s: %s", event.kind, event.text)
+            self._post(event.payload(verdicts.now))
         log.info("interval %d: %s", self._tick_index, ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
 
     def _enforce(self, snap: Snapshot) -> None:
@@ -481,13 +483,6 @@ class Loop:
         task = asyncio.create_task(_post(url, payload))
         self._posts.add(task)  # keep a reference until it is done, then forget it
         task.add_done_callback(self._posts.discard)
-
-    def _webhook(self, server: str, verdict: ServerVerdict) -> None:
-        payload = {"event": "blocked", "server": server, "status": verdict.status, "reason": verdict.reason,
-                   "advice": "the server's address is likely blocked: move it to a new IP (or a new server) and update "
-                             "`host:` in the cluster file; its users were moved to other inbounds of their routes",
-                   "time": time.time()}
-        self._post(payload)
 
     # ------------------------------------------------------------------ plan, drift, self-heal
 
@@ -714,6 +709,7 @@ class Loop:
             if not self._takeover_pending:
                 return
             self._takeover_pending = False
+            self._last_label.clear()  # the new leader's first interval tells the webhook every server customers miss
             fresh = await self._read_state()
             pointer = self._state_pointer
             log.warning("leading from interval %d of the learned state (%s)", self.learned.ticks,
