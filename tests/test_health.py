@@ -94,11 +94,11 @@ def test_self_reports_give_unavailable_and_no_data():
 def test_isolated_witness_is_ignored_and_outages_are_still_caught():
     # spec: HEALTH-6
     tl = timeline("isolated_witness.yaml")
-    for t in range(3, 20):
+    for t in range(3, 40):
         assert all(v.status == "ok" for v in tl[t].values()), t
     assert tl[10]["de-3"].unreliable_witness and "votes are ignored" in tl[10]["de-3"].reason
-    hit = first_tick(tl, "us-1", "unreachable", start=20)
-    assert hit is not None and hit <= 20 + F
+    hit = first_tick(tl, "us-1", "unreachable", start=40)
+    assert hit is not None and hit <= 40 + F
     assert "de-3" not in tl[hit]["us-1"].reason
 
 
@@ -134,12 +134,12 @@ def test_prober_blocks_with_advice_and_reaching_the_prober_means_nothing():
     long = HealthSettings().prober_streak
     hit = first_tick(tl, "nl-1", "blocked")
     # The long streak, plus at most two checks while the prober's loss estimate is still uncertain.
-    assert hit is not None and 5 + long - 1 <= hit <= 5 + long + 1
-    streak = hit - 5 + 1
+    assert hit is not None and 40 + long - 1 <= hit <= 40 + long + 1
+    streak = hit - 40 + 1
     assert tl[hit]["nl-1"].reason == f"blocked: prober msk-1 has not reached it for {streak} checks — change its IP"
     assert not tl[hit]["nl-1"].in_rotation
     assert all(tl[t]["msk-1"].status == "ok" and not tl[t]["msk-1"].marks for t in range(len(tl)))
-    assert first_tick(tl, "nl-1", "ok", start=20) <= 20 + HealthSettings().recovery_streak
+    assert first_tick(tl, "nl-1", "ok", start=55) <= 55 + HealthSettings().recovery_streak
 
 
 def test_a_lone_server_in_a_blocking_country_without_prober_only_marks():
@@ -148,7 +148,7 @@ def test_a_lone_server_in_a_blocking_country_without_prober_only_marks():
     servers = [s.model_copy(update={"prober": False}) for s in scenario.servers]
     scenario = scenario.model_copy(update={"servers": servers})
     verdicts = list(run(scenario, inline_topology(servers), settings))
-    end = verdicts[19][1].server("nl-1")
+    end = verdicts[54][1].server("nl-1")
     assert end.status == "ok" and end.in_rotation
     # The scenario also cuts nl-1 → msk-1, so the pair fails both ways.
     assert [m.text for m in end.marks] == ["msk-1 cannot reach nl-1 (both directions)"]
@@ -307,13 +307,13 @@ def test_scenario_expectations_hold(name):
 
 def test_a_missed_expectation_fails_simulate_and_says_where(cli, tmp_path):
     # spec: HEALTH-8: the expectation is checked, not decoration
-    text = (SCENARIOS / "two_servers.yaml").read_text().replace('at: 48, server: b, marks: ["a cannot reach b (one direction)"]',
-                                                               'at: 48, server: b, marks: ["a cannot reach b (both directions)"]')
+    text = (SCENARIOS / "two_servers.yaml").read_text().replace('at: 66, server: b, marks: ["a cannot reach b (one direction)"]',
+                                                               'at: 66, server: b, marks: ["a cannot reach b (both directions)"]')
     bad = tmp_path / "two.yaml"
     bad.write_text(text)
     out = cli("simulate", str(bad))
     line = next(i for i, x in enumerate(text.splitlines(), 1) if "(both directions)\"], reason" in x)
-    assert out.rc == 1 and f"two.yaml:{line}:5: error: expectation not met: tick 48: b: marks" in out.err
+    assert out.rc == 1 and f"two.yaml:{line}:5: error: expectation not met: tick 66: b: marks" in out.err
     good = cli("simulate", str(SCENARIOS / "two_servers.yaml"))
     assert good.rc == 0 and "expectation(s) met" in good.err
 
@@ -367,3 +367,15 @@ def test_learned_health_survives_a_fleet_change_and_an_older_state_file():
     assert (old.cont_n == 0).all() and (old.unreach_scope == -1).all() and old.unreach_on[t]
     wrong = HealthState.from_arrays({**vars(learned.health), "fail": np.zeros((9, 9), np.int16)}, topo)
     assert not wrong.unreach_on.any()  # another fleet's arrays: a fresh state, never a crash
+
+
+def test_the_running_streaks_by_target_follow_a_fleet_change():
+    # spec: GITOPS-5: what the engine learnt of each target's running streaks is carried by inbound id
+    from reconciler.fleet.learned import Learned
+
+    before = _cluster([("ru-1", "RU"), ("de-1", "DE")])
+    learned = Learned.fresh(before)
+    learned.health.target_run[:, learned.topology.inbounds.index("de-1-in")] = (3.0, 4.0)
+    after = learned.adopt(_cluster([("at-1", "AT"), ("ru-1", "RU"), ("de-1", "DE")]))
+    assert after.health.target_run[:, after.topology.inbounds.index("de-1-in")].tolist() == [3.0, 4.0]
+    assert after.health.target_run[:, after.topology.inbounds.index("at-1-in")].tolist() == [0.0, 0.0]

@@ -182,6 +182,8 @@ def snapshot_digest(snapshot: Snapshot, cluster_hash: str) -> str:
     if v is not None:
         h.update(v.status.tobytes())
         h.update(v.in_rotation.tobytes())
+        assert v.regional is not None
+        h.update(v.regional.tobytes())  # out of rotation for one region only (HEALTH-15)
         h.update(repr(sorted(v.pair_marks)).encode())
     held = snapshot.held  # columns over the users in the file's order, which the cluster hash holds
     h.update("\0".join([*held.inbounds, "", *held.columns]).encode())
