@@ -368,14 +368,3 @@ def test_learned_health_survives_a_fleet_change_and_an_older_state_file():
     wrong = HealthState.from_arrays({**vars(learned.health), "fail": np.zeros((9, 9), np.int16)}, topo)
     assert not wrong.unreach_on.any()  # another fleet's arrays: a fresh state, never a crash
 
-
-def test_the_running_streaks_by_target_follow_a_fleet_change():
-    # spec: GITOPS-5: what the engine learnt of each target's running streaks is carried by inbound id
-    from reconciler.fleet.learned import Learned
-
-    before = _cluster([("ru-1", "RU"), ("de-1", "DE")])
-    learned = Learned.fresh(before)
-    learned.health.target_run[:, learned.topology.inbounds.index("de-1-in")] = (3.0, 4.0)
-    after = learned.adopt(_cluster([("at-1", "AT"), ("ru-1", "RU"), ("de-1", "DE")]))
-    assert after.health.target_run[:, after.topology.inbounds.index("de-1-in")].tolist() == [3.0, 4.0]
-    assert after.health.target_run[:, after.topology.inbounds.index("at-1-in")].tolist() == [0.0, 0.0]

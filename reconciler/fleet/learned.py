@@ -193,7 +193,6 @@ class Learned:
                 carry(getattr(new.health, name), value, _HEALTH_AXES[name])
         new.health.fleet = self.health.fleet.copy()
         new.health.fleet_n = self.health.fleet_n.copy()
-        new.health.target_run[:, ci] = self.health.target_run[:, co]
         # A regional verdict's country is an index into the codes of the fleet's countries: by code, not by index.
         codes = {code: k for k, code in enumerate(topo.country_codes)}
         remap = np.array([codes.get(code, -1) for code in old.country_codes] + [-1], dtype=np.int16)

@@ -26,12 +26,11 @@ The rules, in the order they are applied:
    share ``π = h / (h + 1 - c)``. The hazard is a weighted mean of recent
    fresh starts. The continuation is learnt from streaks that *ended* (a block
    in progress never passes itself off as bursty loss), as a Beta whose prior
-   mean says what is known before many streaks have ended: the running streaks
-   at the fleet's *other* targets (never the judged target's own: a block is
-   seen by all its witnesses at once), and no less than a value that rises with
-   the hazard (failures that start often, none yet seen to end, may be long
-   ones). It is read as the predictive ``E[c^(s-1)]``, which stays wide while
-   few streaks have ended. A continuation estimate that crept up from an
+   mean rises with the hazard (failures that start often, none yet seen to
+   end, may be long ones; running streaks are no guide: a block's own, and its
+   side effects on the way back, would vouch for it as bursty loss). It is
+   read as the predictive ``E[c^(s-1)]``, which stays wide while few streaks
+   have ended. A continuation estimate that crept up from an
    optimistic prior once let an early long burst pass as a block; this one is
    not fooled that way, at a price: a fleet that has not yet seen failures end
    asks one or two witnesses for longer streaks (a fleet of two servers marks
@@ -115,8 +114,8 @@ from reconciler.health.verdicts import BLOCKED, IN_ROTATION, NO_DATA, OK, UNAVAI
 from reconciler.model.cluster import HealthSettings
 
 _STREAK_CAP = 30000
-# The rates' priors, and what they weigh in samples. The continuation's mean is the usual short bursts unless the
-# other pairs' running streaks say otherwise (``StreakOdds``).
+# The rates' priors, and what they weigh in samples. The continuation's mean is the usual short bursts, more the
+# more often failures start (``StreakOdds``).
 _H_PRIOR, _H_PRIOR_N = 0.05, 10.0
 _C_PRIOR, _C_PRIOR_N = 0.1, 10.0
 _C_PER_HAZARD, _C_COLD_MAX = 8.0, 0.6  # the continuation's prior rises with how often failures start
@@ -125,7 +124,6 @@ _EWMA = 0.02  # per-sample decay of a witness's own background-loss samples (abo
 _FLEET_EWMA = 0.002  # per-sample decay of the fleet-wide samples (about the last 500 count)
 MIN_NEIGHBOURS = 4  # a witness's failure share over fewer servers says nothing about the witness (HEALTH-6)
 _FLAP_DECAY = 0.5 ** (1 / 100)  # flap memory halves every 100 evaluations
-_RUN_DECAY = 0.02  # per evaluation: the running streaks' steps weigh about the last 50 evaluations
 
 
 @dataclass
@@ -157,9 +155,6 @@ class HealthState:
     hazard_n: np.ndarray  # (N,) float64: what those means weigh, in (decayed) samples
     cont_n: np.ndarray  # (N,) float64
     fleet_n: np.ndarray  # (2,) float64
-    # Streaks while they run, per target, as decayed counts of (continued, steps) over the steps 1..F-1: what the
-    # fleet's *other* targets say about how bursty its loss is before their streaks have ended to say it for sure.
-    target_run: np.ndarray  # (2, M) float64
     last_report: np.ndarray  # (N,) float64, -inf = never
     last_service_ok: np.ndarray  # (N,) bool
     last_listener_ok: np.ndarray  # (M,) bool
@@ -182,7 +177,6 @@ class HealthState:
             hazard_n=np.zeros(n),
             cont_n=np.zeros(n),
             fleet_n=np.zeros(2),
-            target_run=np.zeros((2, m)),
             last_report=np.full(n, -np.inf),
             last_service_ok=np.ones(n, dtype=bool),
             last_listener_ok=np.ones(m, dtype=bool),
@@ -256,34 +250,28 @@ class StreakOdds:
     larger of the fleet's predictive one (a Beta over the ended streaks: it stays high while few have ended) and
     the witness's own continuation to the power s-1 (where its own link is burstier than the fleet's).
 
-    The Beta's prior (``_C_PRIOR_N`` samples) has for its mean the running streaks at the other targets, and at
-    least ``_C_PRIOR + _C_PER_HAZARD · h`` (at most ``_C_COLD_MAX``), h the fleet's hazard.
+    The Beta's prior (``_C_PRIOR_N`` samples) has the mean ``_C_PRIOR + _C_PER_HAZARD · h`` (at most
+    ``_C_COLD_MAX``), h the fleet's hazard: failures that start often, none yet seen to end, may be long ones.
     """
 
     log_pi: np.ndarray  # (N,) float32
     log_c: np.ndarray  # (N,) float32: the witness's continuation, at least the fleet's mean
     ended: tuple[float, float]  # the fleet's ended streaks: (continued, steps)
-    running: np.ndarray  # (2, M): the running streaks at every *other* target: (continued, steps)
     hazard: float  # the fleet's hazard: how often a failure starts
 
     def log_chance(self, fail: np.ndarray, least: int) -> np.ndarray:
         """(N, M) log P(a streak at least this long by chance), where ``fail`` >= ``least``; 0 elsewhere.
 
-        The fleet's continuation is a Beta: the ended streaks, plus the prior of the class docstring (never the
-        target's own running streaks: a block in progress, seen by every witness at once, would vouch for itself
-        as bursty loss).
+        The fleet's continuation is a Beta: the ended streaks, plus the prior of the class docstring.
         """
         out = np.zeros(fail.shape, dtype=np.float32)
         ws, ts = np.nonzero(fail >= max(least, 1))
         if ws.size:
             k = fail[ws, ts].astype(np.float64) - 1.0
-            run_f, run_n = self.running[0, ts], self.running[1, ts]
-            # Failures that start often, none yet seen to end, may be long ones: the prior leans that way too.
-            base = min(_C_PRIOR + _C_PER_HAZARD * self.hazard, _C_COLD_MAX)
-            prior = np.clip((run_f + base * _C_PRIOR_N) / (run_n + _C_PRIOR_N), base, _C_RANGE[1])
+            prior = min(_C_PRIOR + _C_PER_HAZARD * self.hazard, _C_COLD_MAX)
             a = self.ended[0] + prior * _C_PRIOR_N
             b = self.ended[1] - self.ended[0] + (1.0 - prior) * _C_PRIOR_N
-            predictive = _lgamma(a + k) - _lgamma(a) + _lgamma(a + b) - _lgamma(a + b + k)
+            predictive = _lgamma(a + k) - math.lgamma(a) + math.lgamma(a + b) - _lgamma(a + b + k)
             out[ws, ts] = self.log_pi[ws] + np.maximum(predictive, k * self.log_c[ws])
         return out
 
@@ -454,10 +442,6 @@ class HealthEngine:
         continued = np.minimum(np.maximum(length - 1, 0), F - 1)
         c_f = continued.sum(axis=1)
         c_n = c_f + (ended & (length < F)).sum(axis=1)
-        # Running streaks' steps: each evaluation's, the older ones decayed.
-        in_run = background & (prev > 0) & (prev < F)
-        st.target_run *= 1.0 - _RUN_DECAY
-        st.target_run += np.stack([(in_run & failed).sum(axis=0), in_run.sum(axis=0)])
         _learn(st.hazard, st.hazard_n, h_n, h_f, _EWMA)
         _learn(st.cont, st.cont_n, c_n, c_f, _EWMA)
         for k, (cnt, fails) in enumerate(((h_n.sum(), h_f.sum()), (c_n.sum(), c_f.sum()))):
@@ -476,8 +460,7 @@ class HealthEngine:
         h = np.clip(np.maximum(_estimate(st.hazard, st.hazard_n, h_fleet, _H_PRIOR_N), h_fleet), *_H_RANGE)
         c = np.clip(np.maximum(_estimate(st.cont, st.cont_n, np.array([c_fleet]), _C_PRIOR_N), c_fleet), *_C_RANGE)
         return StreakOdds(log_pi=np.log(h / (h + 1.0 - c)).astype(np.float32), log_c=np.log(c).astype(np.float32),
-                          ended=(failures, weight), running=st.target_run.sum(axis=1, keepdims=True) - st.target_run,
-                          hazard=float(h_fleet[0]))
+                          ended=(failures, weight), hazard=float(h_fleet[0]))
 
     def _witnesses(self, vote: np.ndarray, probing: np.ndarray, fresh: np.ndarray) -> Witnesses:
         """Who is an unreliable witness, a censored one, and a failing prober, read per server (3)."""
