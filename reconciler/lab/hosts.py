@@ -337,6 +337,15 @@ class Lab:
         else:
             _nft_add(f"{match} counter drop")
 
+    def block_outgoing(self, src: Host, dst: Host, udp_ports: tuple[int, ...] = ()) -> None:
+        """A censor at src's border: src cannot open connections to dst (TCP SYNs dropped, and UDP to dst's
+        ``udp_ports``), while dst's own connections to src and their answers pass, as with a censor that filters
+        what its country's hosts initiate."""
+        _ensure_block_table()
+        _nft_add(f"ip saddr {src.ip} ip daddr {dst.ip} tcp flags & (syn | ack) == syn counter drop")
+        for port in udp_ports:
+            _nft_add(f"ip saddr {src.ip} ip daddr {dst.ip} udp dport {port} counter drop")
+
     def reset(self, src: Host, dst: Host, port: int) -> None:
         """Answer src's TCP connections to dst:port with a reset (rule inside dst's namespace)."""
         rule = (f"table inet rlab_reset {{\n chain input {{\n type filter hook input priority 0;\n"
