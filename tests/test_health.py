@@ -368,3 +368,15 @@ def test_learned_health_survives_a_fleet_change_and_an_older_state_file():
     wrong = HealthState.from_arrays({**vars(learned.health), "fail": np.zeros((9, 9), np.int16)}, topo)
     assert not wrong.unreach_on.any()  # another fleet's arrays: a fresh state, never a crash
 
+
+
+@pytest.mark.parametrize("inbound_server", [(0, 0, 1, 2, 2, 2), (2, 0, 1, 1), (0, 1, 2), (1, 1, 1)])
+def test_per_server_sums_each_servers_inbounds(inbound_server):
+    # The witness-by-server view of HEALTH-6 (who loses whom), for one or several inbounds per server in any order.
+    topo = Topology(servers=("a", "b", "c"), countries=("DE",) * 3, probers=(False,) * 3,
+                    inbounds=tuple(f"i{k}" for k in range(len(inbound_server))), inbound_server=inbound_server)
+    a = np.random.default_rng(len(inbound_server)).random((3, len(inbound_server))) < 0.5
+    want = np.zeros((3, 3), dtype=np.int32)
+    for t, s in enumerate(inbound_server):
+        want[:, s] += a[:, t]
+    assert (topo.per_server(a) == want).all() and (topo.any_per_server(a) == (want > 0)).all()

@@ -312,7 +312,7 @@ class HealthEngine:
         # (no pair mark, below), but a quorum that cannot reach it takes it out of rotation like any other server.
         vote = (fail >= F) & fresh[:, None] & ~own
         witness = self._witnesses(vote, probing, fresh)
-        self._learn_loss(present & ~witness.judged[:, None], failed, prev)
+        self._learn_loss(present, failed, prev, witness.judged)
         unreliable = witness.unreliable
         reliable = fresh & ~unreliable
         V = vote & reliable[:, None]
@@ -419,29 +419,29 @@ class HealthEngine:
             prober_failing=witness.prober_failing, fresh=fresh,
         )
 
-    def _learn_loss(self, present: np.ndarray, failed: np.ndarray, prev: np.ndarray) -> None:
+    def _learn_loss(self, present: np.ndarray, failed: np.ndarray, prev: np.ndarray, judged: np.ndarray) -> None:
         """Fold this evaluation's background-loss samples into the witnesses' and the fleet's rates (in place)."""
         st, F = self.state, self.settings.failure_streak
+        n = present.shape[0]
         # Background loss is learnt from targets not already convicted, and not failed by at least half (and 3)
         # of the witnesses at once: random loss is uncorrelated across witnesses, an outage is not. Likewise not
         # from a witness failing half (and 3) of its targets at once (its own network, or a censor), nor from one
-        # judged unreliable, censored or a failing prober (the caller leaves those out of ``present``).
-        failed = failed & present
-        n_present, n_failed = present.sum(axis=0), failed.sum(axis=0)
+        # ``judged`` unreliable, censored or a failing prober.
+        n_present, n_failed = present.sum(axis=0), failed.sum(axis=0)  # ``failed`` is within ``present``
         correlated = (n_failed >= 3) & (2 * n_failed >= n_present)
         w_present, w_failed = present.sum(axis=1), failed.sum(axis=1)
-        cut_off = (w_failed >= 3) & (2 * w_failed >= w_present)
-        background = present & ~(st.unreach_on | st.blocked_on | correlated)[None, :] & ~cut_off[:, None]
+        rows = ~(judged | ((w_failed >= 3) & (2 * w_failed >= w_present)))
+        background = present & ~(st.unreach_on | st.blocked_on | correlated)[None, :] & rows[:, None]
         fresh_start = background & (prev == 0)
         h_n, h_f = fresh_start.sum(axis=1), (fresh_start & failed).sum(axis=1)
         # Continuation is learnt from streaks that ended: a streak of L failures made min(L-1, F-1) continuations
         # among the steps 1..F-1, then (when L < F) a success among them. A streak still running says nothing yet:
         # counted while it runs, a real block's own failures would pass for bursty loss and slow its detection.
-        ended = background & (prev > 0) & ~failed
-        length = np.where(ended, prev, 0).astype(np.int64)
-        continued = np.minimum(np.maximum(length - 1, 0), F - 1)
-        c_f = continued.sum(axis=1)
-        c_n = c_f + (ended & (length < F)).sum(axis=1)
+        ws, ts = np.nonzero(background & (prev > 0) & ~failed)  # few: the streaks that ended now
+        length = prev[ws, ts].astype(np.int64)
+        continued = np.minimum(length - 1, F - 1)
+        c_f = np.bincount(ws, weights=continued, minlength=n)
+        c_n = c_f + np.bincount(ws, weights=length < F, minlength=n)
         _learn(st.hazard, st.hazard_n, h_n, h_f, _EWMA)
         _learn(st.cont, st.cont_n, c_n, c_f, _EWMA)
         for k, (cnt, fails) in enumerate(((h_n.sum(), h_f.sum()), (c_n.sum(), c_f.sum()))):
@@ -465,8 +465,8 @@ class HealthEngine:
     def _witnesses(self, vote: np.ndarray, probing: np.ndarray, fresh: np.ndarray) -> Witnesses:
         """Who is an unreliable witness, a censored one, and a failing prober, read per server (3)."""
         topo, cfg, st = self.topology, self.settings, self.state
-        probed = topo.per_server(probing) > 0  # (N, N): w probes server s
-        lost = (topo.per_server(vote) > 0) & probed  # w votes against an inbound of s
+        probed = topo.any_per_server(probing)  # (N, N): w probes server s
+        lost = topo.any_per_server(vote)  # w votes against an inbound of s (``vote`` is within ``probing``)
         neighbours = probed.sum(axis=1)
         lost_n = lost.sum(axis=1)
         share = lost_n / np.maximum(1, neighbours)
@@ -474,20 +474,22 @@ class HealthEngine:
         median = float(np.median(share[fresh])) if fresh.any() else 0.0
         heavy = meaningful & (share >= cfg.unreliable_ratio)
         suspect = heavy & (share >= median + cfg.unreliable_margin)
-        # The censor's pattern (a): it still reaches at least half of its own country's servers.
-        home = probed & topo.same_country
-        home_n = home.sum(axis=1)
-        home_reached = (home & ~lost).sum(axis=1)
-        # (b), with no server of its own country to probe: the controller reached it, its self-check passed, and
-        # most of what it loses the others reach (the loss is its own, not the targets').
-        reached_by = (probed & ~lost & fresh[:, None]).sum(axis=0)
-        probed_by = (probed & fresh[:, None]).sum(axis=0)
-        fine_elsewhere = 2 * reached_by > probed_by  # (N,) by target server
-        lost_fine = (lost & fine_elsewhere[None, :]).sum(axis=1)
-        alone = fresh & st.last_service_ok & (2 * lost_fine >= np.maximum(lost_n, 1))
-        pattern = np.where(home_n > 0, (home_reached > 0) & (2 * home_reached >= home_n), alone)
         ordinary = ~topo.prober_mask
-        censored = heavy & pattern & ordinary
+        censored = np.zeros(topo.n, dtype=bool)
+        if (heavy & ordinary).any():  # the pattern is read only for the witnesses it could clear
+            h = np.flatnonzero(heavy & ordinary)
+            # The censor's pattern (a): it still reaches at least half of its own country's servers.
+            home = probed[h] & topo.same_country[h]
+            home_n = home.sum(axis=1)
+            home_reached = (home & ~lost[h]).sum(axis=1)
+            # (b), with no server of its own country to probe: the controller reached it, its self-check passed,
+            # and most of what it loses the others reach (the loss is its own, not the targets').
+            reached_by = (probed & ~lost & fresh[:, None]).sum(axis=0)
+            probed_by = (probed & fresh[:, None]).sum(axis=0)
+            fine_elsewhere = 2 * reached_by > probed_by  # (N,) by target server
+            lost_fine = (lost[h] & fine_elsewhere[None, :]).sum(axis=1)
+            alone = st.last_service_ok[h] & (2 * lost_fine >= np.maximum(lost_n[h], 1))
+            censored[h] = np.where(home_n > 0, (home_reached > 0) & (2 * home_reached >= home_n), alone)
         prober_failing = topo.prober_mask & meaningful & (2 * lost_n > neighbours)
         unreliable = np.where(ordinary, suspect & ~censored, prober_failing)
         return Witnesses(unreliable=unreliable, censored=censored, prober_failing=prober_failing)

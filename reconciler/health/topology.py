@@ -89,11 +89,25 @@ class Topology:
     def m(self) -> int:
         return len(self.inbounds)
 
+    def any_per_server(self, a: np.ndarray) -> npt.NDArray[np.bool_]:
+        """(N, M) bool per witness and inbound → (N, N): true where any of the server's inbounds is."""
+        if self._group_starts.size == self.m:  # one inbound per server: no sum to take
+            out = np.zeros((a.shape[0], self.n), dtype=bool)
+            out[:, self._grouped] = a[:, self._inbound_order]
+            return out
+        found: npt.NDArray[np.bool_] = self.per_server(a) > 0
+        return found
+
     def per_server(self, a: np.ndarray) -> npt.NDArray[np.int32]:
         """(N, M) per witness and inbound → (N, N) per witness and server: the sum over each server's inbounds."""
         out = np.zeros((a.shape[0], self.n), dtype=np.int32)
-        if self.m:
-            out[:, self._grouped] = np.add.reduceat(a[:, self._inbound_order].astype(np.int32), self._group_starts, axis=1)
+        if not self.m:
+            return out
+        if self._group_starts.size == self.m:  # one inbound per server: a column for a column
+            out[:, self._grouped] = a[:, self._inbound_order]
+        else:  # summed along rows of the transpose (contiguous), ~30x faster than reduceat across columns
+            rows = a.T[self._inbound_order].astype(np.int32)
+            out[:, self._grouped] = np.add.reduceat(rows, self._group_starts, axis=0).T
         return out
 
     @classmethod
