@@ -437,7 +437,9 @@ class HealthEngine:
         # Continuation is learnt from streaks that ended: a streak of L failures made min(L-1, F-1) continuations
         # among the steps 1..F-1, then (when L < F) a success among them. A streak still running says nothing yet:
         # counted while it runs, a real block's own failures would pass for bursty loss and slow its detection.
-        ws, ts = np.nonzero(background & (prev > 0) & ~failed)  # few: the streaks that ended now
+        # A streak long enough to mark or block was a fault's, not background loss (a block that lifted, a
+        # witness cut off on the way back): left out, or every fault that ends would teach that failures last.
+        ws, ts = np.nonzero(background & (prev > 0) & (prev < self.settings.prober_streak) & ~failed)
         length = prev[ws, ts].astype(np.int64)
         continued = np.minimum(length - 1, F - 1)
         c_f = np.bincount(ws, weights=continued, minlength=n)
