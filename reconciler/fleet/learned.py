@@ -37,7 +37,7 @@ from reconciler.model import Cluster
 FORMAT = 3  # 3: the assignments as one column per route; 2: the users' ledger and the assignments as arrays; 1: as JSON
 READS = (1, 2, FORMAT)
 # Which axes the engine's arrays run along: s = servers (witnesses), m = inbounds (targets).
-_HEALTH_AXES = {"fail": "sm", "hazard": "s", "cont": "s", "hazard_n": "s", "cont_n": "s", "last_report": "s",
+_HEALTH_AXES = {"fail": "sm", "hazard": "s", "cont": "s", "hazard_n": "s", "cont_n": "s", "judged": "s", "last_report": "s",
                 "last_service_ok": "s", "last_listener_ok": "m", "unreach_on": "m", "unreach_clear": "m",
                 "unreach_scope": "m", "blocked_on": "m", "blocked_clear": "m", "flap": "m"}
 

@@ -155,6 +155,7 @@ class HealthState:
     hazard_n: np.ndarray  # (N,) float64: what those means weigh, in (decayed) samples
     cont_n: np.ndarray  # (N,) float64
     fleet_n: np.ndarray  # (2,) float64
+    judged: np.ndarray  # (N,) bool: the witnesses the last evaluation judged (unreliable, censored, failing prober)
     last_report: np.ndarray  # (N,) float64, -inf = never
     last_service_ok: np.ndarray  # (N,) bool
     last_listener_ok: np.ndarray  # (M,) bool
@@ -177,6 +178,7 @@ class HealthState:
             hazard_n=np.zeros(n),
             cont_n=np.zeros(n),
             fleet_n=np.zeros(2),
+            judged=np.zeros(n, dtype=bool),
             last_report=np.full(n, -np.inf),
             last_service_ok=np.ones(n, dtype=bool),
             last_listener_ok=np.ones(m, dtype=bool),
@@ -430,16 +432,17 @@ class HealthEngine:
         n_present, n_failed = present.sum(axis=0), failed.sum(axis=0)  # ``failed`` is within ``present``
         correlated = (n_failed >= 3) & (2 * n_failed >= n_present)
         w_present, w_failed = present.sum(axis=1), failed.sum(axis=1)
-        rows = ~(judged | ((w_failed >= 3) & (2 * w_failed >= w_present)))
+        # Judged now or in the previous evaluation: the streaks of a witness cut off end all at once when it is
+        # reconnected, and would teach that failures last.
+        rows = ~(judged | st.judged | ((w_failed >= 3) & (2 * w_failed >= w_present)))
+        st.judged = judged.copy()
         background = present & ~(st.unreach_on | st.blocked_on | correlated)[None, :] & rows[:, None]
         fresh_start = background & (prev == 0)
         h_n, h_f = fresh_start.sum(axis=1), (fresh_start & failed).sum(axis=1)
         # Continuation is learnt from streaks that ended: a streak of L failures made min(L-1, F-1) continuations
         # among the steps 1..F-1, then (when L < F) a success among them. A streak still running says nothing yet:
         # counted while it runs, a real block's own failures would pass for bursty loss and slow its detection.
-        # A streak long enough to mark or block was a fault's, not background loss (a block that lifted, a
-        # witness cut off on the way back): left out, or every fault that ends would teach that failures last.
-        ws, ts = np.nonzero(background & (prev > 0) & (prev < self.settings.prober_streak) & ~failed)
+        ws, ts = np.nonzero(background & (prev > 0) & ~failed)  # few: the streaks that ended now
         length = prev[ws, ts].astype(np.int64)
         continued = np.minimum(length - 1, F - 1)
         c_f = np.bincount(ws, weights=continued, minlength=n)
