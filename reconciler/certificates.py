@@ -1,4 +1,4 @@
-"""Self-signed TLS certificates derived from the master secret (issue 14), and the pins clients check them by.
+"""Self-signed TLS certificates derived from the master secret, and the pins clients check them by.
 
 An inbound with TLS and no certificate of the operator's gets a certificate made here, on the controller, from
 the master secret: a P-256 key whose scalar is derived like every other credential (stable for secret, inbound

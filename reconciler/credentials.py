@@ -10,12 +10,12 @@ Rotation:
 - one user: bump ``users[].rotate`` (an integer, default 0) — that user's
   UUID, passwords and subscription token change on the next apply; the old
   subscription URL stops working;
-- one REALITY inbound's key pair: bump its ``rotate`` (issue 14) — the servers get
+- one REALITY inbound's key pair: bump its ``rotate`` — the servers get
   the new private key and every subscription the new public key on the next apply
   and render;
 - everything: change the master secret — every credential and token changes.
 
-REALITY key pairs are X25519 pairs derived here too (issue 14), so whoever holds the
+REALITY key pairs are X25519 pairs derived here too, so whoever holds the
 secret knows every REALITY inbound's public key: subscriptions carry REALITY entries
 from the first render, with no apply and no facts file.
 

@@ -8,7 +8,7 @@ kinds; every label set that can exist is emitted from the start (zeros), so
 ``rate()`` and ``absent()`` behave from the first scrape. Units are base units
 (seconds, bytes, bits per second).
 
-Users (issue 16) are counted, not labelled: states, near quota, expiring, over the
+Users are counted, not labelled: states, near quota, expiring, over the
 device limit and connected are fleet-wide gauges, and the users' traffic is
 broken down by route and by server only. Per-user series exist only when
 ``settings.users.metrics_per_user`` is on, for at most ``metrics_user_cap`` users
@@ -63,7 +63,7 @@ class FleetView:
     drift: Mapping[str, int] = field(default_factory=dict)  # server → pending changes seen by the last plan
     traffic_bytes: Mapping[str, int] = field(default_factory=dict)  # server → bytes carried (a counter)
     cluster_digest: str = ""
-    # Users (issue 16): each user's usage as of this interval (snapshot.usage has it too), and the users' bytes
+    # Users: each user's usage as of this interval (snapshot.usage has it too), and the users' bytes
     # summed per server and per route since the controller began counting ([up, down], counters).
     usage: Mapping[str, UserUsage] = field(default_factory=dict)
     user_bytes_by_server: Mapping[str, tuple[int, int]] = field(default_factory=dict)
@@ -337,7 +337,7 @@ def _fleet_metrics(view: FleetView) -> Iterator[Metric]:
 
 
 def _user_metrics(view: FleetView) -> Iterator[Metric]:
-    """The users (issue 16): counts by state and by what operators act on, the users' traffic by route and by
+    """The users: counts by state and by what operators act on, the users' traffic by route and by
     server, whether each server counts per user, and, only when the file asks, capped per-user series."""
     cluster, usage = view.cluster, view.usage
     settings = cluster.settings.users

@@ -1,4 +1,4 @@
-"""Certificates from an ACME CA for ``tls: {acme: true}`` inbounds (issue 14): ordered and renewed by the controller.
+"""Certificates from an ACME CA for ``tls: {acme: true}`` inbounds: ordered and renewed by the controller.
 
 Before an apply (the CLI's, and the loop's self-heal) every ACME inbound whose certificate is missing, or expires
 within ``settings.acme.renew_before``, is ordered from ``settings.acme.directory`` (RFC 8555, with certbot's

@@ -14,7 +14,7 @@ Phases per server: connect → preflight → lock → install engine → configu
 - One server's failure never stops the others; every server gets a result.
 - While a server's apply runs, its lock's lease is renewed (``lock.Renewal``), so a slow apply is never
   taken over as stale; renewal stops before a commit that releases the lock, and when the apply ends.
-- A result's message and details pass through the server's ``Redactor`` (issue 13): an engine that
+- A result's message and details pass through the server's ``Redactor``: an engine that
   echoes a credential or a key in its error shows its fingerprint, never the value.
 
 Every remote step is a named script run through a ``Runner`` (``reconciler.ssh.runner``).
@@ -72,7 +72,7 @@ async def apply_all(observed: list[Observed], runner: Runner, progress: Callable
                     verify_timeout: float = 20.0, fence: lock.Fence | None = None) -> list[ServerResult]:
     """Every server's plan carried out, in parallel; ``progress(server, phase)`` hears each phase
     (``reconciler.apply.session.Progress`` shows them). One result per server, in order. ``fence``: a leading
-    controller's (issue 17; ``reconciler.plan.lock``)."""
+    controller's (``reconciler.plan.lock``)."""
     return list(await asyncio.gather(*(apply_one(o, runner, progress, verify_timeout, fence=fence) for o in observed)))
 
 
@@ -183,7 +183,7 @@ class _Held:
     drops, the detached commit finishes and releases; another apply may hold it next)."""
 
     renewal: lock.Renewal | None = None
-    fence: lock.Fence | None = None  # a leading controller's: still leading before the commit? (issue 17)
+    fence: lock.Fence | None = None  # a leading controller's: still leading before the commit?
     deferred: lock.Deferred | None = None  # the lock is taken by the apply's first script
     handed: bool = False  # to a commit that releases it
 

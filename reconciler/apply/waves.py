@@ -1,4 +1,4 @@
-"""Rollouts in waves (issue 15): ``apply --wave 1,25%,rest`` or ``settings.rollout``.
+"""Rollouts in waves: ``apply --wave 1,25%,rest`` or ``settings.rollout``.
 
 The servers with changes are split into waves in the order of the file (``1``: one server; ``25%``: a quarter
 of them, at least one; ``rest``: the others). Each wave is applied in parallel with its old files kept on the

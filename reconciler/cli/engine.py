@@ -1,4 +1,4 @@
-"""``engine pin``: fetch an engine release once, check its build, and pin it in the cluster file (issue 14).
+"""``engine pin``: fetch an engine release once, check its build, and pin it in the cluster file.
 
 For each engine the file installs by download (``settings.engine`` or ``settings.engines.<name>`` with
 ``install: download`` and a ``url``): every architecture's release is fetched on this machine and hashed, the
@@ -18,7 +18,7 @@ from reconciler.errors import InvalidInput, ReleaseError
 
 
 def register(sub: Any) -> None:
-    e = add_command(sub, "engine", "pin engine releases the servers download (issue 14)", "reconciler engine pin -f cluster.yaml")
+    e = add_command(sub, "engine", "pin engine releases the servers download", "reconciler engine pin -f cluster.yaml")
     esub = e.add_subparsers(dest="engine_command", metavar="ACTION", help="what to do")
     e.set_defaults(group_parser=e)
     pin = add_command(esub, "pin", "fetch each downloaded engine's release once, check its build, write its sha256 and "

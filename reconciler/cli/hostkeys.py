@@ -1,4 +1,4 @@
-"""``hostkeys pin``: write the servers' host keys into the cluster file as ``ssh.host_key`` (issue 13).
+"""``hostkeys pin``: write the servers' host keys into the cluster file as ``ssh.host_key``.
 
 A server without a pinned key trusts whatever key it presents at first contact (plan warns; ``--strict-host-keys``
 refuses). Pinning ends that: for each server without ``ssh.host_key``, the key remembered in the state folder
@@ -19,7 +19,7 @@ from reconciler.errors import ConnectError, InvalidInput
 
 
 def register(sub: Any) -> None:
-    h = add_command(sub, "hostkeys", "pin the servers' SSH host keys in the cluster file (issue 13)",
+    h = add_command(sub, "hostkeys", "pin the servers' SSH host keys in the cluster file",
                     "reconciler hostkeys pin -f cluster.yaml")
     hsub = h.add_subparsers(dest="hostkeys_command", metavar="ACTION", help="what to do")
     h.set_defaults(group_parser=h)

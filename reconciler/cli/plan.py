@@ -50,7 +50,7 @@ def register(sub: Any) -> None:
 
 def _servable(path: str) -> Cluster:
     """The valid cluster in ``path``, or ``ConfigError`` with the diagnostics ``validate`` shows: also when the
-    engine cannot serve one of its inbounds (issue 14), refused here, before any server is touched."""
+    engine cannot serve one of its inbounds, refused here, before any server is touched."""
     result = load_cluster(path)
     if result.cluster is not None:
         result.diagnostics.extend(engine_errors(result.cluster, result.source))
@@ -80,7 +80,7 @@ def _observe(path: str, keep: list[str], strict: bool, only: list[str],
             if then is not None:
                 await certificates(cluster, pool, str(base_dir(path)))
             managed = {n: v for n, v in state.managed().items() if n not in keep}  # GITOPS-7: what left is removed
-            # Users over quota stay out (issue 16): what the loop measured, from the same state folder.
+            # Users over quota stay out: what the loop measured, from the same state folder.
             usage = state.load_learned(cluster).ledger.view(cluster, time.time())
             observed = await observe(cluster, secret, pool, str(base_dir(path)), True, managed, strict_host_keys=known,
                                      only=(lambda name: any(fnmatch(name, g) for g in only)) if only else None,

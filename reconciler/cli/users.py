@@ -1,4 +1,4 @@
-"""``user url NAME``: the subscription URL to hand a user (issue 16), and its QR code for a phone's camera.
+"""``user url NAME``: the subscription URL to hand a user, and its QR code for a phone's camera.
 
 The URL is ``settings.outputs.public_url`` + ``/sub/<token>`` (+ ``/<format>`` when one is asked for); the token
 is derived from the master secret, so this needs it, like ``subscription``. ``--qr`` draws the QR code in the
@@ -17,7 +17,7 @@ from reconciler.subscriptions.urls import subscription_url
 
 
 def register(sub: Any) -> None:
-    u = add_command(sub, "user", "hand out a user's subscription (issue 16)", "reconciler user url alice --qr")
+    u = add_command(sub, "user", "hand out a user's subscription", "reconciler user url alice --qr")
     usub = u.add_subparsers(dest="user_command", metavar="ACTION", help="what to do")
     u.set_defaults(group_parser=u)
     url = add_command(usub, "url", "print the user's subscription URL (settings.outputs.public_url)",

@@ -52,7 +52,7 @@ def host_key_warnings(result: LoadResult, file: str) -> list[Diagnostic]:
 
 
 def engine_errors(cluster: Cluster, source: SourceMap) -> list[Diagnostic]:
-    """An error at all the engine cannot serve (``engine.capabilities``): validate, plan and apply refuse it (issue 14)."""
+    """An error at all the engine cannot serve (``engine.capabilities``): validate, plan and apply refuse it."""
     from reconciler.engine.capabilities import of_engine, refusals  # at use: ~7 ms of every other command's start
 
     return [at("error", source.key(r.path), r.message, r.hint, code="engine-capability") for r in refusals(cluster, of_engine(cluster))]

@@ -34,7 +34,7 @@ AGENT = "/usr/local/lib/reconciler/agent.py"
 AGENT_SOURCE = (Path(__file__).with_name("agent.py")).read_bytes()
 CLASH_API = "127.0.0.1:9090"  # every engine's statistics API, on the server's loopback
 
-# Per-user traffic, counted by the kernel (issue 16): each user's outbound carries SO_MARK ``MARK_BASE | id``;
+# Per-user traffic, counted by the kernel: each user's outbound carries SO_MARK ``MARK_BASE | id``;
 # the nftables table below copies it to the connection (ct mark) and counts every packet of that connection in
 # both directions, per (mark, IP version, transport). The counters live in the kernel, so they count connections
 # of any length exactly, survive engine restarts and reloads, and cost no polling; the agent reads them once per

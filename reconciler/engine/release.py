@@ -1,4 +1,4 @@
-"""Engine releases on the controller (issue 14): fetched once, checked against their pins, unpacked.
+"""Engine releases on the controller: fetched once, checked against their pins, unpacked.
 
 - ``fetch_binary(url, pin, name)``: the binary ``name`` of the release at ``url`` whose sha256 must be ``pin``
   (what apply uploads when a server cannot fetch the release itself); cached by pin, so a release is fetched

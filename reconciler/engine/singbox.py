@@ -6,7 +6,7 @@ Managed on every sing-box server:
   the credentials of every active user (GITOPS-6: derived from the master secret), a ``clash_api`` on
   loopback for statistics, and per-user route rules (``auth_user`` → an outbound per user) so every
   connection carries its user. REALITY private keys are derived from the master secret like every other
-  credential (issue 14) and written here, so clients know the public keys before any apply;
+  credential and written here, so clients know the public keys before any apply;
 - ``/etc/systemd/system/sing-box.service`` — the unit, reload by SIGHUP;
 - ``/etc/sing-box/tls/<inbound>.crt|.key`` — TLS certificates: the operator's, or derived from the master
   secret (``reconciler.engine.base.tls_files``).

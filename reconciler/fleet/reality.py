@@ -1,4 +1,4 @@
-"""Public key material for the snapshot, derived on the controller (issue 14). Pure.
+"""Public key material for the snapshot, derived on the controller. Pure.
 
 Whoever holds the master secret knows every REALITY inbound's public key (``reconciler.credentials.reality_keys``)
 and every self-signed certificate's pins (``reconciler.certificates.derived_certificate``): the CLI's

@@ -1,4 +1,4 @@
-"""Standby controllers (issue 17): who leads, by a lease in etcd, and the learned state the leader hands over.
+"""Standby controllers: who leads, by a lease in etcd, and the learned state the leader hands over.
 
 Several ``reconciler run`` processes (on different machines, each with its own checkout of the same git
 repository) name the same etcd in ``settings.leader.etcd``. Exactly one leads: it collects, plans and

@@ -168,8 +168,8 @@ class Loop:
         self._busy = asyncio.Lock()  # one plan/apply at a time; ticks never wait for it
         self._tasks: list[asyncio.Task[None]] = []
         self._posts: set[asyncio.Task[None]] = set()
-        self._withheld: dict[str, str] | None = None  # user → standing, for those the servers refuse (issue 16)
-        self._leader_init()  # standby controllers (issue 17): the election, when settings.leader names an etcd
+        self._withheld: dict[str, str] | None = None  # user → standing, for those the servers refuse
+        self._leader_init()  # standby controllers: the election, when settings.leader names an etcd
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -458,7 +458,7 @@ class Loop:
 
     def _enforce(self, snap: Snapshot) -> None:
         """Users who crossed a limit, expired, or came back (a reset, a raised limit, a renewed date) change the
-        servers' configurations now, not at the next plan: an apply within this interval (issue 16). And the events
+        servers' configurations now, not at the next plan: an apply within this interval. And the events
         operators act on go to the log and the webhook."""
         names, codes = snap.cluster.roster.names, snap.standings
         withheld: dict[str, str] = {names[i]: STANDINGS[codes[i]] for i in np.flatnonzero(codes != ACTIVE).tolist()}
@@ -509,7 +509,7 @@ class Loop:
                         log.warning("no certificate for inbound %s: %s", inbound, why)
                 # GITOPS-7: a server that left the file is removed like in `apply` (`retired:` keeps one)
                 managed = await asyncio.to_thread(self.state.managed) if cluster.settings.self_heal else {}
-                usage = self.learned.ledger.view(cluster, time.time())  # over-quota users stay out (issue 16)
+                usage = self.learned.ledger.view(cluster, time.time())  # over-quota users stay out
                 observed = await observe(cluster, self.secret, self.pool, self.base_dir, True, managed, usage=usage)
             except Exception:  # noqa: BLE001 — logged with traceback; the next plan tries again
                 log.exception("plan failed")
@@ -632,7 +632,7 @@ class Loop:
             else:
                 await self.reload()
 
-    # ------------------------------------------------------------------ standby controllers (issue 17)
+    # ------------------------------------------------------------------ standby controllers
 
     def _leader_init(self) -> None:
         """With ``settings.leader.etcd``: this controller's election and the channel of the learned state

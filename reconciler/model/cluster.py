@@ -339,7 +339,7 @@ class UserSettings(_Model):
 
 
 class EtcdTLS(_Model):
-    """TLS to etcd (issue 17): files on the controller, never their contents in the file."""
+    """TLS to etcd: files on the controller, never their contents in the file."""
 
     ca: str | None = Field(None, description="PEM bundle of the CA that signed etcd's certificate (default: the system's).")
     cert: str | None = Field(None, description="PEM client certificate, when etcd asks for one.")
@@ -353,7 +353,7 @@ class EtcdTLS(_Model):
 
 
 class LeaderSettings(_Model):
-    """Standby controllers (issue 17): several `reconciler run` against the same file, one leading through a lease in
+    """Standby controllers: several `reconciler run` against the same file, one leading through a lease in
     etcd; the others serve subscriptions from the leader's published state and take over when its lease ends.
     Without `etcd` there is no election: the one controller leads (docs/standby.md)."""
 

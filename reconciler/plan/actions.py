@@ -1,7 +1,7 @@
 """The plan: per server, the actions that make its facts match the desired state (GITOPS-3). Pure.
 
 An action is data — what changes and why — so it can be printed, saved, tested
-and applied. Secrets never appear in a plan (issue 13), by the types the engine
+and applied. Secrets never appear in a plan, by the types the engine
 adapter gives: an ``opaque`` file (key material, certificates) is shown as
 ``content differs: sha256:… → sha256:…``; a file holding credentials keeps a
 structural diff in which every value it is known to hold, every value under a

@@ -14,7 +14,7 @@ longest bounded step an apply takes under the lock — the engine upload allows 
 an apply runs, ``Renewal`` rewrites its holder's ``since`` every third of the lease (``renew``), so even
 an apply slower than the lease in all keeps its lock; it stops before a commit that releases the lock.
 
-Fencing (issue 17): with standby controllers, the leader's applies carry a ``Fence``: its revision goes in
+Fencing: with standby controllers, the leader's applies carry a ``Fence``: its revision goes in
 the acquire request and the server refuses it, under the lock, when a newer leader's fence was accepted
 there (``FenceRefused``); and ``valid()`` — does this controller still lead? — is asked before the lock and
 before the commit, so a deposed leader stops by itself too. Applies without one (no election; an
@@ -44,7 +44,7 @@ LOCK_FILE = f"{LOCK_DIR}/holder"
 LONGEST_STEP_SECONDS = 600  # the engine upload's timeout (apply.run._stage_engine)
 LEASE_SECONDS = 900  # longer than any bounded step under the lock, so only a dead apply's lock expires
 assert LEASE_SECONDS > LONGEST_STEP_SECONDS
-FENCE_FILE = "/var/lib/reconciler/fence"  # the highest fence the server has accepted (issue 17)
+FENCE_FILE = "/var/lib/reconciler/fence"  # the highest fence the server has accepted
 
 
 def _leading() -> bool:

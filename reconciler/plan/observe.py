@@ -90,7 +90,7 @@ async def observe(cluster: Cluster, secret: Secret, runner: Runner, base_dir: st
 
     ``strict_host_keys``: the known keys; a server with none (neither pinned nor remembered) is not contacted
     and its plan's error says why (``--strict-host-keys``). ``only``: the servers (by name) to look at (``--server``).
-    ``usage``: what the fleet measured of each user (over quota, devices): those users are left out (issue 16)."""
+    ``usage``: what the fleet measured of each user (over quota, devices): those users are left out."""
     now = time.time() if now is None else now
 
     def refused(target: Target, plan: ServerPlan) -> bool:

@@ -3,7 +3,7 @@
 Both outlets — files for every user and the live ``/sub/<token>`` endpoint —
 call ``render``; for the same snapshot they return the same bytes.
 
-A disabled or expired user gets a refusal, not a profile (issue 14): status 403, a one-line text body
+A disabled or expired user gets a refusal, not a profile: status 403, a one-line text body
 that says why (what clients show of a failed update), the title and ``subscription-userinfo`` headers,
 and no entry; the file outlet writes that same text, which no client takes for a profile.
 

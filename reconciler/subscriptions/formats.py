@@ -9,7 +9,7 @@
 - ``clash``: a Clash Meta / Mihomo profile with the proxies and a select group.
 
 ``omission`` decides, per format, which entries cannot be given without
-telling clients to skip verification (issue 14).
+telling clients to skip verification.
 """
 
 from __future__ import annotations

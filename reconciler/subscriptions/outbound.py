@@ -1,7 +1,7 @@
 """What a client needs to connect to one chosen inbound: a neutral description
 every renderer (share links, sing-box JSON, Clash/Mihomo YAML) formats its own way.
 
-TLS verification (issue 14: no format emits an unverified TLS entry silently) is one of:
+TLS verification (no format emits an unverified TLS entry silently) is one of:
 
 - ``ca``: an operator-supplied certificate or one from the ACME CA (``tls.acme``), verified as usual;
 - ``pinned``: a self-signed certificate derived from the master secret (``reconciler.certificates``), verified

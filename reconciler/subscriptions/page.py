@@ -1,4 +1,4 @@
-"""The page a browser gets at ``/sub/<token>`` (issue 16): what the user's subscription is and how to add it.
+"""The page a browser gets at ``/sub/<token>``: what the user's subscription is and how to add it.
 
 Apps keep getting their format: ``wants_page`` says yes only when no format was asked for (path or
 ``?format=``), the ``Accept`` header prefers HTML and the User-Agent is a browser's, not an app's. The page

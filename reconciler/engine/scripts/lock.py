@@ -7,7 +7,7 @@ only while the lock is there and still names the same holder (``by`` and ``pid``
 that a commit released, nor touches another's. ``release`` removes it. The policy (who holds, the lease,
 when a lock is stale, how often to renew) is the controller's: ``reconciler.plan.lock``.
 
-Fencing (issue 17): an ``acquire`` that carries a ``fence`` (the leading controller's etcd revision; none
+Fencing: an ``acquire`` that carries a ``fence`` (the leading controller's etcd revision; none
 from a controller without an election, nor from an operator's ``reconciler apply``) is checked under the
 lock, before anything changes: the server keeps the highest fence it has accepted in ``fence_file``
 (written atomically) and refuses a lower one — ``{"ok": false, "refused": <why>}``, the lock given back
