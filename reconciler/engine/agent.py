@@ -26,7 +26,14 @@ object from stdout:
   TCP connect (its time is the RTT) plus a TLS handshake with the inbound's
   server name for TLS protocols; for QUIC protocols (Hysteria2, TUIC) a QUIC
   Initial with a reserved version, which every QUIC server answers with a
-  Version Negotiation packet (RFC 9000 §6) — a UDP round trip without keys.
+  Version Negotiation packet (RFC 9000 §6) — a UDP round trip without keys;
+  and, when the request has an ``app`` part (HEALTH-16), a real proxy session through each inbound: the
+  server's own engine binary runs in client mode with the configuration the controller wrote (one loopback
+  SOCKS port per inbound, the probe credential), and through it the agent fetches the target's responder's
+  padded answer (``bytes`` of it), so a flow that a censor stalls after the handshake, resets on its server
+  name or drops (UDP) fails here as it fails in a user's app. Each probe's ``app`` says ``ok``, the
+  ``bytes`` that came, ``ms``, and the ``error`` (``stalled after 14480 bytes``); ``local`` instead when the
+  witness's own client could not run (that says nothing about the target).
 
 Every probe and the whole run are bounded by the request's timeout.
 """
@@ -35,14 +42,17 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
+import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from typing import Any, Dict, List, Optional, Set, Tuple  # typing's generics: the servers' Python may predate list[...]
 
-AGENT_VERSION = 2  # 2: usage packed
+AGENT_VERSION = 3  # 2: usage packed; 3: app probes
 
 
 def service_state(unit: str) -> str:
@@ -231,14 +241,158 @@ async def probe(p: Dict[str, Any], timeout: float) -> Dict[str, Any]:
         return {"ok": False, "error": (type(e).__name__ + ": " + str(e))[:200]}
 
 
-async def probe_all(probes: List[Dict[str, Any]], timeout: float, parallel: int = 64) -> Dict[str, Dict[str, Any]]:
+def _socks_connect(host: str, port: int) -> bytes:
+    try:
+        return b"\x05\x01\x00\x01" + socket.inet_pton(socket.AF_INET, host) + port.to_bytes(2, "big")
+    except OSError:
+        return b"\x05\x01\x00\x04" + socket.inet_pton(socket.AF_INET6, host) + port.to_bytes(2, "big")
+
+
+async def app_probe(local_port: int, app: Dict[str, Any]) -> Dict[str, Any]:
+    """One session through the local client to the target's responder: its padded answer, to the end."""
+    want, timeout = int(app["bytes"]), float(app["timeout"])
+    host, port = app["responder"][0], int(app["responder"][1])
+    start = time.perf_counter()
+    deadline = start + timeout
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", local_port), 2)
+    except (OSError, asyncio.TimeoutError) as e:
+        return {"local": ("the probe client is not listening: %s" % e)[:200]}
+    got = 0
+    tail = b""
+    stage = "the proxy session"
+    try:
+        writer.write(b"\x05\x01\x00")
+        if await asyncio.wait_for(reader.readexactly(2), 2) != b"\x05\x00":
+            return {"local": "the probe client refused the SOCKS greeting"}
+        writer.write(_socks_connect(host, port))
+        head = await asyncio.wait_for(reader.readexactly(4), max(0.1, deadline - time.perf_counter()))
+        rest = {1: 6, 4: 18}.get(head[3], 0)
+        if rest:
+            await asyncio.wait_for(reader.readexactly(rest), max(0.1, deadline - time.perf_counter()))
+        if head[1] != 0:
+            return {"ok": False, "bytes": 0, "error": "the proxy session was refused (SOCKS reply %d)" % head[1]}
+        stage = "the answer"
+        writer.write(("GET %s HTTP/1.1\r\nHost: probe\r\nConnection: close\r\n\r\n" % app["path"]).encode())
+        while True:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise asyncio.TimeoutError
+            data = await asyncio.wait_for(reader.read(65536), left)
+            if not data:
+                break
+            got += len(data)
+            tail = (tail + data)[-4:]
+            if got >= want and tail == b"\r\n\r\n":
+                break
+        ms = round((time.perf_counter() - start) * 1000, 1)
+        if got >= want and tail == b"\r\n\r\n":
+            return {"ok": True, "bytes": got, "ms": ms}
+        return {"ok": False, "bytes": got, "ms": ms,
+                "error": "closed after %d bytes" % got if got else "closed before any byte came back"}
+    except asyncio.TimeoutError:
+        return {"ok": False, "bytes": got, "error": ("stalled after %d bytes" % got) if got else
+                ("no answer within %gs" % timeout if stage == "the answer" else "%s did not open within %gs" % (stage, timeout))}
+    except (OSError, EOFError, asyncio.IncompleteReadError) as e:
+        return {"ok": False, "bytes": got, "error": ("%s after %d bytes: %s" % (type(e).__name__, got, e))[:200]}
+    finally:
+        writer.close()
+
+
+class AppClient:
+    """The witness's engine in client mode, for the length of one run (``app``: the request's part)."""
+
+    def __init__(self, app: Dict[str, Any]) -> None:
+        self.app = app
+        self.dir = ""
+        self.proc = None  # type: Optional[subprocess.Popen[bytes]]
+        self.error = ""
+
+    def __enter__(self) -> "AppClient":
+        try:
+            self.dir = tempfile.mkdtemp(prefix="reconciler-probe-")
+            config = os.path.join(self.dir, os.path.basename(self.app["file"]))
+            fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.app["config"])
+            argv = [str(a).replace("{config}", config).replace("{dir}", self.dir) for a in self.app["argv"]]
+            self.log = open(os.path.join(self.dir, "client.log"), "wb")
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
+                                         cwd=self.dir, start_new_session=True)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self.error = ("the probe client did not start: %s" % e)[:200]
+        return self
+
+    def wait_ready(self, ports: List[int], timeout: float) -> None:
+        """Until every SOCKS port listens, the client exits, or ``timeout``."""
+        if self.proc is None:
+            return
+        deadline = time.monotonic() + timeout
+        pending = sorted(set(ports))
+        while pending and time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            port = pending[0]
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                pending.pop(0)
+                continue
+            except OSError:
+                time.sleep(0.03)
+        if self.proc.poll() is not None:
+            self.error = "the probe client exited (%s): %s" % (self.proc.returncode, self._log_tail())
+        elif pending:
+            self.error = "the probe client did not listen within %gs" % timeout
+
+    def _log_tail(self) -> str:
+        try:
+            with open(os.path.join(self.dir, "client.log"), "rb") as f:
+                return f.read()[-300:].decode("utf-8", "replace").strip()
+        except OSError:
+            return ""
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(3)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(3)
+        if getattr(self, "log", None):
+            self.log.close()
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+async def probe_all(probes: List[Dict[str, Any]], timeout: float, parallel: int = 64,
+                    app: Optional[Dict[str, Any]] = None, app_error: str = "") -> Dict[str, Dict[str, Any]]:
     sem = asyncio.Semaphore(parallel)
+    ports = (app or {}).get("ports") or {}
 
     async def one(p: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
         async with sem:
-            return p["id"], await probe(p, timeout)
+            result = await probe(p, timeout)
+        port = ports.get(p["id"])
+        if port is not None:
+            if app_error:
+                result["app"] = {"local": app_error}
+            else:
+                async with sem:
+                    result["app"] = await app_probe(int(port), app or {})
+        return p["id"], result
 
     return dict(await asyncio.gather(*(one(p) for p in probes)))
+
+
+def run_probes(req: Dict[str, Any], timeout: float) -> Dict[str, Dict[str, Any]]:
+    probes = req.get("probes", [])
+    app = req.get("app")
+    if not app or not probes:
+        return asyncio.run(probe_all(probes, timeout))
+    with AppClient(app) as client:
+        client.wait_ready([int(p) for p in (app.get("ports") or {}).values()], 5.0)
+        return asyncio.run(probe_all(probes, timeout, app=app, app_error=client.error))
 
 
 def main() -> None:
@@ -260,7 +414,7 @@ def main() -> None:
         "connections": conns,
         "devices": devices,
         "usage": usage,
-        "probes": asyncio.run(probe_all(req.get("probes", []), timeout)),
+        "probes": run_probes(req, timeout),
         "took_ms": 0,
     }
     out["took_ms"] = round((time.time() - started) * 1000, 1)

@@ -32,6 +32,31 @@ from reconciler.text import size_text
 
 AGENT = "/usr/local/lib/reconciler/agent.py"
 AGENT_SOURCE = (Path(__file__).with_name("agent.py")).read_bytes()
+# The probe responder (HEALTH-16): on the server's loopback; a probe or an app's health check fetches its padded
+# answer through an inbound (``reconciler/engine/responder.py``). Its unit is pulled in by the engine's.
+RESPONDER = "/usr/local/lib/reconciler/responder.py"
+RESPONDER_SOURCE = (Path(__file__).with_name("responder.py")).read_bytes()
+RESPONDER_PORT = 9097
+RESPONDER_HOST = "127.0.0.1"
+RESPONDER_IDS = "/etc/reconciler/responder.json"  # this server's inbounds as an order names them (``responder.rank_id``)
+RESPONDER_SERVICE = "reconciler-responder.service"
+RESPONDER_UNIT = f"/etc/systemd/system/{RESPONDER_SERVICE}"
+RESPONDER_UNIT_TEXT = f"""\
+# Managed by reconciler: the probe responder (loopback only), started with the proxy engine.
+[Unit]
+Description=reconciler probe responder (managed by reconciler)
+PartOf=sing-box.service mihomo.service
+
+[Service]
+ExecStart=/usr/bin/python3 {RESPONDER} {RESPONDER_HOST}:{RESPONDER_PORT}
+Restart=always
+RestartSec=2s
+DynamicUser=yes
+MemoryMax=64M
+
+[Install]
+WantedBy=multi-user.target
+"""
 CLASH_API = "127.0.0.1:9090"  # every engine's statistics API, on the server's loopback
 
 # Per-user traffic, counted by the kernel: each user's outbound carries SO_MARK ``MARK_BASE | id``;
@@ -130,10 +155,13 @@ class Layout:
 def unit_text(description: str, *service: str) -> str:
     """An engine's systemd unit: ``service`` lines (how it starts) and what every engine shares (reload by SIGHUP,
     restart on failure, file limit)."""
+    # The responder's digest: a new responder restarts the engine, and with it (PartOf) the responder.
+    responder = hashlib.sha256(RESPONDER_SOURCE + RESPONDER_UNIT_TEXT.encode()).hexdigest()[:12]
     lines = [
-        "# Managed by reconciler: edits here are drift and will be corrected.", "[Unit]",
+        "# Managed by reconciler: edits here are drift and will be corrected.", f"# probe responder {responder}", "[Unit]",
         f"Description={description} (managed by reconciler)", "After=network-online.target",
-        "Wants=network-online.target", "", "[Service]", f"ExecStartPre=-{USAGE_LOAD}", *service, "ExecReload=/bin/kill -HUP $MAINPID",
+        f"Wants=network-online.target {RESPONDER_SERVICE}", "", "[Service]", f"ExecStartPre=-{USAGE_LOAD}", *service,
+        "ExecReload=/bin/kill -HUP $MAINPID",
         "Restart=on-failure", "RestartSec=2s", "LimitNOFILE=1048576", "", "[Install]", "WantedBy=multi-user.target",
     ]
     return "\n".join(lines) + "\n"

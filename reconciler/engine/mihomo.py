@@ -29,8 +29,25 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from reconciler.credentials import Secret, clash_api_secret, reality_keys, reality_short_id, user_credentials
-from reconciler.engine.base import CLASH_API, Layout, active_users, torrent_blocked, unit_text, usage_marks
+from reconciler.credentials import (
+    PROBE_USER,
+    Secret,
+    clash_api_secret,
+    probe_credentials,
+    reality_keys,
+    reality_short_id,
+    user_credentials,
+)
+from reconciler.engine.base import (
+    CLASH_API,
+    RESPONDER_HOST,
+    RESPONDER_PORT,
+    Layout,
+    active_users,
+    torrent_blocked,
+    unit_text,
+    usage_marks,
+)
 from reconciler.model import Cluster, Server, UserUsage
 
 CONFIG_DIR = "/etc/mihomo"
@@ -69,6 +86,7 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
     """The server configuration and the secret values it holds."""
     users = active_users(cluster, now, usage)
     creds = {u.name: user_credentials(secret, u.name, u.rotate) for u in users}
+    creds[PROBE_USER] = probe_credentials(secret)  # the witnesses' (HEALTH-16): routed to the responder only
     put: list[str] = [v for c in creds.values() for v in (c.uuid, c.password, c.ss_key_128, c.ss_key_256, c.token) if v]
     listeners: list[dict[str, object]] = []
     for ib in server.inbounds:
@@ -102,7 +120,7 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
             listeners.append({**base, "type": "tuic", **_tls(ib.id), "alpn": ["h3"],
                               "congestion-controller": ib.congestion_control,
                               "users": {c.uuid: c.password for c in creds.values()}})
-    names = sorted(creds)
+    names = sorted(n for n in creds if n != PROBE_USER)
     tuic = any(ib.protocol == "tuic" for ib in server.inbounds)
     blocked = "/".join(torrent_blocked(cluster, server))
     # No BitTorrent sniffer in Mihomo: its well-known ports and tracker requests are refused (validate says so).
@@ -119,7 +137,11 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
         "dns": {"enable": True, "ipv6": True, "use-system-hosts": True, "nameserver": ["system"]},
         "listeners": listeners,
         "proxies": [{"name": f"u-{n}", "type": "direct", "routing-mark": marks[n]} for n in names],
-        "rules": [*torrent, *(f"IN-USER,{n}{'/' + creds[n].uuid if tuic else ''},u-{n}" for n in names), "MATCH,DIRECT"],
+        # The probe responder for anyone (an app's health check: unmarked, never counted), and the probe credential
+        # to nothing else (HEALTH-16).
+        "rules": [f"AND,((IP-CIDR,{RESPONDER_HOST}/32,no-resolve),(DST-PORT,{RESPONDER_PORT})),DIRECT",
+                  f"IN-USER,{PROBE_USER}{'/' + creds[PROBE_USER].uuid if tuic else ''},REJECT",
+                  *torrent, *(f"IN-USER,{n}{'/' + creds[n].uuid if tuic else ''},u-{n}" for n in names), "MATCH,DIRECT"],
     }, tuple(dict.fromkeys(put))
 
 

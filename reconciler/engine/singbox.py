@@ -20,8 +20,26 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from reconciler.credentials import Secret, clash_api_secret, reality_keys, reality_short_id, ss_server_key, user_credentials
-from reconciler.engine.base import CLASH_API, Layout, active_users, torrent_blocked, unit_text, usage_marks
+from reconciler.credentials import (
+    PROBE_USER,
+    Secret,
+    clash_api_secret,
+    probe_credentials,
+    reality_keys,
+    reality_short_id,
+    ss_server_key,
+    user_credentials,
+)
+from reconciler.engine.base import (
+    CLASH_API,
+    RESPONDER_HOST,
+    RESPONDER_PORT,
+    Layout,
+    active_users,
+    torrent_blocked,
+    unit_text,
+    usage_marks,
+)
 from reconciler.model import Cluster, Server, UserUsage
 from reconciler.model.types import parse_listen
 
@@ -59,6 +77,7 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
     clash_api): what its diffs and messages must never show."""
     users = active_users(cluster, now, usage)
     creds = {u.name: user_credentials(secret, u.name, u.rotate) for u in users}
+    creds[PROBE_USER] = probe_credentials(secret)  # the witnesses' (HEALTH-16): routed to the responder only
     put: list[str] = [v for c in creds.values() for v in (c.uuid, c.password, c.ss_key_128, c.ss_key_256, c.token) if v]
     inbounds = []
     for ib in server.inbounds:
@@ -105,7 +124,7 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
             inbounds.append({"type": "tuic", **base, "congestion_control": ib.congestion_control,
                              "users": [{"name": n, "uuid": c.uuid, "password": c.password} for n, c in creds.items()],
                              "tls": {**tls_paths(ib.tls.server_name, ib.id), "alpn": ["h3"]}})
-    names = sorted(creds)
+    names = sorted(n for n in creds if n != PROBE_USER)
     marks = usage_marks(cluster)  # the kernel counts each user's traffic by its outbound's mark
     put.append(clash_api_secret(secret, server.name))
     blocked = torrent_blocked(cluster, server)
@@ -116,9 +135,17 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
         "inbounds": inbounds,
         "outbounds": [{"type": "direct", "tag": "direct"}] + [{"type": "direct", "tag": f"u-{n}", "routing_mark": marks[n]}
                                                            for n in names],
-        "route": {"rules": [*torrent, *({"auth_user": [n], "outbound": f"u-{n}"} for n in names)], "final": "direct"},
+        "route": {"rules": [*_probe_rules(), *torrent, *({"auth_user": [n], "outbound": f"u-{n}"} for n in names)],
+                  "final": "direct"},
         "experimental": {"clash_api": {"external_controller": CLASH_API, "secret": put[-1]}},
     }, tuple(dict.fromkeys(put))
+
+
+def _probe_rules() -> list[dict[str, object]]:
+    """The probe responder, for anyone (an app's health check is not the user's traffic: no mark, not counted), and
+    the probe credential to nothing else (HEALTH-16)."""
+    return [{"ip_cidr": [f"{RESPONDER_HOST}/32"], "port": [RESPONDER_PORT], "outbound": "direct"},
+            {"auth_user": [PROBE_USER], "action": "reject"}]
 
 
 def render(cluster: Cluster, server: Server, secret: Secret, now: float,

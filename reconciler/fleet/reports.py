@@ -19,6 +19,7 @@ import numpy as np
 from reconciler.engine.adapters import adapter_of
 from reconciler.engine.base import CLASH_API, USAGE_NFT, USAGE_TABLE
 from reconciler.errors import ReportError
+from reconciler.fleet.app_probe import AppTarget, app_request, dialable
 from reconciler.health.engine import Observation
 from reconciler.health.probing import ProbePlan, probe_plan
 from reconciler.health.topology import Topology
@@ -40,9 +41,24 @@ KIND_OF = {(f, t): kind for kind, k in enumerate(KINDS) if k is not None for f i
 
 @dataclass(frozen=True)
 class Probe:
-    ok: bool
+    ok: bool  # the handshake probe
     rtt_ms: float | None = None
     error: str | None = None
+    app: bool | None = None  # the app-like probe (HEALTH-16); None: not run, or the witness's own client failed
+    app_bytes: int = 0
+    app_error: str | None = None  # why it failed, or why it did not run (the witness's own client)
+
+    @property
+    def passed(self) -> bool:
+        """What the verdicts count: the handshake, and the app-like probe where it ran."""
+        return self.ok and self.app is not False
+
+    @property
+    def failure(self) -> str:
+        """What failed, in a few words ("" when it passed)."""
+        if not self.ok:
+            return self.error or "failed"
+        return f"handshake ok, then {self.app_error}" if self.app is False else ""
 
 
 @dataclass(frozen=True)
@@ -172,8 +188,10 @@ def parse_report(server: str, text: str, received: float) -> Report:
             raise ReportError(f"`probes.{key[:60]}` is not a probe result")
         rtt = value.get("rtt_ms")
         error = value.get("error")
+        app, app_bytes, app_error = _app_result(value.get("app"), f"probes.{key[:60]}.app")
         probes[key] = Probe(value["ok"], None if rtt is None else _finite(rtt, f"probes.{key[:60]}.rtt_ms"),
-                            None if error is None else _text(error, f"probes.{key[:60]}.error"))
+                            None if error is None else _text(error, f"probes.{key[:60]}.error"),
+                            app, app_bytes, app_error)
     listeners: dict[str, bool] = {}
     for key, value in _mapping(raw.get("listeners"), "listeners").items():
         if not isinstance(value, bool):
@@ -193,6 +211,20 @@ def parse_report(server: str, text: str, received: float) -> Report:
                   traffic_bytes=total, users=users, connections=_whole(raw.get("connections") or 0, "connections"),
                   probes=probes, took_ms=_finite(raw.get("took_ms") or 0.0, "took_ms"), usage=usage,
                   usage_error=usage_error, devices=devices)
+
+
+def _app_result(raw: object, what: str) -> tuple[bool | None, int, str | None]:
+    """An app-like probe's result: (passed, bytes, why); passed None when it did not run or the witness's own
+    client failed (``local``: says nothing about the target)."""
+    if raw is None:
+        return None, 0, None
+    app = _mapping(raw, what)
+    if "local" in app:
+        return None, 0, _text(app["local"], f"{what}.local")
+    if not isinstance(app.get("ok"), bool):
+        raise ReportError(f"`{what}` is not an app probe's result")
+    error = app.get("error")
+    return bool(app["ok"]), _whole(app.get("bytes") or 0, f"{what}.bytes"), None if error is None else _text(error, f"{what}.error")
 
 
 def _usage(raw: object) -> tuple[UsageCounters | None, str]:
@@ -366,21 +398,43 @@ def _probe_entry(ref: InboundRef) -> dict[str, object]:
     return entry
 
 
+@dataclass(frozen=True)
+class AppProbing:
+    """What the app-like probes of one interval need (HEALTH-16, ``reconciler.fleet.app_probe``)."""
+
+    targets: dict[str, AppTarget]  # inbound id → how a client dials it with the probe credential
+    applied: frozenset[str] | None = None  # servers whose configuration holds the probe credential; None: all
+    lacks: dict[str, frozenset[str]] = field(default_factory=dict)  # engine → capabilities its build lacks
+    timeout: float = 6.0
+
+
 def agent_request(cluster: Cluster, server_name: str, clash_secret: str, timeout: float,
-                  device_salt: str = "", interval: int = 0) -> dict[str, object]:
+                  device_salt: str = "", interval: int = 0, app: AppProbing | None = None) -> dict[str, object]:
     """What one server's agent is asked: its own listeners, and the inbounds it probes in interval ``interval``.
 
     Which servers it probes is the probe plan's row for it (``reconciler.health.probing``, HEALTH-4): every
-    other server in a fleet of up to ``full_mesh_up_to``, a bounded, rotating set above.
+    other server in a fleet of up to ``full_mesh_up_to``, a bounded, rotating set above. With ``app``, the
+    inbounds its engine can dial on servers that hold the probe credential are also probed through a real
+    proxy session (HEALTH-16).
     """
     server = cluster.server(server_name)
     listeners = sorted({(ib.port, t) for ib in server.inbounds for t in ib.transports})
     probing = _probing_of(cluster)
     witness = probing.index[server_name]
-    probes = [entry for target in probing.plan(interval).targets_of(witness).tolist() for entry in probing.probes_of[target]]
-    return {"service": adapter_of(cluster, server).layout.service, "listeners": [list(x) for x in listeners], "clash_api": CLASH_API,
+    targets = probing.plan(interval).targets_of(witness).tolist()
+    probes = [entry for target in targets for entry in probing.probes_of[target]]
+    layout = adapter_of(cluster, server).layout
+    app_part = None
+    nbytes = cluster.settings.health.app_probe_bytes
+    if app is not None and nbytes > 0:
+        lacks = app.lacks.get(layout.name, frozenset())
+        dial = [app.targets[ref.inbound.id] for target in targets for ref in probing.inbounds_of[target]
+                if (app.applied is None or ref.server.name in app.applied) and ref.inbound.id in app.targets
+                and dialable(layout.name, ref.inbound.protocol, lacks)]
+        app_part = app_request(layout.name, layout.binary, dial, nbytes, app.timeout)
+    return {"service": layout.service, "listeners": [list(x) for x in listeners], "clash_api": CLASH_API,
             "clash_secret": clash_secret, "probes": probes, "timeout": timeout, "device_salt": device_salt,
-            "usage_table": USAGE_TABLE, "usage_load": USAGE_NFT}
+            "usage_table": USAGE_TABLE, "usage_load": USAGE_NFT, **({"app": app_part} if app_part else {})}
 
 
 def observation(topology: Topology, cluster: Cluster, reports: dict[str, Report | None], now: float) -> Observation:
@@ -406,7 +460,7 @@ def observation(topology: Topology, cluster: Cluster, reports: dict[str, Report 
             if t is None:
                 continue
             present[w, t] = True
-            ok[w, t] = probe.ok
+            ok[w, t] = probe.passed
             if probe.ok and probe.rtt_ms is not None:
                 rtt[w, t] = probe.rtt_ms
     for t_id, t in inbound_index.items():

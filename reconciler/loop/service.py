@@ -48,12 +48,14 @@ from reconciler.config import load_cluster
 from reconciler.config.yamlread import load_seconds
 from reconciler.credentials import Secret, clash_api_secret
 from reconciler.engine.base import AGENT
+from reconciler.engine.capabilities import of_engine
 from reconciler.errors import LockHeld, RemoteError, ReportError, SecretError
 from reconciler.fleet import snapshot
+from reconciler.fleet.app_probe import AppTarget, probe_targets
 from reconciler.fleet.events import degraded_reason, fleet_event, user_events, verdict_events
 from reconciler.fleet.learned import Learned
 from reconciler.fleet.reality import with_reality_keys
-from reconciler.fleet.reports import Report, agent_request, parse_report
+from reconciler.fleet.reports import AppProbing, Report, agent_request, parse_report
 from reconciler.health.verdicts import Verdicts
 from reconciler.loop import gcpause
 from reconciler.loop.client_address import networks
@@ -144,6 +146,7 @@ class Loop:
         self._clock = time.monotonic  # the save cadence's clock (tests move it)
         self._saved = (self._clock(), 0)  # when the learned state was last written, and its size
         self._serialized: tuple[Learned, int, bytes] | None = None  # the last bytes written, of which state and tick
+        self._app_targets: tuple[Cluster, dict[str, AppTarget], dict[str, frozenset[str]]] | None = None
         self._device_salt = secret.derive("device-fingerprint", length=16).hex()  # the same on every server
         self.acme_backoff = CertificateBackoff()  # failed certificate orders wait longer each time
         for note in self.state.notes:
@@ -399,12 +402,14 @@ class Loop:
         probe_timeout = max(0.5, min(3.0, interval / 4))
         budget = max(5.0, min(0.8 * interval, 60.0))
 
+        app = self._app_probing(cluster, probe_timeout)
+
         async def one(server: Server) -> tuple[str, Report | None]:
             name = server.name
             if not self.backoff.due(name, self._tick_index):
                 return name, None
             req = agent_request(cluster, name, clash_api_secret(self.secret, name), probe_timeout, self._device_salt,
-                                interval=self._tick_index)
+                                interval=self._tick_index, app=app)
             try:
                 async with asyncio.timeout(budget + 2):  # not wait_for: no task of its own per server and interval
                     res = await self.pool.run(Target.from_server(server), f"python3 {AGENT}", check=False,
@@ -428,6 +433,20 @@ class Loop:
 
         results = await asyncio.gather(*(one(s) for s in cluster.servers))
         return dict(results)
+
+    def _app_probing(self, cluster: Cluster, probe_timeout: float) -> AppProbing:
+        """The app-like probes' inputs (HEALTH-16): the probe credential's outbounds (once per cluster), the targets
+        whose configuration holds it (no change left to apply: older configurations lack it, and a probe refused
+        there says nothing of a censor), and what each engine's build cannot dial."""
+        if self._app_targets is None or self._app_targets[0] is not cluster:
+            lacks: dict[str, frozenset[str]] = {}
+            for name in {cluster.engine_of(s).name for s in cluster.servers}:
+                caps = of_engine(cluster, name)
+                lacks[name] = frozenset() if caps is None else frozenset(c for c in ("reality", "quic") if c not in caps)
+            self._app_targets = (cluster, probe_targets(cluster, self.secret), lacks)
+        _, targets, lacks = self._app_targets
+        applied = frozenset(name for name, pending in self.drift.items() if pending == 0)
+        return AppProbing(targets, applied, lacks, timeout=max(2.0, 2 * probe_timeout))
 
     def _fleet_view(self, cluster: Cluster, verdicts: Verdicts, snap: Snapshot) -> FleetView:
         loads = snap.loads

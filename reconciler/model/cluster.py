@@ -173,6 +173,10 @@ class HealthSettings(_Model):
     """Thresholds of the verdict engine (HEALTH-1..12)."""
 
     report_interval: Duration = Field(60.0, description="How often each server reports and probes (HEALTH-1).")
+    app_probe_bytes: int = Field(
+        65536, ge=0, le=1 << 20, description="Bytes each witness fetches through a real proxy session on every inbound it probes, with the "
+                           "probe credential (HEALTH-16): past the few kilobytes after which censors stall a foreign flow "
+                           "that its handshake let through. 0: the handshake probe alone.")
     staleness_limit: Duration | None = Field(
         None, description="No report for longer than this gives no_data (HEALTH-3). Default: 3 report intervals."
     )
