@@ -113,6 +113,7 @@ class Entry:
     in_rotation: bool
     why: str  # why this inbound
     health: str  # the inbound's health reason (HEALTH-13)
+    backups: tuple[InboundRef, ...] = ()  # the app's failover order after ``ref``: as the balancer would pick them
 
     @property
     def name(self) -> str:
@@ -279,13 +280,53 @@ def decide(snapshot: Snapshot, user_name: str, region: str | None = None) -> lis
         if kept is None and pool is not None:  # the address chose another pool than the record: its placement there
             prev = snapshot.assignments.get((user.name, pool_key(route.id, pool)))
             kept = by_id.get(prev) if prev is not None else None
+        ukeys = np.array([ukey], dtype=np.uint64)
         if kept is not None:
-            entries.append(_entry(snapshot, route, kept, pool, _join(pool_why, "kept from the last assignment"), rkey))
+            entries.append(_entry(snapshot, route, kept, pool, _join(pool_why, "kept from the last assignment"), rkey,
+                                  _backups(snapshot, route, members, cands, pool, kept, ukeys, rkey)))
             continue
         w, keys, deficit = _placement(snapshot, route, cands)
-        best = int(np.argmax(scores(np.array([ukey], dtype=np.uint64), keys, deficit)[0]))
-        entries.append(_entry(snapshot, route, cands[best], pool, _join(pool_why, w.detail[best]), rkey))
+        draws = exponentials(ukeys, keys)  # the user's fixed draws for the candidates: its pick and its order
+        best = int(np.argmax(deficit / draws[0]))
+        entries.append(_entry(snapshot, route, cands[best], pool, _join(pool_why, w.detail[best]), rkey,
+                              _backups(snapshot, route, members, cands, pool, cands[best], ukeys, rkey, draws)))
     return entries
+
+
+def _backups(snapshot: Snapshot, route: Route, members: tuple[InboundRef, ...], cands: tuple[InboundRef, ...],
+             pool: str | None, chosen: InboundRef, ukeys: np.ndarray, rkey: str | None,
+             draws: np.ndarray | None = None) -> tuple[InboundRef, ...]:
+    """Where the user's app goes when ``chosen`` fails, in order: the other candidates by the user's rendezvous
+    scores on their target shares (the balancer's pick once ``chosen`` is gone: users who leave one server spread
+    over the others in the policy's proportions, LB-9), then the route's other inbounds in rotation (other pools)
+    the same way; at most ``failover.members - 1``."""
+    limit = snapshot.cluster.settings.outputs.failover.members - 1
+    if limit <= 0:
+        return ()
+    memo = snapshot.memo.failover
+    found = memo.get((route.id, pool, rkey))
+    if found is None:
+        rest = tuple(r for r in members if r not in cands and snapshot.in_rotation(r.inbound.id, rkey))
+        found = memo[(route.id, pool, rkey)] = (_order_weights(snapshot, route, cands), _order_weights(snapshot, route, rest))
+    out: list[InboundRef] = []
+    for n, (refs, keys, share) in enumerate(found):
+        if refs:  # ``draws``: the candidates' (the first set's) draws, when the pick already made them
+            strength = -(share / draws[0]) if n == 0 and draws is not None else -scores(ukeys, keys, share)[0]
+            k = min(limit + 1, len(refs))  # the few strongest (one may be the chosen), not a sort of the route
+            top = np.argpartition(strength, k - 1)[:k] if k < len(refs) else np.arange(len(refs))
+            out += [refs[i] for i in top[np.argsort(strength[top], kind="stable")].tolist() if refs[i] is not chosen]
+        if len(out) >= limit:
+            break
+    return tuple(out[:limit])
+
+
+def _order_weights(snapshot: Snapshot, route: Route,
+                   refs: tuple[InboundRef, ...]) -> tuple[tuple[InboundRef, ...], np.ndarray, np.ndarray]:
+    if not refs:
+        return refs, np.zeros(0, np.uint64), np.zeros(0)
+    keys = np.array([snapshot.inbound_keys[r.inbound.id] for r in refs], dtype=np.uint64)
+    held = _held(snapshot, route.id, tuple(r.inbound.id for r in refs))  # the shares of the route's whole population
+    return refs, keys, weights(snapshot, route, refs, max(int(held.sum()), len(snapshot.cluster.users)), held).share
 
 
 Placement = tuple[Weights, np.ndarray, np.ndarray]  # weights, candidate keys, deficits
@@ -378,10 +419,11 @@ def _join(a: str, b: str) -> str:
     return f"{a}; {b}" if a else b
 
 
-def _entry(snapshot: Snapshot, route: Route, ref: InboundRef, pool: str | None, why: str, region: str | None) -> Entry:
+def _entry(snapshot: Snapshot, route: Route, ref: InboundRef, pool: str | None, why: str, region: str | None,
+           backups: tuple[InboundRef, ...] = ()) -> Entry:
     iid = ref.inbound.id
     return Entry(route=route, ref=ref, pool=pool, status=snapshot.status(iid),
-                 in_rotation=snapshot.in_rotation(iid, region), why=why, health=snapshot.health_reason(iid))
+                 in_rotation=snapshot.in_rotation(iid, region), why=why, health=snapshot.health_reason(iid), backups=backups)
 
 
 # --------------------------------------------------------------------------- the batch

@@ -43,6 +43,9 @@ class RTTProfile:
     fresh: bool = True
 
 
+FailoverSet = tuple[tuple[InboundRef, ...], np.ndarray, np.ndarray]  # inbounds, their keys, their target shares
+
+
 class SnapshotMemo:
     """The snapshot's per-snapshot cache: what every request on one snapshot shares, computed once.
 
@@ -53,14 +56,15 @@ class SnapshotMemo:
     - ``members``, ``healthy``, ``candidates``, ``placements``, ``assignment_counts``, ``assignment_demand`` —
       ``balance.decide``: a route's usable members, its pools' health, the candidates of a (route, pool), the
       weights, keys and deficits for placing a new user on a candidate set, the users assigned per (route,
-      inbound), and their demand (what an unmeasured user weighs, and the Mbps assigned per (route, inbound));
+      inbound), and their demand (what an unmeasured user weighs, and the Mbps assigned per (route, inbound)),
+      and ``failover``: the ordering weights of a user's failover members;
     - ``header_bases``, ``header_json_heads``, ``document_templates`` — ``subscriptions.document``: the
       user-independent headers of a format, their JSON encoding, and a document per (format, entries)
       with stand-ins for the user's credentials.
     """
 
-    __slots__ = ("assignment_counts", "assignment_demand", "candidate_ids", "candidates", "document_templates", "header_bases",
-                 "header_json_heads", "healthy", "members", "placements")
+    __slots__ = ("assignment_counts", "assignment_demand", "candidate_ids", "candidates", "document_templates", "failover",
+                 "header_bases", "header_json_heads", "healthy", "members", "placements")
 
     def __init__(self) -> None:
         self.members: dict[str, tuple[InboundRef, ...]] = {}  # route id → usable members
@@ -70,12 +74,14 @@ class SnapshotMemo:
         # the same by inbound id: a kept assignment is found in one lookup (a thousand servers' route: not a scan)
         self.candidate_ids: dict[tuple[str, str | None, str | None], dict[str, InboundRef]] = {}
         self.placements: dict[tuple[str, tuple[str, ...]], Placement] = {}  # (route id, candidate ids)
+        # (route, pool, region) → (refs, keys, shares) of the candidates, then of the route's other inbounds in rotation
+        self.failover: dict[tuple[str, str | None, str | None], tuple[FailoverSet, FailoverSet]] = {}
         self.assignment_counts: dict[tuple[str, str], int] | None = None  # (route id, inbound id) → users
         # (what an unmeasured user weighs in Mbps, None: nobody measured; (route id, inbound id) → Mbps assigned)
         self.assignment_demand: tuple[float | None, dict[tuple[str, str], float]] | None = None
         self.header_bases: dict[str, dict[str, str]] = {}  # format → headers
         self.header_json_heads: dict[str, str] = {}  # format → JSON text
-        self.document_templates: dict[tuple[str, tuple[tuple[str, str], ...]], bytes] = {}  # (format, entries)
+        self.document_templates: dict[tuple[str, tuple[tuple[str, ...], ...]], bytes] = {}  # (format, entries and backups)
 
 
 @dataclass(frozen=True)

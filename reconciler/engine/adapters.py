@@ -34,8 +34,8 @@ from reconciler.engine.base import (
     tls_files,
     withheld_users,
 )
-from reconciler.engine.responder import rank_id
 from reconciler.model import Cluster, EngineSettings, Server, UserUsage
+from reconciler.model.types import order_id
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def acme_dir(cluster: Cluster, base_dir: str) -> str:
 
 def responder_ids(server: Server) -> bytes:
     """The responder's list of this server's inbounds (how it finds its place in an app's order)."""
-    return json.dumps({"ids": [rank_id(ib.id) for ib in server.inbounds]}).encode() + b"\n"
+    return json.dumps({"ids": [order_id(ib.id) for ib in server.inbounds]}).encode() + b"\n"
 
 
 def desired(cluster: Cluster, server: Server, secret: Secret, now: float, base_dir: str = ".",

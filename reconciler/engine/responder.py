@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import sys
+from typing import Any, Dict, FrozenSet  # typing's generics: the servers' Python may predate frozenset[...]
 
 PORT = 9097
 MAX_PAD = 1 << 20
@@ -43,11 +44,11 @@ RANK_STEP = 0.4
 MAX_RANK = 8
 
 _busy = [0]
-_ids = {"mtime": -1.0, "ids": frozenset()}  # type: Dict[str, Any]
+_ids: Dict[str, Any] = {"mtime": -1.0, "ids": frozenset()}
 
 
 def rank_id(inbound_id: str) -> str:
-    """An inbound's id as an order names it (no operator's name in a URL)."""
+    """An inbound's id as an order names it (no operator's name in a URL): ``reconciler.model.types.order_id``."""
     return hashlib.blake2b(inbound_id.encode(), digest_size=4).hexdigest()
 
 
@@ -61,7 +62,7 @@ def own_ids(path: str = IDS_FILE) -> frozenset[str]:
             _ids["mtime"] = mtime
     except (OSError, ValueError, AttributeError):
         _ids["ids"], _ids["mtime"] = frozenset(), -1.0
-    found = _ids["ids"]  # type: FrozenSet[str]
+    found: FrozenSet[str] = _ids["ids"]
     return found
 
 

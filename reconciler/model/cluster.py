@@ -285,6 +285,19 @@ class OperationsAuth(_Model):
     file: str | None = Field(None, description="A file holding the credential; wins over `env` when set.")
 
 
+class FailoverSettings(_Model):
+    """Switching inside the users' apps, without a refresh: each route's entry in the sing-box and Clash/Mihomo
+    profiles is a group of the balanced choice first and the route's other healthy inbounds in the order the
+    balancer would pick them; the app checks them and leaves a dead or stalled server within seconds."""
+
+    members: int = Field(3, ge=1, le=8, description="Inbounds per entry, the balanced choice included; 1: no failover "
+                                                    "(the entry is the chosen inbound alone, as share links always are).")
+    check_interval: Duration = Field(20.0, description="How often the app checks the members of the entry it is using.")
+    check_bytes: int = Field(24576, ge=0, le=1 << 20, description="Bytes each check moves (padding in the answer's "
+                             "headers, which is what apps read): past the 15-20 KB after which censors stall a foreign "
+                             "flow. Each check costs this per member.")
+
+
 class OutputSettings(_Model):
     """Where the reconciler writes and serves what it computes."""
 
@@ -322,7 +335,10 @@ class OutputSettings(_Model):
         description="External base URL of the subscription endpoint, as users' apps reach it (https://vpn.example.com); "
                     "`reconciler user url` prints each user's URL under it.")
     profile_title: str = Field("VPN", description="Title clients show for the subscription.")
-    profile_update_interval: Duration = Field(43200.0, description="How often clients refresh the subscription.")
+    profile_update_interval: Duration = Field(
+        3600.0, description="How often clients refresh the subscription: a new balance, new servers and new failover "
+                            "orders reach apps this often (the apps' own failover covers a dead server meanwhile).")
+    failover: FailoverSettings = FailoverSettings()
     webhook_url: str | None = Field(None, description="POST a JSON event here when a server is judged blocked (`run`).")
 
 

@@ -236,3 +236,11 @@ HostKey = Annotated[
     Field(min_length=1, max_length=16384, description="An OpenSSH public key line: 'ssh-ed25519 AAAA…'."),
     AfterValidator(_check_host_key),
 ]
+
+
+def order_id(inbound_id: str) -> str:
+    """An inbound as an app's failover order names it in a health check's URL (no operator's name in a URL). The
+    responder on the servers (``reconciler/engine/responder.py``, standard library only) computes the same."""
+    import hashlib
+
+    return hashlib.blake2b(inbound_id.encode(), digest_size=4).hexdigest()

@@ -21,7 +21,7 @@ import json
 import logging
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from urllib.parse import quote
 
@@ -233,14 +233,21 @@ def render_formats(snapshot: Snapshot, user_name: str, fmts: tuple[str, ...], se
 
 def _template(snapshot: Snapshot, entries: list[Entry], fmt: str, secret: Secret) -> bytes:
     memo = snapshot.memo.document_templates
-    key = (fmt, tuple((e.name, e.ref.inbound.id) for e in entries))
+    failover = fmt != "links" and snapshot.cluster.settings.outputs.failover.members > 1
+    key = (fmt, tuple((e.name, e.ref.inbound.id, *(b.inbound.id for b in e.backups if failover)) for e in entries))
     body = memo.get(key)
     if body is None:
-        outbounds = _verifiable([client_outbound(e, snapshot, secret, _stand_in(secret)) for e in entries], fmt)
-        if fmt == "links":  # the text before base64
+        stand_in = _stand_in(secret)
+        outbounds = _verifiable([client_outbound(e, snapshot, secret, stand_in) for e in entries], fmt)
+        if fmt == "links":  # the text before base64; share links stay one entry per route
             body = links_text(outbounds)
         else:
-            body = (singbox if fmt == "sing-box" else clash)(outbounds, snapshot.cluster.settings.split)
+            kept = {o.inbound for o in outbounds}
+            groups = [[o, *_verifiable([client_outbound(replace(e, ref=b), snapshot, secret, stand_in) for b in e.backups],
+                                       fmt)] for e, o in zip([e for e in entries if e.ref.inbound.id in kept], outbounds,
+                                                             strict=True)] if failover else None
+            settings = snapshot.cluster.settings
+            body = (singbox if fmt == "sing-box" else clash)(outbounds, settings.split, groups, settings.outputs.failover)
         memo[key] = body
     return body
 

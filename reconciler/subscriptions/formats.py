@@ -8,6 +8,10 @@
   the proxy and routing as the official client examples (sing-box 1.12+ schema);
 - ``clash``: a Clash Meta / Mihomo profile with the proxies and a select group.
 
+Failover inside the app (``settings.outputs.failover``): in the sing-box and Clash profiles, an entry with backups
+is a group (Mihomo ``fallback``; sing-box ``urltest`` whose checks the responders delay by place, ``check_url``)
+of the balanced choice first, then its backups in the balancer's order. Share links stay one entry per route.
+
 ``omission`` decides, per format, which entries cannot be given without
 telling clients to skip verification.
 """
@@ -19,8 +23,12 @@ import json
 import re
 from urllib.parse import quote, urlencode
 
-from reconciler.model.cluster import SplitSettings
+from reconciler.model.cluster import FailoverSettings, SplitSettings
+from reconciler.model.types import order_id
 from reconciler.subscriptions.outbound import ClientOutbound
+
+RESPONDER = "127.0.0.1:9097"  # every server's probe responder, on its loopback (reconciler.engine.base)
+TOLERANCE_MS = 150  # sing-box's urltest: a member must be this much faster to displace the one in use
 
 FORMATS = ("links", "sing-box", "clash")
 
@@ -99,6 +107,37 @@ def links(outbounds: list[ClientOutbound]) -> bytes:
     return base64.b64encode(links_text(outbounds))
 
 
+# --------------------------------------------------------------------------- failover inside the app
+
+
+def check_url(members: list[ClientOutbound], failover: FailoverSettings) -> str:
+    """The members' health check: the padded answer of the responder behind each (so a stalled flow fails it),
+    with the order (``?o=``): each server's responder answers later by its place, which makes an app that picks by
+    delay (sing-box's ``urltest``) keep the order and come back to the first when it recovers."""
+    order = ".".join(dict.fromkeys(order_id(m.inbound) for m in members))
+    return f"http://{RESPONDER}/pad/{failover.check_bytes}?o={order}"
+
+
+def _member_names(groups: list[list[ClientOutbound]]) -> tuple[list[str], list[list[str]]]:
+    """Entry names (the first member's, ROUTE-2) and, for a group of several, its members' names (their place in
+    the order shown: ``NL Amsterdam [2]``); all unique in the document."""
+    names = _unique_tags([g[0] for g in groups])
+    taken = set(names)
+    members: list[list[str]] = []
+    for name, group in zip(names, groups, strict=True):
+        inner = []
+        if len(group) > 1:
+            for k, o in enumerate(group, 1):
+                tag, n = f"{o.name} [{k}]", 1
+                while tag in taken:
+                    n += 1
+                    tag = f"{o.name} [{k}.{n}]"
+                taken.add(tag)
+                inner.append(tag)
+        members.append(inner)
+    return names, members
+
+
 # --------------------------------------------------------------------------- sing-box
 
 
@@ -174,13 +213,26 @@ def _singbox_split(split: SplitSettings | None) -> tuple[list[dict[str, object]]
     return rules, dns, sets
 
 
-def singbox(outbounds: list[ClientOutbound], split: SplitSettings | None = None) -> bytes:
+def singbox(outbounds: list[ClientOutbound], split: SplitSettings | None = None,
+            groups: list[list[ClientOutbound]] | None = None, failover: FailoverSettings | None = None) -> bytes:
     """A profile a phone or desktop app (SFA, SFI, SFM, Hiddify) runs as it is: a TUN inbound that takes the
     device's traffic, DNS through the proxy, sniffing and DNS hijacking by rule actions, private addresses
     direct, the operator's split tunnelling (``settings.split``) direct, everything else to the selector of the
     routes' entries (sing-box 1.12+ schema, as the official client examples of 1.14 write it). No local proxy
     port: another app on the device could use or find it."""
-    tags = _unique_tags(outbounds)
+    groups = groups or [[o] for o in outbounds]
+    tags, member_tags = _member_names(groups)
+    entries: list[dict[str, object]] = []
+    for tag, group, inner in zip(tags, groups, member_tags, strict=True):
+        if not inner or failover is None:
+            entries.append(singbox_outbound(group[0], tag))
+            continue
+        # An order that keeps the first member while it works and comes back to it: urltest picks by delay, and the
+        # responders' answers are delayed by place (``check_url``); the tolerance keeps jitter from reordering.
+        entries.append({"type": "urltest", "tag": tag, "outbounds": inner, "url": check_url(group, failover),
+                        "interval": f"{failover.check_interval:g}s", "tolerance": TOLERANCE_MS,
+                        "interrupt_exist_connections": True})
+        entries += [singbox_outbound(o, t) for o, t in zip(group, inner, strict=True)]
     split_rules, split_dns, rule_sets = _singbox_split(split)
     config = {
         "log": {"level": "warn"},
@@ -196,7 +248,7 @@ def singbox(outbounds: list[ClientOutbound], split: SplitSettings | None = None)
         "inbounds": [{"type": "tun", "tag": "tun-in", "address": TUN_ADDRESSES, "auto_route": True, "strict_route": True}],
         "outbounds": [
             {"type": "selector", "tag": "proxy", "outbounds": tags or ["direct"], "default": (tags or ["direct"])[0]},
-            *[singbox_outbound(o, t) for o, t in zip(outbounds, tags, strict=True)],
+            *entries,
             {"type": "direct", "tag": "direct"},
         ],
         "route": {
@@ -269,16 +321,29 @@ def _clash_split(split: SplitSettings | None) -> tuple[list[str], dict[str, obje
     return rules, providers
 
 
-def clash(outbounds: list[ClientOutbound], split: SplitSettings | None = None) -> bytes:
-    names = _unique_tags(outbounds)
+def clash(outbounds: list[ClientOutbound], split: SplitSettings | None = None,
+          groups: list[list[ClientOutbound]] | None = None, failover: FailoverSettings | None = None) -> bytes:
+    groups = groups or [[o] for o in outbounds]
+    names, member_names = _member_names(groups)
+    proxies: list[dict[str, object]] = []
+    fallbacks: list[dict[str, object]] = []
+    for name, group, inner in zip(names, groups, member_names, strict=True):
+        if not inner or failover is None:
+            proxies.append(clash_proxy(group[0], name))
+            continue
+        # Mihomo's fallback: the first member, in the written order, whose last check passed; back to it when it does.
+        proxies += [clash_proxy(o, n) for o, n in zip(group, inner, strict=True)]
+        fallbacks.append({"name": name, "type": "fallback", "proxies": inner, "url": check_url(group, failover),
+                          "interval": max(1, round(failover.check_interval)), "timeout": 5000, "lazy": True})
     split_rules, providers = _clash_split(split)
     doc = {
         "mixed-port": 7890,
         "allow-lan": False,
         "mode": "rule",
         "log-level": "warning",
-        "proxies": [clash_proxy(o, n) for o, n in zip(outbounds, names, strict=True)],
-        "proxy-groups": [{"name": "PROXY", "type": "select", "proxies": names or ["REJECT"]}],  # never DIRECT unprotected
+        "proxies": proxies,
+        "proxy-groups": [{"name": "PROXY", "type": "select", "proxies": names or ["REJECT"]},  # never DIRECT unprotected
+                         *fallbacks],
         **({"rule-providers": providers} if providers else {}),
         "rules": [*split_rules, "MATCH,PROXY"],
     }
