@@ -108,9 +108,46 @@ def test_agent_request_probes_every_other_inbound_the_way_a_client_would():
         "routes": [{"id": "r", "name": "R"}], "users": [{"name": "u"}]})
     req = agent_request(c, "a", "sekrit", 2.0)
     assert req["listeners"] == [[443, "tcp"], [8388, "tcp"], [8388, "udp"]]
-    assert {p["id"]: (p["kind"], p.get("sni")) for p in req["probes"]} == {"b-hy": ("quic", "y.test"), "b-re": ("tls", "www.example.com")}
+    # The handshake probe names only REALITY's public camouflage; what an app sends is the app-like probe's (HEALTH-16)
+    assert {p["id"]: (p["kind"], p.get("sni")) for p in req["probes"]} == {"b-hy": ("quic", None), "b-re": ("tls", "www.example.com")}
     req_b = agent_request(c, "b", "sekrit", 2.0)
-    assert {p["id"]: (p["kind"], p.get("sni")) for p in req_b["probes"]} == {"a-tls": ("tls", "x.test"), "a-ss": ("tcp", None)}
+    assert {p["id"]: (p["kind"], p.get("sni")) for p in req_b["probes"]} == {"a-tls": ("tls", None), "a-ss": ("tcp", None)}
+    assert "app" not in req  # nothing asked of the app-like probe without its inputs
+
+
+def test_the_app_like_probe_dials_what_the_witness_engine_can_with_the_probe_credential_only():
+    # spec: HEALTH-16 — the witness's own engine as a client: every probed inbound its build can dial, on servers
+    # whose configuration holds the probe credential; no user's credential in the request
+    from reconciler.credentials import Secret, probe_credentials, user_credentials
+    from reconciler.fleet.app_probe import BASE_PORT, probe_targets
+    from reconciler.fleet.reports import AppProbing
+
+    secret = Secret(b"app-probe-request-secret-0123456789")
+    c = Cluster.model_validate({
+        "servers": [{"name": "a", "host": "198.18.0.10", "country": "DE", "inbounds": [
+            {"id": "a-tls", "name": "A", "protocol": "vless-tls", "port": 443, "tls": {"server_name": "x.test"}, "route": "r"}]},
+            {"name": "b", "host": "198.18.0.11", "country": "DE", "inbounds": [
+                {"id": "b-hy", "name": "B", "protocol": "hysteria2", "port": 443, "tls": {"server_name": "y.test"}, "route": "r"},
+                {"id": "b-re", "name": "B2", "protocol": "vless-reality", "port": 8443, "camouflage": "www.example.com", "route": "r"}]},
+            {"name": "c", "host": "198.18.0.12", "country": "DE", "inbounds": [
+                {"id": "c-tr", "name": "C", "protocol": "trojan", "port": 443, "tls": {"server_name": "z.test"}, "route": "r"}]}],
+        "routes": [{"id": "r", "name": "R"}], "users": [{"name": "u"}]})
+    app = AppProbing(probe_targets(c, secret), applied=frozenset({"b"}), lacks={"sing-box": frozenset({"reality"})})
+    req = agent_request(c, "a", "sekrit", 2.0, app=app)
+    part = req["app"]
+    assert part["argv"] == ["/usr/local/bin/sing-box", "run", "-c", "{config}"]
+    assert part["ports"] == {"b-hy": BASE_PORT}  # not REALITY (no uTLS), not c (changes not applied yet)
+    assert part["bytes"] == 65536 and part["path"] == "/pad/65536" and part["responder"] == ["127.0.0.1", 9097]
+    config = json.loads(part["config"])
+    [out] = [o for o in config["outbounds"] if o["type"] == "hysteria2"]
+    assert out["password"] == probe_credentials(secret).password != user_credentials(secret, "u").password
+    assert out["server"] == "198.18.0.11" and out["tls"]["insecure"]
+    assert config["inbounds"] == [{"type": "socks", "tag": "p0", "listen": "127.0.0.1", "listen_port": BASE_PORT}]
+    everyone = AppProbing(probe_targets(c, secret))
+    assert set(agent_request(c, "a", "sekrit", 2.0, app=everyone)["app"]["ports"]) == {"b-hy", "b-re", "c-tr"}
+    off = c.model_copy(update={"settings": c.settings.model_copy(update={"health": c.settings.health.model_copy(
+        update={"app_probe_bytes": 0})})})
+    assert "app" not in agent_request(off, "a", "sekrit", 2.0, app=everyone)
 
 
 def test_observation_maps_probes_and_listeners():

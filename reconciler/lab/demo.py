@@ -102,7 +102,13 @@ def subscription_hosts(loop: LoopProcess, token: str) -> list[str]:
     code, body, _ = loop.get(f"/sub/{token}/sing-box")
     if code != 200:
         return []
-    return [str(o["server"]) for o in json.loads(body).get("outbounds", []) if isinstance(o, dict) and "server" in o]
+    outbounds = [o for o in json.loads(body).get("outbounds", []) if isinstance(o, dict)]
+    by_tag = {o.get("tag"): o for o in outbounds}
+    backups = {t for o in outbounds if o.get("type") == "urltest" for t in o.get("outbounds", [])[1:]}
+    firsts = {o["outbounds"][0] for o in outbounds if o.get("type") == "urltest" and o.get("outbounds")}
+    # The chosen server of each entry: a failover group's first member (its backups are not where the user is)
+    return [str(by_tag[t]["server"]) for t in by_tag if t in firsts or (
+        t not in backups and "server" in by_tag[t] and by_tag[t].get("type") != "urltest")]
 
 
 def reconciler_command(argv: list[str]) -> int:

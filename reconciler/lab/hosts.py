@@ -21,8 +21,9 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,10 +34,12 @@ from reconciler.text import plural
 
 BRIDGE = "rlabbr0"
 SUBNET = "198.18.0"
+GATEWAY = f"{SUBNET}.1"  # this machine's side of the bridge: where the controller and test clients connect from
 NS_PREFIX = "rlab"
 ROOTFS_PACKAGES = "systemd,systemd-sysv,dbus,openssh-server,python3,iproute2,procps,nftables"
 ROOTFS_VERSION = "3"  # bump when the rootfs recipe changes
 BLOCK_TABLE = "rlab_block"
+CENSOR_TABLE = "rlab_censor"  # in a host's own namespace: faults that need its conntrack (stall, server-name relay)
 
 
 
@@ -352,6 +355,54 @@ class Lab:
                 f" ip saddr {src.ip} tcp dport {port} reject with tcp reset\n }}\n}}\n")
         self.netns_exec(dst, ["nft", "-f", "-"], input=rule)
 
+    # ------------------------------------------------------------------ censors' faults (HEALTH-16)
+
+    def stall(self, dst: Host, src: Sequence[Host | str], port: int, after: int = 16384,
+              protos: Sequence[str] = ("tcp",)) -> None:
+        """A censor that lets the handshake through and then stalls the flow: what dst answers on ``port`` to any of
+        ``src`` (hosts, or addresses such as ``GATEWAY``: this machine's side of the bridge) is dropped once the
+        connection (a UDP flow: QUIC) carried ``after`` bytes that way (conntrack's count in dst's namespace)."""
+        self.netns_exec(dst, ["sysctl", "-qw", "net.netfilter.nf_conntrack_acct=1"])
+        addrs = ", ".join(h if isinstance(h, str) else h.ip for h in src)
+        self._censor(dst, "out", "type filter hook output priority 0;",
+                     *(f"ip daddr {{ {addrs} }} {p} sport {port} ct reply bytes > {after} drop" for p in protos))
+
+    def sni_reset(self, dst: Host, src: Sequence[Host], port: int, names: Sequence[str]) -> None:
+        """A censor that resets a ClientHello with one of ``names``: src's connections to dst:port go through a relay
+        in dst's namespace (``reconciler.lab.middlebox``) that reads the server name, resets those, passes the rest."""
+        relay = 40000 + port % 1000
+        self.spawn_in(dst, [sys.executable, "-m", "reconciler.lab.middlebox", str(relay), str(port), ",".join(names)])
+        addrs = ", ".join(h.ip for h in src)
+        self._censor(dst, "pre", "type nat hook prerouting priority dstnat;",
+                     f"ip saddr {{ {addrs} }} tcp dport {port} redirect to :{relay}")
+        deadline = time.monotonic() + 10
+        while self.netns_exec(dst, ["ss", "-Hltn", f"sport = :{relay}"], check=False).stdout.strip() == "":
+            if time.monotonic() > deadline:
+                raise LabError(f"the server-name filter did not listen on {dst.name}:{relay}")
+            time.sleep(0.1)
+
+    def drop_udp(self, src: Sequence[Host], dst: Host, port: int | None = None) -> None:
+        """A censor that drops UDP: every datagram from ``src`` to dst (to ``port``) on the bridge."""
+        _ensure_block_table()
+        for h in src:
+            _nft_add(f"ip saddr {h.ip} ip daddr {dst.ip} meta l4proto udp" + (f" udp dport {port}" if port else "")
+                     + " counter drop")
+
+    def allow_list(self, country: Sequence[Host], allowed: Sequence[Host]) -> None:
+        """A whole-country allow-list: what the ``country``'s hosts open abroad is dropped unless its destination is
+        ``allowed`` (TCP SYNs and every UDP datagram, on the bridge); the country's own hosts reach each other."""
+        _ensure_block_table()
+        inside = {h.ip for h in country}
+        passes = ", ".join(sorted(inside | {h.ip for h in allowed}))
+        for h in country:
+            _nft_add(f"ip saddr {h.ip} ip daddr != {{ {passes} }} tcp flags & (syn | ack) == syn counter drop")
+            _nft_add(f"ip saddr {h.ip} ip daddr != {{ {passes} }} meta l4proto udp counter drop")
+
+    def _censor(self, host: Host, chain: str, hook: str, *rules: str) -> None:
+        body = "\n ".join(rules)
+        text = (f"table inet {CENSOR_TABLE} {{\n chain {chain} {{\n {hook}\n {body}\n }}\n}}\n")
+        self.netns_exec(host, ["nft", "-f", "-"], input=text)
+
     def loss(self, src: Host, dst: Host, percent: int, port: int | None = None) -> None:
         _ensure_block_table()
         port_match = f" tcp dport {port}" if port else ""
@@ -361,6 +412,22 @@ class Lab:
         _run(["nft", "delete", "table", "bridge", BLOCK_TABLE], check=False)
         for host in self.state.hosts:
             self.netns_exec(host, ["nft", "delete", "table", "inet", "rlab_reset"], check=False)
+            self.netns_exec(host, ["nft", "delete", "table", "inet", CENSOR_TABLE], check=False)
+        for pid in [p for p in self.state.helpers if self._is_middlebox(p)]:  # the server-name filters
+            _kill_group(pid)
+            self.state.helpers.remove(pid)
+            proc = self._procs.pop(pid, None)
+            if proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(5)
+        self.state.save(self.state_path)
+
+    @staticmethod
+    def _is_middlebox(pid: int) -> bool:
+        try:
+            return b"reconciler.lab.middlebox" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
 
     def __enter__(self) -> Lab:
         return self

