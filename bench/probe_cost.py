@@ -198,6 +198,7 @@ def measure(quick: bool, log) -> dict[str, float]:
 def plan_at_1000(intervals: int) -> dict[str, float]:
     """Probes made and received per server per interval with the bounded plan at N = 1,000 (one inbound each)."""
     from health_sim import fleet
+
     from reconciler.health.probing import probe_plan
     from reconciler.health.simulate import Scenario, inline_topology
 
