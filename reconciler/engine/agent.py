@@ -387,7 +387,7 @@ async def probe_all(probes: List[Dict[str, Any]], timeout: float, parallel: int 
         async with sem:
             result = await probe(p, timeout)
         port = ports.get(p["id"])
-        if port is not None:
+        if port is not None and result["ok"]:  # a target the handshake already fails needs no session to fail
             if app_error:
                 result["app"] = {"local": app_error}
             else:

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from reconciler.credentials import Secret, probe_credentials, reality_keys, reality_short_id, ss_server_key
+from reconciler.credentials import Secret, probe_credentials, reality_keys
 from reconciler.engine.base import RESPONDER_HOST, RESPONDER_PORT
 from reconciler.model import Cluster, InboundRef
 from reconciler.subscriptions.formats import clash_proxy, singbox_outbound
-from reconciler.subscriptions.outbound import ClientOutbound
+from reconciler.subscriptions.outbound import ClientOutbound, outbound_for
 
 BASE_PORT = 17300  # the witness's loopback SOCKS ports: BASE_PORT + i for the i-th probed inbound
 CONFIG_FILE = {"sing-box": "probe.json", "mihomo": "probe.yaml"}
@@ -46,23 +46,8 @@ class AppTarget:
 def probe_outbound(ref: InboundRef, secret: Secret) -> ClientOutbound:
     """How a witness's client reaches ``ref`` with the probe credential (unverified TLS: reachability, not trust)."""
     ib = ref.inbound
-    creds = probe_credentials(secret)
-    base = ClientOutbound(name=ib.id, protocol=ib.protocol, host=ref.server.host, port=ib.port, inbound=ib.id)
-    if ib.protocol == "vless-reality":
-        sid = (ib.short_ids or [reality_short_id(secret, ib.id, ib.rotate)])[-1]
-        sni = ib.server_names[0] if ib.server_names else ib.camouflage
-        return replace(base, uuid=creds.uuid, flow=ib.flow, sni=sni, fingerprint=ib.fingerprint,
-                       public_key=reality_keys(secret, ib.id, ib.rotate).public_key, short_id=sid)
-    if ib.protocol == "shadowsocks-2022":
-        return replace(base, method=ib.method, password=f"{ss_server_key(secret, ib.id, ib.method)}:{creds.ss_key(ib.method)}")
-    tls = replace(base, sni=ib.tls.server_name, verify="insecure")
-    if ib.protocol == "vless-tls":
-        return replace(tls, uuid=creds.uuid, flow=ib.flow)
-    if ib.protocol == "trojan":
-        return replace(tls, password=creds.password)
-    if ib.protocol == "hysteria2":
-        return replace(tls, password=creds.password, alpn=("h3",))
-    return replace(tls, uuid=creds.uuid, password=creds.password, alpn=("h3",), congestion_control=ib.congestion_control)
+    public_key = reality_keys(secret, ib.id, ib.rotate).public_key if ib.protocol == "vless-reality" else ""
+    return outbound_for(ref, ib.id, secret, probe_credentials(secret), public_key, "", unverified=True)
 
 
 def probe_targets(cluster: Cluster, secret: Secret) -> dict[str, AppTarget]:

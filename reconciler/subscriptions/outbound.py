@@ -22,6 +22,7 @@ from typing import Literal, TypedDict
 from reconciler.balance.decide import Entry
 from reconciler.balance.snapshot import Snapshot
 from reconciler.credentials import Secret, UserCredentials, reality_short_id, ss_server_key
+from reconciler.model import InboundRef
 from reconciler.model.cluster import TLS
 
 Verify = Literal["", "ca", "pinned", "insecure"]  # "": no TLS of ours (REALITY, Shadowsocks)
@@ -87,19 +88,27 @@ class _Verify(TypedDict):
 
 def client_outbound(entry: Entry, snapshot: Snapshot, secret: Secret, creds: UserCredentials) -> ClientOutbound:
     ib = entry.ref.inbound
-    host = entry.ref.server.host
-    base: _Address = {"name": entry.name, "protocol": ib.protocol, "host": host, "port": ib.port, "inbound": ib.id}
+    return outbound_for(entry.ref, entry.name, secret, creds, snapshot.public_keys.get(ib.id, ""),
+                        snapshot.tls_pins.get(ib.id, ""))
+
+
+def outbound_for(ref: InboundRef, name: str, secret: Secret, creds: UserCredentials, public_key: str, pins: str,
+                 unverified: bool = False) -> ClientOutbound:
+    """How a client with ``creds`` reaches ``ref``, in an entry named ``name`` (``pins``: its ``tls_pins`` record).
+    ``unverified``: skip TLS verification (the witnesses' probes: reachability, not trust)."""
+    ib = ref.inbound
+    base: _Address = {"name": name, "protocol": ib.protocol, "host": ref.server.host, "port": ib.port, "inbound": ib.id}
     if ib.protocol == "vless-reality":
         sid = (ib.short_ids or [reality_short_id(secret, ib.id, ib.rotate)])[-1]
         sni = ib.server_names[0] if ib.server_names else ib.camouflage  # the one name the REALITY server accepts
         return ClientOutbound(**base, uuid=creds.uuid, flow=ib.flow, sni=sni, fingerprint=ib.fingerprint,
-                              public_key=snapshot.public_keys.get(ib.id, ""), short_id=sid)
+                              public_key=public_key, short_id=sid)
     if ib.protocol == "shadowsocks-2022":
         password = f"{ss_server_key(secret, ib.id, ib.method)}:{creds.ss_key(ib.method)}"
         return ClientOutbound(**base, method=ib.method, password=password)
     tls = ib.tls
-    spki, cert = pins_of(snapshot.tls_pins.get(ib.id, "")) if self_signed(tls) else ("", "")
-    how: Verify = "insecure" if tls.insecure else "pinned" if self_signed(tls) else "ca"
+    spki, cert = pins_of(pins) if self_signed(tls) and not unverified else ("", "")
+    how: Verify = "insecure" if tls.insecure or unverified else "pinned" if self_signed(tls) else "ca"
     verify: _Verify = {"sni": tls.server_name, "verify": how, "spki_pin": spki, "cert_sha256": cert}
     if ib.protocol == "vless-tls":
         return ClientOutbound(**base, **verify, uuid=creds.uuid, flow=ib.flow)
