@@ -735,3 +735,26 @@ def test_traffic_is_a_counter_across_engine_restarts_and_streaks_are_exported():
     assert not [line for line in text.splitlines() if not line.startswith("#") and line.endswith(" -1.0")]
     fresh = collector_text(FleetView(cluster=c), LoopStats())
     assert "reconciler_server_last_report_timestamp_seconds{" not in fresh  # never reported: no sample, no sentinel
+
+
+def test_the_loop_tells_when_a_session_fails_after_its_handshake_and_when_it_carries_again(caplog):
+    # spec: HEALTH-16 — what kind of censor is at work is in the log: once when it starts, once when it ends
+    import logging
+    from types import SimpleNamespace
+
+    from reconciler.fleet.reports import Probe, Report
+    from reconciler.loop.service import Loop
+
+    def report(probes: dict[str, Probe]) -> Report:
+        return Report(server="w", received=0.0, service="active", listeners={}, traffic_bytes=None, probes=probes)
+
+    loop = SimpleNamespace(_session_failures={})
+    stalled = Probe(True, 1.0, None, False, 14480, "stalled after 14480 bytes")
+    with caplog.at_level(logging.INFO, logger="reconciler"):
+        for _ in range(3):
+            Loop._tell_sessions(loop, {"w": report({"t-in": stalled}), "x": None})
+        Loop._tell_sessions(loop, {"w": report({})})  # not probed this interval: nothing new
+        Loop._tell_sessions(loop, {"w": report({"t-in": Probe(True, 1.0, app=True, app_bytes=65600)})})
+    lines = [r.getMessage() for r in caplog.records if "session" in r.getMessage()]
+    assert lines == ["w cannot carry a session through t-in: handshake ok, then stalled after 14480 bytes",
+                     "w carries sessions through t-in again"]

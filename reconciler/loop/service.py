@@ -147,6 +147,7 @@ class Loop:
         self._saved = (self._clock(), 0)  # when the learned state was last written, and its size
         self._serialized: tuple[Learned, int, bytes] | None = None  # the last bytes written, of which state and tick
         self._app_targets: tuple[Cluster, dict[str, AppTarget], dict[str, frozenset[str]]] | None = None
+        self._session_failures: dict[tuple[str, str], str] = {}  # (witness, inbound) → how its session fails
         self._device_salt = secret.derive("device-fingerprint", length=16).hex()  # the same on every server
         self.acme_backoff = CertificateBackoff()  # failed certificate orders wait longer each time
         for note in self.state.notes:
@@ -431,8 +432,32 @@ class Loop:
                 log.info("%s: reporting again", name)
             return name, report
 
-        results = await asyncio.gather(*(one(s) for s in cluster.servers))
-        return dict(results)
+        results = dict(await asyncio.gather(*(one(s) for s in cluster.servers)))
+        self._tell_sessions(results)
+        return results
+
+    def _tell_sessions(self, reports: dict[str, Report | None]) -> None:
+        """Log, when it starts and when it ends, each pair whose handshake passes while its proxy session fails
+        (HEALTH-16): what kind of censor is at work (a stall, a reset on the server name) is in these lines."""
+        now: dict[tuple[str, str], str] = {}
+        for witness, rep in reports.items():
+            if rep is None:
+                continue
+            for inbound, result in rep.probes.items():
+                if result.ok and result.app is False:
+                    now[(witness, inbound)] = result.failure
+        for (witness, inbound), text in now.items():
+            if self._session_failures.get((witness, inbound)) is None:
+                log.info("%s cannot carry a session through %s: %s", witness, inbound, text)
+        for key in [k for k in self._session_failures if k not in now]:
+            rep = reports.get(key[0])
+            probe = rep.probes.get(key[1]) if rep is not None else None
+            if probe is None:
+                continue  # not probed this interval (the plan rotates), or no report: nothing new is known
+            if probe.passed:
+                log.info("%s carries sessions through %s again", *key)
+            del self._session_failures[key]
+        self._session_failures.update(now)
 
     def _app_probing(self, cluster: Cluster, probe_timeout: float) -> AppProbing:
         """The app-like probes' inputs (HEALTH-16): the probe credential's outbounds (once per cluster), the targets
