@@ -185,3 +185,35 @@ def test_the_responder_pads_its_headers_and_orders_by_delay():
     from reconciler.model.types import order_id
 
     assert all(r.rank_id(x) == order_id(x) for x in ("a", "de-1-reality", "ü"))  # the controller's and the servers' own
+
+
+def test_the_responder_answers_a_chunk_at_a_time_and_says_when_it_is_full(monkeypatch):
+    # Any user's proxy session reaches it: bounded padding, and a full responder says 503 (a witness then learns
+    # nothing of the path; the agent reports it as its own, never as the target's failure)
+    import asyncio
+
+    from reconciler.engine import responder as r
+
+    async def fetch(port: int, path: str) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        data = await reader.read(-1)
+        writer.close()
+        return data
+
+    async def run() -> tuple[bytes, bytes, bytes]:
+        server = await asyncio.start_server(r.serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            padded = await fetch(port, "/pad/65536")
+            huge = await fetch(port, f"/pad/{1 << 30}")
+            monkeypatch.setattr(r, "MAX_CLIENTS", 0)
+            busy = await fetch(port, "/pad/65536")
+        finally:
+            server.close()
+        return padded, huge, busy
+
+    padded, huge, busy = asyncio.run(run())
+    assert padded.startswith(b"HTTP/1.1 204") and padded.endswith(b"\r\n\r\n") and 65536 <= len(padded) < 70000
+    assert len(huge) < r.MAX_PAD + 4096
+    assert busy.startswith(b"HTTP/1.1 503")

@@ -68,7 +68,7 @@ def test_only_active_users_get_credentials_and_connections_carry_their_user():
     assert {"auth_user": ["alice"], "outbound": "u-alice"} in config["route"]["rules"]
     # spec: HEALTH-16 — the probe credential reaches the responder and nothing else, and it is never counted
     rules = config["route"]["rules"]
-    responder = rules.index({"ip_cidr": ["127.0.0.1/32"], "port": [9097], "outbound": "direct"})
+    responder = rules.index({"auth_user": [PROBE_USER], "ip_cidr": ["127.0.0.1/32"], "port": [9097], "outbound": "direct"})
     assert responder < rules.index({"auth_user": [PROBE_USER], "action": "reject"}) < rules.index(
         {"auth_user": ["alice"], "outbound": "u-alice"})
     assert not any(o["tag"] == f"u-{PROBE_USER}" for o in config["outbounds"])

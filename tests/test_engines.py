@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.credentials import reality_keys
+from reconciler.credentials import probe_credentials, reality_keys
 from reconciler.engine import mihomo, singbox
 from reconciler.engine.base import usage_marks
 from reconciler.engine.capabilities import refusals
@@ -463,8 +463,9 @@ def test_mihomo_accepts_its_whole_configuration_and_refuses_a_trojan_fallback(tm
     content, _ = mihomo.render(c, c.servers[0], SECRET, NOW)
     doc = json.loads(content)
     # spec: HEALTH-16 — the responder for anyone, then the probe credential to nothing else; then the torrent rules
-    assert doc["rules"][0] == "AND,((IP-CIDR,127.0.0.1/32,no-resolve),(DST-PORT,9097)),DIRECT"
-    assert doc["rules"][1].startswith("IN-USER,~probe/") and doc["rules"][1].endswith(",REJECT")
+    probe = f"~probe/{probe_credentials(SECRET).uuid}"  # Mihomo names a TUIC user by its UUID
+    assert doc["rules"][0] == f"AND,((IN-USER,{probe}),(IP-CIDR,127.0.0.1/32,no-resolve),(DST-PORT,9097)),DIRECT"
+    assert doc["rules"][1] == f"IN-USER,{probe},REJECT"
     assert doc["rules"][2] == "AND,((IN-NAME,a-reality/a-hy2/a-tuic),(DST-PORT,6881-6889/6969/51413)),REJECT"
     assert next(x for x in doc["listeners"] if x["name"] == "a-hy2")["masquerade"] == "https://www.example.com"
     home = tmp_path / "home"

@@ -273,14 +273,24 @@ async def app_probe(local_port: int, app: Dict[str, Any]) -> Dict[str, Any]:
         return {"local": ("the probe client is not listening: %s" % e)[:200]}
     got = 0
     tail = b""
+    first = b""
     stage = "the proxy session"
     try:
         writer.write(b"\x05\x01\x00")
-        if await asyncio.wait_for(reader.readexactly(2), 2) != b"\x05\x00":
-            return {"local": "the probe client refused the SOCKS greeting"}
+        try:
+            greeting = await asyncio.wait_for(reader.readexactly(2), 2)
+        except (asyncio.TimeoutError, EOFError, OSError):
+            greeting = b""
+        if greeting != b"\x05\x00":
+            return {"local": "the probe client did not answer the SOCKS greeting"}
         writer.write(_socks_connect(host, port))
         head = await asyncio.wait_for(reader.readexactly(4), max(0.1, deadline - time.perf_counter()))
-        rest = {1: 6, 4: 18}.get(head[3], 0)
+        if head[0] != 5:
+            return {"local": "the probe client answered something that is not SOCKS 5"}
+        if head[3] == 3:  # a name: its length, then the name and the port
+            rest = (await asyncio.wait_for(reader.readexactly(1), max(0.1, deadline - time.perf_counter())))[0] + 2
+        else:
+            rest = {1: 6, 4: 18}.get(head[3], 0)
         if rest:
             await asyncio.wait_for(reader.readexactly(rest), max(0.1, deadline - time.perf_counter()))
         if head[1] != 0:
@@ -295,11 +305,17 @@ async def app_probe(local_port: int, app: Dict[str, Any]) -> Dict[str, Any]:
             if not data:
                 break
             got += len(data)
+            if len(first) < 16:
+                first = (first + data)[:16]
             tail = (tail + data)[-4:]
             if got >= want and tail == b"\r\n\r\n":
                 break
         ms = round((time.perf_counter() - start) * 1000, 1)
+        if first.startswith(b"HTTP/1.1 503"):  # the target's responder is full: nothing is known of the path
+            return {"local": "the target's responder was busy"}
         if got >= want and tail == b"\r\n\r\n":
+            if not first.startswith(b"HTTP/1.1 204"):
+                return {"ok": False, "bytes": got, "ms": ms, "error": "an answer that is not the responder's"}
             return {"ok": True, "bytes": got, "ms": ms}
         return {"ok": False, "bytes": got, "ms": ms,
                 "error": "closed after %d bytes" % got if got else "closed before any byte came back"}
@@ -312,17 +328,63 @@ async def app_probe(local_port: int, app: Dict[str, Any]) -> Dict[str, Any]:
         writer.close()
 
 
+def _die_with_parent() -> None:
+    """In the client, before it runs: the kernel kills it when the agent dies, however it dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
+
+
+def _sweep(older_than: float = 600.0) -> None:
+    """Folders an agent killed by SIGKILL could not remove (never one of a run in progress: those are young)."""
+    base = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(base) if n.startswith("reconciler-probe-")]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            if time.time() - os.stat(path).st_mtime > older_than:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+
+
 class AppClient:
-    """The witness's engine in client mode, for the length of one run (``app``: the request's part)."""
+    """The witness's engine in client mode, for the length of one run (``app``: the request's part). One at a time
+    on a server (its SOCKS ports are fixed): a run that finds another holding them waits, then goes without."""
 
     def __init__(self, app: Dict[str, Any]) -> None:
         self.app = app
         self.dir = ""
         self.proc = None  # type: Optional[subprocess.Popen[bytes]]
         self.error = ""
+        self.lock = None  # type: Optional[Any]
+
+    def _take_lock(self, wait: float) -> bool:
+        import fcntl
+
+        self.lock = open(os.path.join(tempfile.gettempdir(), "reconciler-probe.lock"), "a")
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(self.lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except OSError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.05)
 
     def __enter__(self) -> "AppClient":
         try:
+            if not self._take_lock(8.0):
+                self.error = "another probe run holds the probe client's ports"
+                return self
+            _sweep()
             self.dir = tempfile.mkdtemp(prefix="reconciler-probe-")
             config = os.path.join(self.dir, os.path.basename(self.app["file"]))
             fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -331,7 +393,7 @@ class AppClient:
             argv = [str(a).replace("{config}", config).replace("{dir}", self.dir) for a in self.app["argv"]]
             self.log = open(os.path.join(self.dir, "client.log"), "wb")
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
-                                         cwd=self.dir, start_new_session=True)
+                                         cwd=self.dir, start_new_session=True, preexec_fn=_die_with_parent)
         except (OSError, ValueError, KeyError, TypeError) as e:
             self.error = ("the probe client did not start: %s" % e)[:200]
         return self
@@ -352,17 +414,10 @@ class AppClient:
                 continue
             except OSError:
                 time.sleep(0.03)
-        if self.proc.poll() is not None:
-            self.error = "the probe client exited (%s): %s" % (self.proc.returncode, self._log_tail())
+        if self.proc.poll() is not None:  # its log is not quoted: a parse error may echo the configuration
+            self.error = "the probe client exited with code %s (run its own check on the server)" % self.proc.returncode
         elif pending:
             self.error = "the probe client did not listen within %gs" % timeout
-
-    def _log_tail(self) -> str:
-        try:
-            with open(os.path.join(self.dir, "client.log"), "rb") as f:
-                return f.read()[-300:].decode("utf-8", "replace").strip()
-        except OSError:
-            return ""
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -376,6 +431,8 @@ class AppClient:
             self.log.close()
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
+        if self.lock is not None:
+            self.lock.close()
 
 
 async def probe_all(probes: List[Dict[str, Any]], timeout: float, parallel: int = 64,
@@ -403,8 +460,16 @@ def run_probes(req: Dict[str, Any], timeout: float) -> Dict[str, Dict[str, Any]]
     app = req.get("app")
     if not app or not probes:
         return asyncio.run(probe_all(probes, timeout))
+    import signal
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)  # the client is stopped and its folder removed on the way out
+
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+        signal.signal(sig, stop)
     with AppClient(app) as client:
-        client.wait_ready([int(p) for p in (app.get("ports") or {}).values()], 5.0)
+        if not client.error:
+            client.wait_ready([int(p) for p in (app.get("ports") or {}).values()], 5.0)
         return asyncio.run(probe_all(probes, timeout, app=app, app_error=client.error))
 
 

@@ -122,6 +122,7 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
                               "users": {c.uuid: c.password for c in creds.values()}})
     names = sorted(n for n in creds if n != PROBE_USER)
     tuic = any(ib.protocol == "tuic" for ib in server.inbounds)
+    probe = PROBE_USER + ("/" + creds[PROBE_USER].uuid if tuic else "")  # Mihomo names a TUIC user by its UUID
     blocked = "/".join(torrent_blocked(cluster, server))
     # No BitTorrent sniffer in Mihomo: its well-known ports and tracker requests are refused (validate says so).
     torrent = [f"AND,((IN-NAME,{blocked}),(DST-PORT,{TORRENT_PORTS})),REJECT",
@@ -137,10 +138,10 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
         "dns": {"enable": True, "ipv6": True, "use-system-hosts": True, "nameserver": ["system"]},
         "listeners": listeners,
         "proxies": [{"name": f"u-{n}", "type": "direct", "routing-mark": marks[n]} for n in names],
-        # The probe responder for anyone (an app's health check: unmarked, never counted), and the probe credential
-        # to nothing else (HEALTH-16).
-        "rules": [f"AND,((IP-CIDR,{RESPONDER_HOST}/32,no-resolve),(DST-PORT,{RESPONDER_PORT})),DIRECT",
-                  f"IN-USER,{PROBE_USER}{'/' + creds[PROBE_USER].uuid if tuic else ''},REJECT",
+        # The probe credential to the probe responder and to nothing else (HEALTH-16); users' apps reach the
+        # responder (their failover checks) through their own proxy: counted.
+        "rules": [f"AND,((IN-USER,{probe}),(IP-CIDR,{RESPONDER_HOST}/32,no-resolve),(DST-PORT,{RESPONDER_PORT})),DIRECT",
+                  f"IN-USER,{probe},REJECT",
                   *torrent, *(f"IN-USER,{n}{'/' + creds[n].uuid if tuic else ''},u-{n}" for n in names), "MATCH,DIRECT"],
     }, tuple(dict.fromkeys(put))
 

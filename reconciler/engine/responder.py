@@ -31,11 +31,11 @@ import sys
 from typing import Any, Dict, FrozenSet  # typing's generics: the servers' Python may predate frozenset[...]
 
 PORT = 9097
-MAX_PAD = 1 << 20
+MAX_PAD = 256 * 1024  # the settings' bounds (app_probe_bytes, failover.check_bytes) are the same
 LINE = 1024
-READ_SECONDS = 5.0
+READ_SECONDS = 2.0
 WRITE_SECONDS = 30.0
-MAX_CLIENTS = 512
+MAX_CLIENTS = 1024
 _CHUNK = b"X-Pad: " + b"a" * 1014 + b"\r\n"  # 1 KiB per header line: well within every client's line limit
 
 IDS_FILE = "/etc/reconciler/responder.json"  # {"ids": [rank_id of each of this server's inbounds]}
@@ -52,7 +52,7 @@ def rank_id(inbound_id: str) -> str:
     return hashlib.blake2b(inbound_id.encode(), digest_size=4).hexdigest()
 
 
-def own_ids(path: str = IDS_FILE) -> frozenset[str]:
+def own_ids(path: str = IDS_FILE) -> FrozenSet[str]:
     try:
         mtime = os.stat(path).st_mtime
         if mtime != _ids["mtime"]:
@@ -66,7 +66,7 @@ def own_ids(path: str = IDS_FILE) -> frozenset[str]:
     return found
 
 
-def delay(path: str, ids: frozenset[str]) -> float:
+def delay(path: str, ids: FrozenSet[str]) -> float:
     """How long to wait before answering: by this server's place in the order the query gives (none: no wait)."""
     _, _, query = path.partition("?")
     for item in query.split("&"):
@@ -78,20 +78,36 @@ def delay(path: str, ids: frozenset[str]) -> float:
     return 0.0
 
 
-def answer(path: str) -> bytes:
-    """The bytes of the answer to ``GET path``: 204 with at least ``n`` bytes of headers, else 404."""
+BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+NOT_FOUND = b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+HEAD = b"HTTP/1.1 204 No Content\r\nCache-Control: no-store\r\nConnection: close\r\n"
+
+
+def padding(path: str) -> int:
+    """The padding ``GET path`` asks for (at most ``MAX_PAD``); -1: not a padding path."""
     if not path.startswith("/pad/"):
-        return b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        return -1
     try:
-        n = min(MAX_PAD, max(0, int(path[5:].split("?", 1)[0])))
+        return min(MAX_PAD, max(0, int(path[5:].split("?", 1)[0])))
     except ValueError:
-        n = 0
-    head = b"HTTP/1.1 204 No Content\r\nCache-Control: no-store\r\nConnection: close\r\n"
-    return head + _CHUNK * -(-n // len(_CHUNK)) + b"\r\n"
+        return 0
+
+
+def answer(path: str) -> bytes:
+    """The whole answer to ``GET path`` (what ``serve`` writes a chunk at a time): 204 with at least ``n`` bytes of
+    headers, else 404."""
+    n = padding(path)
+    return NOT_FOUND if n < 0 else HEAD + _CHUNK * -(-n // len(_CHUNK)) + b"\r\n"
 
 
 async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    if _busy[0] >= MAX_CLIENTS:
+    if _busy[0] >= MAX_CLIENTS:  # say so: a witness then learns nothing of the path, rather than a failure
+        try:  # the request first: closing on unread bytes would send a reset, not the answer
+            await asyncio.wait_for(reader.readline(), 0.5)
+            writer.write(BUSY)
+            await asyncio.wait_for(writer.drain(), 1.0)
+        except (asyncio.TimeoutError, OSError, ValueError):
+            pass
         writer.close()
         return
     _busy[0] += 1
@@ -102,9 +118,17 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             wait = delay(parts[1], own_ids())
             if wait:
                 await asyncio.sleep(wait)
-            writer.write(answer(parts[1]))
+            n = padding(parts[1])
+            if n < 0:
+                writer.write(NOT_FOUND)
+            else:  # a chunk at a time: a slow reader holds the socket's buffers, not the whole answer
+                writer.write(HEAD)
+                for _ in range(-(-n // len(_CHUNK))):
+                    writer.write(_CHUNK)
+                    await asyncio.wait_for(writer.drain(), WRITE_SECONDS)
+                writer.write(b"\r\n")
             await asyncio.wait_for(writer.drain(), WRITE_SECONDS)
-    except (TimeoutError, OSError, ValueError):
+    except (asyncio.TimeoutError, OSError, ValueError):
         pass
     finally:
         _busy[0] -= 1

@@ -142,9 +142,9 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
 
 
 def _probe_rules() -> list[dict[str, object]]:
-    """The probe responder, for anyone (an app's health check is not the user's traffic: no mark, not counted), and
-    the probe credential to nothing else (HEALTH-16)."""
-    return [{"ip_cidr": [f"{RESPONDER_HOST}/32"], "port": [RESPONDER_PORT], "outbound": "direct"},
+    """The probe credential to the probe responder and to nothing else (HEALTH-16). Users reach the responder too
+    (their apps' failover checks) through their own outbound: counted, like the rest of their traffic."""
+    return [{"auth_user": [PROBE_USER], "ip_cidr": [f"{RESPONDER_HOST}/32"], "port": [RESPONDER_PORT], "outbound": "direct"},
             {"auth_user": [PROBE_USER], "action": "reject"}]
 
 

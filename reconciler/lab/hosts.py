@@ -179,6 +179,8 @@ class Lab:
                 self.state.hosts.append(host)
                 self.state.save(self.state_path)
             self._wait_ssh(timeout)
+            for host in self.state.hosts:  # conntrack counts bytes from a flow's start: a stall can hit any flow
+                self.netns_exec(host, ["sysctl", "-qw", "net.netfilter.nf_conntrack_acct=1"], check=False)
         except BaseException:
             self.down()
             raise

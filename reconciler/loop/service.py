@@ -148,6 +148,7 @@ class Loop:
         self._serialized: tuple[Learned, int, bytes] | None = None  # the last bytes written, of which state and tick
         self._app_targets: tuple[Cluster, dict[str, AppTarget], dict[str, frozenset[str]]] | None = None
         self._session_failures: dict[tuple[str, str], str] = {}  # (witness, inbound) → how its session fails
+        self._local_probe_errors: dict[str, str] = {}  # witness → why its own probe client did not run
         self._device_salt = secret.derive("device-fingerprint", length=16).hex()  # the same on every server
         self.acme_backoff = CertificateBackoff()  # failed certificate orders wait longer each time
         for note in self.state.notes:
@@ -443,9 +444,18 @@ class Loop:
         for witness, rep in reports.items():
             if rep is None:
                 continue
+            local = ""
             for inbound, result in rep.probes.items():
                 if result.ok and result.app is False:
                     now[(witness, inbound)] = result.failure
+                elif result.app is None and result.app_error:
+                    local = result.app_error
+            if local and self._local_probe_errors.get(witness) != local:  # its own client: no session was tried
+                log.warning("%s: no app-like probes this interval: %s", witness, local)
+            if local:
+                self._local_probe_errors[witness] = local
+            else:
+                self._local_probe_errors.pop(witness, None)
         for (witness, inbound), text in now.items():
             if self._session_failures.get((witness, inbound)) is None:
                 log.info("%s cannot carry a session through %s: %s", witness, inbound, text)

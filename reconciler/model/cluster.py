@@ -174,7 +174,7 @@ class HealthSettings(_Model):
 
     report_interval: Duration = Field(60.0, description="How often each server reports and probes (HEALTH-1).")
     app_probe_bytes: int = Field(
-        65536, ge=0, le=1 << 20, description="Bytes each witness fetches through a real proxy session on every inbound it probes, with the "
+        65536, ge=0, le=256 * 1024, description="Bytes each witness fetches through a real proxy session on every inbound it probes, with the "
                            "probe credential (HEALTH-16): past the few kilobytes after which censors stall a foreign flow "
                            "that its handshake let through. 0: the handshake probe alone.")
     staleness_limit: Duration | None = Field(
@@ -296,7 +296,7 @@ class FailoverSettings(_Model):
         10.0, description="How often the app checks the members of the entry it is using. A stalled member is left within "
                           "this plus the app's check timeout (sing-box: 15 s, fixed; Mihomo: 5 s). The checks cost about "
                           "members × check_bytes per interval while the app carries traffic (3 × 24 KiB / 10 s ≈ 27 MB an hour).")
-    check_bytes: int = Field(24576, ge=0, le=1 << 20, description="Bytes each check moves (padding in the answer's "
+    check_bytes: int = Field(24576, ge=0, le=256 * 1024, description="Bytes each check moves (padding in the answer's "
                              "headers, which is what apps read): past the 15-20 KB after which censors stall a foreign "
                              "flow. Each check costs this per member.")
 

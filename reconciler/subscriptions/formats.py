@@ -110,12 +110,13 @@ def links(outbounds: list[ClientOutbound]) -> bytes:
 # --------------------------------------------------------------------------- failover inside the app
 
 
-def check_url(members: list[ClientOutbound], failover: FailoverSettings) -> str:
-    """The members' health check: the padded answer of the responder behind each (so a stalled flow fails it),
-    with the order (``?o=``): each server's responder answers later by its place, which makes an app that picks by
-    delay (sing-box's ``urltest``) keep the order and come back to the first when it recovers."""
-    order = ".".join(dict.fromkeys(order_id(m.inbound) for m in members))
-    return f"http://{RESPONDER}/pad/{failover.check_bytes}?o={order}"
+def check_url(members: list[ClientOutbound], failover: FailoverSettings, ordered: bool = True) -> str:
+    """The members' health check: the padded answer of the responder behind each (so a stalled flow fails it).
+    ``ordered``: with the order (``?o=``): each server's responder answers later by its place, which makes an app
+    that picks by delay (sing-box's ``urltest``) keep the order and come back to the first when it recovers. An app
+    that keeps the written order itself (Mihomo's ``fallback``) gets no delays (its check timeout is 5 s)."""
+    url = f"http://{RESPONDER}/pad/{failover.check_bytes}"
+    return url + "?o=" + ".".join(dict.fromkeys(order_id(m.inbound) for m in members)) if ordered else url
 
 
 def _member_names(groups: list[list[ClientOutbound]]) -> tuple[list[str], list[list[str]]]:
@@ -333,7 +334,7 @@ def clash(outbounds: list[ClientOutbound], split: SplitSettings | None = None,
             continue
         # Mihomo's fallback: the first member, in the written order, whose last check passed; back to it when it does.
         proxies += [clash_proxy(o, n) for o, n in zip(group, inner, strict=True)]
-        fallbacks.append({"name": name, "type": "fallback", "proxies": inner, "url": check_url(group, failover),
+        fallbacks.append({"name": name, "type": "fallback", "proxies": inner, "url": check_url(group, failover, False),
                           "interval": max(1, round(failover.check_interval)), "timeout": 5000, "lazy": True})
     split_rules, providers = _clash_split(split)
     doc = {
