@@ -79,6 +79,7 @@ def _script(tmp_path, name: str, body: str) -> str:
 
 
 def test_a_binary_that_does_not_run_here_or_misbehaves_is_unknown(tmp_path, monkeypatch):
+    monkeypatch.setenv("RECONCILER_ALLOW_PATHS", str(tmp_path))  # an operator's folder: the controller may run these
     foreign = tmp_path / "sing-box-arm64"  # another architecture: exec fails (ENOEXEC)
     foreign.write_bytes(b"\x7fELF\x02\x01\x01" + bytes(200))
     foreign.chmod(0o755)
@@ -154,7 +155,8 @@ def test_what_the_wheel_is_said_to_lack_is_what_its_own_check_rejects(tmp_path):
     assert out.returncode != 0 and "uTLS, which is required by reality is not included in this build" in out.stderr, out.stderr
 
 
-def test_the_engine_is_what_its_build_says_plus_what_the_file_declares(tmp_path):
+def test_the_engine_is_what_its_build_says_plus_what_the_file_declares(tmp_path, monkeypatch):
+    monkeypatch.setenv("RECONCILER_ALLOW_PATHS", str(tmp_path))  # an operator's folder: the controller may run its binary
     wheel = of_engine(cluster())
     assert wheel == Capabilities(frozenset({"quic", "clash-api"}), WHEEL, learn(SING_BOX).tags, None)  # type: ignore[union-attr]
     assert of_engine(cluster({"capabilities": ["reality"]})).can == {"reality", "quic", "clash-api"}  # type: ignore[union-attr]

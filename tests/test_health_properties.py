@@ -22,7 +22,7 @@ def fleets(draw):
     ticks = draw(st.integers(1, 25))
     seed = draw(st.integers(0, 2**32 - 1))
     cfg = HealthSettings(failure_streak=draw(st.integers(1, 4)), prober_streak=draw(st.integers(1, 9)),
-                         recovery_streak=draw(st.integers(1, 3)), min_witnesses=draw(st.integers(1, 3)))
+                         recovery_streak=draw(st.integers(1, 3)), min_witnesses=draw(st.integers(2, 3)))
     return topology, ticks, seed, cfg
 
 

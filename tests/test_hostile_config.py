@@ -125,13 +125,13 @@ PLANTED: list[tuple[str, str, str, str, int]] = [
 # (id, whole file, what the error must say, line)
 WHOLE: list[tuple[str, str, str, int]] = [
     ("multi-document", "servers: []\n---\nusers: []\n", "found another document", 2),
-    ("deep-flow", "a: " + "[" * 5000, "nesting is deeper than", 1),
+    ("deep-flow", "users: " + "[" * 5000, "nesting is deeper than", 1),
     ("deep-block", "".join(" " * i + "- \n" for i in range(200)), "nesting is deeper than", 65),
-    ("alias-bomb", "a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n"
-     + "".join(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]\n" for i in range(1, 9)), "expands to more than", 1),
+    ("alias-bomb", "settings:\n  a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n"
+     + "".join(f"  a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]\n" for i in range(1, 9)), "expands to more than", 1),
     # A flood its bytes do not pay for (the budget is MAX_NODES plus one node per byte read): a list of
     # 1000 items, aliased 100 times, is 100 000 values from 7 KB.
-    ("node-flood", "a: &a [" + "x, " * 1000 + "]\nusers: [" + "*a, " * 100 + "]\n", "expands to more than", 1),
+    ("node-flood", "settings: {a: &a [" + "x, " * 1000 + "]}\nusers: [" + "*a, " * 100 + "]\n", "expands to more than", 1),
     ("tag-directive", "%TAG !e! tag:evil.example,2000:\n---\nservers: !e!thing []\n", "tag:evil.example,2000:thing is not", 3),
     ("undefined-alias", "servers: *nope\n", "found undefined alias", 1),
     ("include-flood", "includes: [" + "a.yaml, " * 1000 + "]\n", "more than 256", 1),
@@ -310,12 +310,14 @@ def test_a_symlink_out_of_the_folder_is_refused(cli, tmp_path):
     assert "mallory" not in run.text
 
 
-def test_include_roots_allow_a_folder_outside(cli, tmp_path):
+def test_allow_path_allows_a_folder_outside(cli, tmp_path):
+    # The operator allows a folder outside the repository on the command line, never in the file (a pull request
+    # could edit it): tests/test_trust_paths.py has the rest.
     shared = tmp_path / "shared"
     shared.mkdir()
     (shared / "team.yaml").write_text("users: [{name: erin}]\n")
-    path = _with_include(tmp_path, "../shared/team.yaml", "  include_roots: [../shared]")
-    run = bounded(lambda: cli("validate", str(path), "--json"))
+    path = _with_include(tmp_path, "../shared/team.yaml")
+    run = bounded(lambda: cli("validate", str(path), "--json", "--allow-path", str(shared)))
     assert run.rc == 0, run.text
     assert '"users": 5' in run.out
 

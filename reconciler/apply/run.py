@@ -421,7 +421,8 @@ _PACKED: dict[str, tuple[bytes, str]] = {}
 _PACKING = threading.Lock()  # servers stage in threads: one packs, the others wait for its bytes
 def _local_version(path: str, args: tuple[str, ...]) -> str | None:
     """``<binary> version`` (or ``-v``) as run here, once per file version (``engine.capabilities.local_version``);
-    None when it does not run here (another architecture or OS), or is no engine's: then each server runs it."""
+    None when it does not run here (another architecture or OS), may not (one in the repository: ``executable_allowed``)
+    or is no engine's: then each server runs it."""
     out = local_version(path, args)
     return out if out is not None and parse_version(out) else None
 

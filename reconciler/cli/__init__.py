@@ -4,7 +4,8 @@ Exit codes: 0 success, 1 error (invalid file, failed command), 2 ``plan`` with c
 pending, 130 interrupted. Errors are the tree in ``reconciler.errors``: each is printed as
 ``error: <message>`` (with the file's diagnostics for an invalid file) and mapped to its
 ``exit_code``; a temporary one says that trying again may succeed. Whatever the input, no
-traceback reaches the operator; set ``RECONCILER_DEBUG=1`` to see one for a bug report.
+traceback reaches the operator; set ``RECONCILER_DEBUG=1`` to see one for a bug report. An error's
+text may carry what a server said (SSH's stderr): it is printed through ``reconciler.text.printable``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-from reconciler import __version__
+from reconciler import __version__, safe_read
 from reconciler.cli import apply as apply
 from reconciler.cli import completion as completion
 from reconciler.cli import engine as engine
@@ -33,6 +34,7 @@ from reconciler.cli import users as users
 from reconciler.cli import validate as validate
 from reconciler.cli.common import print_diagnostics
 from reconciler.errors import ConfigError, ReconcilerError
+from reconciler.text import printable
 
 MODULES = (validate, init, routes, plan, apply, fleet, status, usage, users, run, lab, secret, hostkeys, engine, completion)
 
@@ -61,7 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         (getattr(args, "group_parser", None) or p).print_help(sys.stderr)
         return 1
     try:
-        return handler(args)
+        with safe_read.allowed(getattr(args, "allow_path", None) or ()):  # --allow-path: for this command only
+            return handler(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -69,15 +72,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except ConfigError as exc:
         print_diagnostics(exc.diagnostics)
-        print(f"error: {exc}", file=sys.stderr)
+        print(printable(f"error: {exc}"), file=sys.stderr)
         return exc.exit_code
     except ReconcilerError as exc:
-        print(f"error: {exc}" + (" (this may heal by itself: try again later)" if exc.temporary else ""), file=sys.stderr)
+        print(printable(f"error: {exc}") + (" (this may heal by itself: try again later)" if exc.temporary else ""),
+              file=sys.stderr)
         return exc.exit_code
     except Exception as exc:  # the last line of defence: never a traceback for the operator
         if os.environ.get("RECONCILER_DEBUG"):
             traceback.print_exc()
-        print(f"internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(printable(f"internal error: {type(exc).__name__}: {exc}"), file=sys.stderr)
         print("  hint: this is a bug in reconciler; rerun with RECONCILER_DEBUG=1 and report the output", file=sys.stderr)
         return 1
 

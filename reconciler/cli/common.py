@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from reconciler import safe_read
 from reconciler.config import load_cluster
 from reconciler.config.diagnostics import Diagnostic
 from reconciler.credentials import Secret, load_secret
@@ -34,10 +35,20 @@ def add_command(sub: Any, name: str, help: str, example: str, description: str |
 
 
 def add_file(parser: argparse.ArgumentParser, positional: bool = False) -> None:
-    """``-f/--file`` on every command; ``positional`` keeps the older ``COMMAND FILE`` spelling as an alias."""
+    """``-f/--file`` on every command; ``positional`` keeps the older ``COMMAND FILE`` spelling as an alias. With it
+    ``--allow-path``: every command that loads a cluster file may be allowed folders outside its repository."""
     parser.add_argument("-f", "--file", default=None, help=f"the cluster file (default: $RECONCILER_FILE or {DEFAULT_FILE})")
     if positional:
         parser.add_argument("file_arg", nargs="?", metavar="FILE", help="the cluster file, the same as -f FILE")
+    add_allow_path(parser)
+
+
+def add_allow_path(parser: argparse.ArgumentParser) -> None:
+    """``--allow-path DIR`` (repeatable): a folder outside the cluster file's repository whose files the cluster file
+    may name (includes, TLS certificates and keys, …; ``safe_read``). ``main`` applies it for the command's run."""
+    parser.add_argument(safe_read.OPTION, dest="allow_path", action="append", default=[], metavar="DIR",
+                        help="also let the cluster file name files in DIR, outside its folder (repeatable; also "
+                             f"${safe_read.ENV}, separated by '{os.pathsep}'). Never a setting in the file: a pull request could edit it")
 
 
 def cluster_file(args: argparse.Namespace) -> str:

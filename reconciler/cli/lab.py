@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.console import Console
 
-from reconciler.cli.common import add_command, plural, print_diagnostics
+from reconciler.cli.common import add_allow_path, add_command, plural, print_diagnostics
 from reconciler.cli.routes import routes_table
 from reconciler.cli.validate import engine_errors, summary
 from reconciler.config import load_cluster
@@ -34,6 +34,7 @@ def register(sub: Any) -> None:
 
     d = add_command(sub, "demo", "show what the reconciler does with the example cluster", "reconciler demo --scenario block")
     d.add_argument("-f", "--file", default="cluster.example.yaml", help="the cluster file to show")
+    add_allow_path(d)
     d.add_argument("--out-dir", default="demo-output", help="where to write the topology pictures")
     d.add_argument("--no-lab", action="store_true", help="skip provisioning sandbox servers (needs root)")
     d.add_argument("--hosts", type=int, default=5, help="sandbox servers to provision (at least 4)")

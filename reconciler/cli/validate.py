@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from reconciler import safe_read
 from reconciler.cli.common import add_command, add_file, cluster_file, plural, print_diagnostics, state_of
 from reconciler.config import load_cluster
 from reconciler.config.diagnostics import Diagnostic, SourceMap, at
@@ -52,10 +54,14 @@ def host_key_warnings(result: LoadResult, file: str) -> list[Diagnostic]:
 
 
 def engine_errors(cluster: Cluster, source: SourceMap) -> list[Diagnostic]:
-    """An error at all the engine cannot serve (``engine.capabilities``): validate, plan and apply refuse it."""
-    from reconciler.engine.capabilities import of_engine, refusals  # at use: ~7 ms of every other command's start
+    """An error at all the engine cannot serve (``engine.capabilities``): validate, plan and apply refuse it. And a
+    warning at each engine binary in the repository, which the controller does not run to learn its features."""
+    from reconciler.engine.capabilities import not_run, of_engine, refusals  # at use: ~7 ms of every other command's start
 
-    return [at("error", source.key(r.path), r.message, r.hint, code="engine-capability") for r in refusals(cluster, of_engine(cluster))]
+    file = source.root.file if source.root else None  # the cluster file: its folder is the repository
+    repository = safe_read.repository(os.path.dirname(os.path.abspath(file))) if file else None
+    return ([at("warning", source.value(n.path), n.message, n.hint, code="engine-not-run") for n in not_run(cluster, repository, file)]
+            + [at("error", source.key(r.path), r.message, r.hint, code="engine-capability") for r in refusals(cluster, of_engine(cluster))])
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

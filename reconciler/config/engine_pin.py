@@ -1,5 +1,7 @@
-"""In-place pinning of an engine release: ``reconciler engine pin`` writes ``sha256`` (per architecture) and
-``capabilities`` into ``settings.engine`` (or ``settings.engines.<name>``) of the cluster file.
+"""In-place pinning of an engine: ``reconciler engine pin`` writes ``sha256`` (per architecture for a release; one
+for a local binary, ``--binary``) and ``capabilities`` into ``settings.engine`` (or ``settings.engines.<name>``) of
+the cluster file. The pinned capabilities are what validate knows of a binary the controller does not run (one
+inside the repository: ``engine.capabilities``).
 
 The same machinery as ``hostkeys pin`` (``reconciler.config.edit``): ruamel finds the engine's mapping and the
 positions of its keys, the edit is a splice of the original text (comments, order and quoting stay), the
@@ -20,9 +22,9 @@ from reconciler.config.yamlread import Problem, read_text
 from reconciler.errors import EditError
 
 
-def pin_engine(path: str, name: str, sha256: dict[str, str], capabilities: tuple[str, ...] | None) -> None:
-    """Write the pins of engine ``name`` into the file at ``path``; ``EditError`` (nothing written) when its
-    settings cannot be found or the result would be invalid."""
+def pin_engine(path: str, name: str, sha256: dict[str, str] | str, capabilities: tuple[str, ...] | None) -> None:
+    """Write the pins of engine ``name`` into the file at ``path``: ``sha256`` per architecture (a release) or one
+    (a local binary); ``EditError`` (nothing written) when its settings cannot be found or the result would be invalid."""
     try:
         text = read_text(path, path)
     except Problem as problem:
@@ -30,8 +32,8 @@ def pin_engine(path: str, name: str, sha256: dict[str, str], capabilities: tuple
     node = _engine_node(text, name)
     if node is None:
         raise EditError(f"{path} has no settings for the {name} engine to pin (settings.engine with name: {name}, "
-                        f"or settings.engines.{name}); add its install: download and url first")
-    value = "{" + ", ".join(f"{arch}: {digest}" for arch, digest in sorted(sha256.items())) + "}"
+                        f"or settings.engines.{name}); add its install: download and url (or its binary) first")
+    value = sha256 if isinstance(sha256, str) else "{" + ", ".join(f"{arch}: {digest}" for arch, digest in sorted(sha256.items())) + "}"
     text = _set_key(text, node, "sha256", value)
     if capabilities is not None:
         node = _engine_node(text, name)

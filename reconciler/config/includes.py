@@ -5,12 +5,16 @@ Each included file holds ``servers``, ``routes`` and/or ``users`` lists that are
 appended, in order, to the main file's; errors in an included entry point into the
 included file. Called by the loader before the schema is checked.
 
-An include is operator input that names a file, so it is confined:
+An include names a file, and the cluster file is what a pull request edits, so it is
+confined (``safe_read.confine``, the one place that decides):
 
 - every file it reaches must lie, after resolving symlinks, inside the main
-  file's folder tree (the repository) or inside one of ``settings.include_roots``;
-  ``../`` or a symlink out of the tree is refused *before* the file is opened, and
-  the refusal never shows what the file holds;
+  file's folder tree (the repository) or inside a folder the operator allows outside
+  the file (``--allow-path DIR``, ``RECONCILER_ALLOW_PATHS``); ``../`` or a symlink out
+  of the tree is refused *before* the file is opened, checked again on the opened file
+  (a symlink swapped in meanwhile is refused too), and the refusal never shows what
+  the file holds; ``settings.include_roots``, which once allowed more from inside the
+  file, is refused with a pointer to the option;
 - a glob is expanded by a bounded walk: at most ``MAX_GLOB_PARTS`` path parts with
   wildcards, ``MAX_GLOB_VISITS`` directory entries looked at, ``MAX_INCLUDED_FILES``
   files in all (a ``**/**/**…`` pattern over a large tree is refused in milliseconds);
@@ -19,15 +23,20 @@ An include is operator input that names a file, so it is confined:
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import glob
 import os
 from typing import Any
 
+from reconciler import safe_read
 from reconciler.config.diagnostics import Diagnostic, Pos, SourceMap, at, shown
-from reconciler.config.yamlread import Budget, Problem, read_yaml
+from reconciler.config.yamlread import MAX_FILE_BYTES, Budget, Problem, TopLevel, read_yaml
 
 INCLUDABLE = ("servers", "routes", "users")
+# An included file's lists stop at their first wrong kind (before the value is read); another key is refused below,
+# with what an included file may hold.
+INCLUDED_TOP = TopLevel(dict.fromkeys(INCLUDABLE, "list"), closed=False, records=frozenset(INCLUDABLE))
 #: Files all includes together may name (each is parsed; the node budget bounds the rest).
 MAX_INCLUDED_FILES = 256
 #: Path parts with a wildcard in one pattern (``servers.d/*/*.yaml`` has two).
@@ -40,23 +49,30 @@ class _GlobTooBig(Exception):
     pass
 
 
-def _inside(path: str, roots: list[str]) -> bool:
-    return any(os.path.commonpath([path, root]) == root for root in roots)
+def allow_hint(folder: str | None = None) -> str:
+    """What to do about a file outside the repository (an include, or any other path the file names)."""
+    where = shown(folder, 200) if folder else "DIR"  # quoted: a folder's name may hold anything
+    return (f"move the file into the cluster file's folder (the repository), or, if the controller may read it where it "
+            f"is, allow its folder where reconciler runs: `{safe_read.OPTION} {where}` or the environment variable "
+            f"{safe_read.ENV}; no setting in the file can allow it, since a pull request can edit the file")
 
 
-def allowed_roots(data: dict[str, Any], base: str) -> list[str]:
-    """The main file's folder (resolved) and ``settings.include_roots`` (relative to it); bad entries are skipped.
+ALLOW_HINT = allow_hint()
 
-    The schema check reports a wrong ``include_roots`` after this; here it must only never fail.
-    """
-    roots = [os.path.realpath(base)]
+
+def moved_settings(data: dict[str, Any], source: SourceMap) -> list[Diagnostic]:
+    """An error at ``settings.include_roots``, which allowed includes outside the repository from inside the file
+    (a pull request could edit it); taken out of ``data`` so the schema does not report it a second time."""
     settings = data.get("settings")
-    extra = settings.get("include_roots") if isinstance(settings, dict) else None
-    if isinstance(extra, list):
-        for root in extra:
-            if isinstance(root, str) and root and "\x00" not in root:
-                roots.append(os.path.realpath(os.path.join(base, os.path.expanduser(root))))
-    return roots
+    if not isinstance(settings, dict) or "include_roots" not in settings:
+        return []
+    del settings["include_roots"]
+    return [at("error", source.key(("settings", "include_roots")),
+               "settings.include_roots is no longer read from the cluster file: a pull request could edit it to let "
+               "includes read any file of the controller",
+               f"remove it, and allow the folders outside the repository where reconciler runs: `{safe_read.OPTION} DIR` "
+               f"(repeatable) or the environment variable {safe_read.ENV} (folders separated by {os.pathsep!r})",
+               "include-roots")]
 
 
 def expand(pattern: str, base: str) -> list[str]:
@@ -100,18 +116,18 @@ def expand(pattern: str, base: str) -> list[str]:
 def merge_includes(data: dict[str, Any], main_path: str, display: str, source: SourceMap,
                    overrides: dict[str, str] | None, budget: Budget) -> list[Diagnostic]:
     """Append the lists of every included file to ``data`` in place, remapping positions."""
+    problems = moved_settings(data, source)
     includes = data.get("includes")
     if includes is None:
-        return []
+        return problems
     if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
-        return [at("error", source.value(("includes",)), "includes must be a list of file paths",
-                   "write e.g. `includes: [users.yaml, servers.d/*.yaml]`", "include")]
+        return [*problems, at("error", source.value(("includes",)), "includes must be a list of file paths",
+                              "write e.g. `includes: [users.yaml, servers.d/*.yaml]`", "include")]
     if len(includes) > MAX_INCLUDED_FILES:
-        return [at("error", source.value(("includes",)), f"includes lists {len(includes)} entries, more than {MAX_INCLUDED_FILES}",
+        return [*problems, at("error", source.value(("includes",)), f"includes lists {len(includes)} entries, more than {MAX_INCLUDED_FILES}",
                    "use a glob such as `users.d/*.yaml`", "include")]
-    problems: list[Diagnostic] = []
     base = os.path.dirname(os.path.abspath(main_path))
-    roots = allowed_roots(data, base)
+    roots = safe_read.roots(base)
     display_base = os.path.dirname(display)
     seen: set[str] = {os.path.realpath(main_path)}
     for index, pattern in enumerate(includes):
@@ -129,11 +145,11 @@ def merge_includes(data: dict[str, Any], main_path: str, display: str, source: S
         if not matches:
             problems.append(at("error", here, f"include {shown(pattern)} matches no file", "check the path or pattern", "include"))
         for match in matches:
-            real = os.path.realpath(match)
-            if not _inside(real, roots):
-                problems.append(at("error", here, f"include {shown(pattern)} reaches outside the cluster's folder",
-                                   "includes may name files under the cluster file's folder; add a folder to "
-                                   "`settings.include_roots` to allow it", "include"))
+            try:
+                real = safe_read.confine(match, roots)
+            except safe_read.OutsideRepository as exc:
+                problems.append(at("error", here, f"include {shown(pattern)} reaches outside the cluster's folder (the "
+                                                  "repository)", allow_hint(os.path.dirname(exc.resolved)), "include"))
                 break
             if real in seen:
                 problems.append(at("error", here, f"{shown(pattern)} is included twice (or includes the main file)", None, "include"))
@@ -145,14 +161,41 @@ def merge_includes(data: dict[str, Any], main_path: str, display: str, source: S
                 return problems
             rel = os.path.relpath(match, base)
             where = os.path.join(display_base, rel) if display_base else rel
-            problems.extend(_merge_one(data, source, match, where, here, pattern, overrides, budget))
+            problems.extend(_merge_one(data, source, match, where, here, pattern, overrides, budget, base))
     return problems
 
 
-def _merge_one(data: dict[str, Any], source: SourceMap, match: str, where: str, here: Pos | None, pattern: str,
-               overrides: dict[str, str] | None, budget: Budget) -> list[Diagnostic]:
+def _confined_text(match: str, where: str, base: str) -> str:
+    """The included file's text, read through ``safe_read.read_confined`` (checked again on the opened file);
+    ``Problem`` as ``yamlread.read_text`` gives it when it cannot be had."""
     try:
-        sub, sub_source = read_yaml(os.path.abspath(match), where, overrides, budget)
+        raw = safe_read.read_confined(match, base, MAX_FILE_BYTES)
+    except safe_read.OutsideRepository as exc:
+        raise Problem(Diagnostic("error", f"reaches outside the cluster's folder (the repository): {exc.strerror}",
+                                 ALLOW_HINT, file=where, code="include")) from None
+    except FileNotFoundError:
+        raise Problem(Diagnostic("error", "file not found", "check the path", file=where, code="file")) from None
+    except IsADirectoryError:
+        raise Problem(Diagnostic("error", "is a directory, not a file", file=where, code="file")) from None
+    except OSError as exc:
+        hint = "split it with includes" if exc.errno == errno.EFBIG else None
+        raise Problem(Diagnostic("error", f"cannot read: {exc.strerror}", hint, file=where, code="file")) from None
+    except ValueError as exc:  # e.g. an embedded NUL in a path
+        raise Problem(Diagnostic("error", f"cannot read: {exc}", file=where, code="file")) from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise Problem(Diagnostic("error", "not UTF-8 text", "save the file as UTF-8", where, line, 1, "encoding")) from None
+
+
+def _merge_one(data: dict[str, Any], source: SourceMap, match: str, where: str, here: Pos | None, pattern: str,
+               overrides: dict[str, str] | None, budget: Budget, base: str) -> list[Diagnostic]:
+    full = os.path.abspath(match)
+    try:
+        if not (overrides and full in overrides):  # an edit being checked stands in for the file; else the disk's
+            overrides = {**(overrides or {}), full: _confined_text(full, where, base)}
+        sub, sub_source = read_yaml(full, where, overrides, budget, top=INCLUDED_TOP)
     except Problem as problem:
         d = problem.diagnostic
         return [d if d.line else at("error", here, f"include {shown(pattern)}: {d.message}", d.hint, d.code)]

