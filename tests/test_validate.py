@@ -150,9 +150,9 @@ def test_odd_inputs_give_errors_not_tracebacks(cli, tmp_path, content, expected)
 
 
 def test_alias_bomb_is_refused(cli, tmp_path):
-    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines = ["settings:", "  a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]  # under a key the file may hold
     for i in range(1, 9):
-        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+        lines.append(f"  a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
     (tmp_path / "c.yaml").write_text("\n".join(lines) + "\n")
     run = cli("validate", str(tmp_path / "c.yaml"))
     assert run.rc == 1 and "expands to more than" in run.err

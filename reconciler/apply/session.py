@@ -11,6 +11,7 @@ from reconciler.model import Cluster
 from reconciler.ssh import KnownHosts, SSHPool, Target
 from reconciler.ssh.pool import first_contact_warning
 from reconciler.state.folder import StateFolder
+from reconciler.text import printable
 
 if TYPE_CHECKING:
     from rich.live import Live
@@ -57,7 +58,7 @@ async def certificates(cluster: Cluster, pool: Any, base_dir: str) -> None:
 
     failed = await ensure_certificates(cluster, pool, base_dir, say=lambda line: print(line, file=sys.stderr, flush=True))
     for inbound, why in failed.items():
-        print(f"warning: no certificate for inbound {inbound!r}: {why}", file=sys.stderr)
+        print(printable(f"warning: no certificate for inbound {inbound!r}: {why}"), file=sys.stderr)  # the CA's or a server's words
 
 
 class Progress:
@@ -89,6 +90,7 @@ class Progress:
         return t
 
     def __call__(self, server: str, phase: str) -> None:
+        phase = printable(phase)  # a failure's phase carries what the server said
         self.phase[server] = phase
         if self._live is not None:
             self._live.update(self._table())

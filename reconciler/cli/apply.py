@@ -15,6 +15,7 @@ from reconciler.cli.common import add_command, add_file, cluster_file
 from reconciler.cli.plan import KEEP, SERVER, STRICT, _observe, _warnings, color
 from reconciler.errors import InvalidInput
 from reconciler.model import Cluster
+from reconciler.text import printable
 
 if TYPE_CHECKING:
     from reconciler.apply.run import ServerResult
@@ -95,7 +96,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         print(json.dumps([asdict(r) for r in results], indent=2, default=str))
     else:
         for r in results:
-            print(f"{'ok  ' if r.ok else 'FAIL'} {r.server:16s} {r.seconds:6.1f}s  {r.message}")
+            print(f"{'ok  ' if r.ok else 'FAIL'} {r.server:16s} {r.seconds:6.1f}s  {printable(r.message)}")  # a server's words
         failed = sum(not r.ok for r in results)
         print(f"Apply: {sum(r.ok for r in results)} ok, {failed} failed, {sum(r.changed for r in results)} changed.")
     return 0 if all(r.ok for r in results) else 1

@@ -9,12 +9,13 @@ import os
 import sys
 from typing import Any
 
-from reconciler.cli.common import add_command, add_file, cluster_file, load, print_diagnostics, secret_of
+from reconciler.cli.common import add_allow_path, add_command, add_file, cluster_file, load, print_diagnostics, secret_of
 from reconciler.config import load_cluster, load_document
 from reconciler.config.diagnostics import at
 from reconciler.errors import ConfigError
 from reconciler.model.cluster import HealthSettings
 from reconciler.model.types import parse_listen
+from reconciler.text import PrintableFormatter
 
 
 def register(sub: Any) -> None:
@@ -38,6 +39,7 @@ def register(sub: Any) -> None:
     sim.add_argument("scenario", help="the scenario file (YAML)")
     sim.add_argument("--json", action="store_true", help="one JSON object per line per tick")
     sim.add_argument("--all", action="store_true", help="table: every server every tick, not only changes")
+    add_allow_path(sim)  # the scenario's cluster file names files too
     sim.set_defaults(run=cmd_simulate)
 
 
@@ -50,8 +52,9 @@ def _address(text: str) -> str:
 
 
 def setup_logging(level: str = "info") -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)-7s %(message)s", datefmt="%H:%M:%S", force=True)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(PrintableFormatter("%(asctime)s %(levelname)-7s %(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)
     logging.getLogger("asyncssh").setLevel(logging.WARNING)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     logging.getLogger("urllib3").setLevel(logging.WARNING)  # etcd3gw's HTTP client (settings.leader), one line per request

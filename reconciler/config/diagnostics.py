@@ -6,6 +6,8 @@ nothing raises past ``load_cluster``. Positions are 1-based like editors show.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -83,3 +85,18 @@ def at(severity: Literal["error", "warning"], pos: Pos | None, message: str, hin
     if pos is None:
         return Diagnostic(severity, message, hint, code=code)
     return Diagnostic(severity, message, hint, pos.file, pos.line, pos.col, code)
+
+
+def unknown_key(pos: Pos | None, key: object, allowed: Sequence[str]) -> Diagnostic:
+    """A key the schema does not hold, with the nearest allowed one (or all of them) as the hint: the one wording,
+    whether the composer stops a file at its top level or the schema finds it deeper."""
+    close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}?" if close else (f"allowed keys here: {', '.join(allowed)}" if allowed else None)
+    return at("error", pos, f"unknown key {shown(key)}", hint, "unknown-key")
+
+
+def wrong_kind(pos: Pos | None, field_name: str, expected: Literal["list", "mapping"], got: str) -> Diagnostic:
+    """A list where the schema holds a mapping, or the other way round (``got``: "a list", "text", …)."""
+    if expected == "list":
+        return at("error", pos, f"{field_name}: expected a list, got {got}", "write a list with `- item` lines or [a, b]", "type")
+    return at("error", pos, f"{field_name}: expected a mapping of keys, got {got}", None, "type")

@@ -17,14 +17,14 @@ import difflib
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
 from reconciler.config import includes, yamlread
-from reconciler.config.diagnostics import Diagnostic, Path, SourceMap, at, shown
+from reconciler.config.diagnostics import Diagnostic, Path, SourceMap, at, shown, unknown_key, wrong_kind
 from reconciler.config.semantic import check
-from reconciler.config.yamlread import Budget, Problem, read_yaml
+from reconciler.config.yamlread import Budget, Problem, TopLevel, read_yaml
 from reconciler.model import Cluster
 
 if TYPE_CHECKING:
@@ -154,11 +154,7 @@ def _pydantic_diagnostic(err: ErrorDetails, data: Any, source: SourceMap, root: 
     value_text = shown(value) if isinstance(value, (str, int, float)) and not isinstance(value, bool) else _describe(value)
 
     if kind == "extra_forbidden":
-        key = loc[-1]
-        allowed = _allowed_keys(loc, root)
-        close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]!r}?" if close else (f"allowed keys here: {', '.join(allowed)}" if allowed else None)
-        return at("error", source.key(path), f"unknown key {shown(key)}", hint, "unknown-key")
+        return unknown_key(source.key(path), loc[-1], _allowed_keys(loc, root))
     if kind == "missing":
         key = loc[-1]
         return at("error", source.key(path), f"missing required key {shown(key)}", f"add `{key}:` here", "missing")
@@ -166,7 +162,7 @@ def _pydantic_diagnostic(err: ErrorDetails, data: Any, source: SourceMap, root: 
         expected = ctx.get("expected_tags", "")
         tags = [t.strip().strip("'") for t in str(expected).split(",")]
         close = difflib.get_close_matches(str(ctx.get("tag")), tags, n=1, cutoff=0.5)
-        hint = f"did you mean {close[0]!r}?" if close else f"use one of: {expected}"
+        hint: str | None = f"did you mean {close[0]!r}?" if close else f"use one of: {expected}"
         return at("error", source.value(path + ("protocol",)), f"unknown protocol {shown(ctx.get('tag'))}", hint, "protocol")
     if kind == "union_tag_not_found":
         return at("error", source.key(path), "inbound has no `protocol`",
@@ -204,10 +200,9 @@ def _pydantic_diagnostic(err: ErrorDetails, data: Any, source: SourceMap, root: 
     if kind in ("bool_type", "bool_parsing"):
         return at("error", pos, f"{field_name}: expected true or false, got {value_text}", None, "type")
     if kind in ("list_type",):
-        return at("error", pos, f"{field_name}: expected a list, got {_describe(value)}",
-                  "write a list with `- item` lines or [a, b]", "type")
+        return wrong_kind(pos, field_name, "list", _describe(value))
     if kind in ("model_type", "model_attributes_type", "dict_type"):
-        return at("error", pos, f"{field_name}: expected a mapping of keys, got {_describe(value)}", None, "type")
+        return wrong_kind(pos, field_name, "mapping", _describe(value))
     if kind in ("string_too_short",):
         return at("error", pos, f"{field_name}: must not be empty", None, "value")
     if kind in ("string_too_long",):
@@ -220,6 +215,41 @@ def _pydantic_diagnostic(err: ErrorDetails, data: Any, source: SourceMap, root: 
     return at("error", pos, f"{field_name}: {err.get('msg')}", None, kind)
 
 
+def top_level(model: type[BaseModel]) -> TopLevel | None:
+    """What ``model`` lets a file's top level hold, for the composer to stop the file at the first key or kind there
+    the model cannot hold (``yamlread.TopLevel``), before it composes that key's value; None when a validator of the
+    model may reshape its input before the fields see it."""
+    decorators = model.__pydantic_decorators__
+    if any(d.info.mode in ("before", "wrap", "plain") for d in decorators.model_validators.values()):
+        return None
+    reshaped = {name for d in decorators.field_validators.values() if d.info.mode != "after" for name in d.info.fields}
+    keys: dict[str, Literal["list", "mapping"] | None] = {}
+    records = set()
+    for name, f in model.model_fields.items():
+        tp = _unwrap(f.annotation)
+        kind: Literal["list", "mapping"] | None = None
+        if name in reshaped:
+            kind = None
+        elif typing.get_origin(tp) in (list, tuple, set, frozenset):
+            kind = "list"
+            if _is_model(typing.get_args(tp)[0] if typing.get_args(tp) else None):
+                records.update({name, f.alias or name})
+        elif typing.get_origin(tp) is dict or _is_model(tp):
+            kind = "mapping"
+        keys[name] = kind
+        if f.alias:
+            keys[f.alias] = kind
+    return TopLevel(keys, closed=model.model_config.get("extra") == "forbid", records=frozenset(records))
+
+
+def _is_model(tp: Any) -> bool:
+    """Whether ``tp`` is a model, or a union of models (``Inbound``): a mapping in YAML."""
+    tp = _unwrap(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return all(_is_model(arg) for arg in typing.get_args(tp))
+    return isinstance(tp, type) and issubclass(tp, BaseModel)
+
+
 # --------------------------------------------------------------------------- entry points
 
 
@@ -230,7 +260,7 @@ def load_document(path: str, model: type[BaseModel], display: str | None = None)
     """
     display = display or path
     try:
-        data, source = read_yaml(path, display)
+        data, source = read_yaml(path, display, top=top_level(model))
     except Problem as p:
         return None, [p.diagnostic], SourceMap()
     if not isinstance(data, dict):
@@ -254,6 +284,9 @@ def load_cluster(path: str, display: str | None = None, overrides: dict[str, str
 
 
 MAX_ERRORS = 200  # diagnostics kept from one validation: a flood of bad records is told, never hoarded
+#: The cluster file's top level, as ``Cluster`` holds it: the composer stops the file at an unknown key there, or a
+#: list where a mapping belongs (or the other way round), before it composes what that key holds.
+CLUSTER_TOP = top_level(Cluster)
 
 
 def _not_records(result: LoadResult, data: dict[str, Any], source: SourceMap) -> bool:
@@ -276,7 +309,7 @@ def _not_records(result: LoadResult, data: dict[str, Any], source: SourceMap) ->
 def _load_into(result: LoadResult, path: str, display: str, overrides: dict[str, str] | None) -> None:
     budget = Budget()  # shared by the main file and its includes
     try:
-        data, source = read_yaml(path, display, overrides, budget)
+        data, source = read_yaml(path, display, overrides, budget, top=CLUSTER_TOP)
     except Problem as p:
         result.diagnostics.append(p.diagnostic)
         return
@@ -307,6 +340,6 @@ def _load_into(result: LoadResult, path: str, display: str, overrides: dict[str,
         return
     if result.errors:
         return
-    result.diagnostics.extend(check(cluster, source))
+    result.diagnostics.extend(check(cluster, source, path))
     if not result.errors:
         result.cluster = cluster

@@ -4,8 +4,13 @@ Called by the loader for the cluster file and each include (and for any document
 ``load_document`` reads). The file is hostile input until proven otherwise:
 
 - it is read through ``safe_read`` (regular files only, at most ``MAX_FILE_BYTES``);
-- the composer counts nodes *while composing* and stops at the shared ``Budget``, and
-  the conversion counts again as it expands aliases ("billion laughs");
+- the composer counts nodes *while composing* and stops at the shared ``Budget`` (the
+  diagnostic at the node where it ran out), and the conversion counts again as it expands
+  aliases ("billion laughs");
+- given the schema's ``TopLevel`` (the loader's, from the model), the composer stops the
+  file at the first top-level key the schema does not hold, or a list where it holds a
+  mapping (or the other way round), *before* it composes what that key holds: a 16 MB
+  list under an unknown key costs a few events, not millions of nodes;
 - the parsers only produce events; the composer here builds the nodes (iteratively:
   nesting is counted as it goes and refused beyond ``MAX_DEPTH``, never a recursion),
   and the values are built here, from the plain YAML 1.2 core types — str, int, float,
@@ -58,10 +63,10 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from ruamel.yaml import YAML
 from ruamel.yaml import events as ruamel_events
@@ -70,7 +75,7 @@ from ruamel.yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from ruamel.yaml.resolver import VersionedResolver
 from ruamel.yaml.tag import Tag
 
-from reconciler.config.diagnostics import Diagnostic, Path, Pos, SourceMap, at
+from reconciler.config.diagnostics import Diagnostic, Path, Pos, SourceMap, at, unknown_key, wrong_kind
 from reconciler.safe_read import read_regular_file
 
 try:  # libyaml's event parser, through PyYAML (no type stubs are installed for it: its objects are Any here)
@@ -92,6 +97,9 @@ MAX_FILE_BYTES = 64 * 1024 * 1024
 MAX_TOTAL_BYTES = 128 * 1024 * 1024
 #: Nesting depth of collections; a cluster file needs about 8.
 MAX_DEPTH = 64
+#: Items of a list of records (``TopLevel.records``) that are not mappings, past which the composer stops the file:
+#: fewer are the loader's to tell (the first of them, and how many), more would be millions of nodes to tell it.
+MAX_NOT_RECORDS = 10_000
 #: Texts up to this size are parsed by ruamel's pure parser, as every file was while this was the cap of one
 #: file (the same data, positions and diagnostics; at most about 1 s), larger ones by libyaml.
 RUAMEL_BYTES = 512 * 1024
@@ -125,7 +133,21 @@ class Problem(Exception):
 
 
 class _TooLarge(Exception):
-    pass
+    """The budget ran out: at ``where`` while composing, or (None) while the converter expanded aliases."""
+
+    def __init__(self, where: Pos | None = None):
+        super().__init__()
+        self.where = where
+
+
+@dataclass(frozen=True)
+class TopLevel:
+    """What the schema lets a file's top-level mapping hold: ``keys`` → ``"list"``, ``"mapping"`` or None (anything);
+    ``closed``: no other key. The composer checks each top-level key as it is read and each value as it starts."""
+
+    keys: Mapping[str, Literal["list", "mapping"] | None]
+    closed: bool = True
+    records: frozenset[str] = frozenset()  # keys whose list holds mappings only (servers, users): see MAX_NOT_RECORDS
 
 
 @dataclass
@@ -154,10 +176,12 @@ class Budget:
         self.allowed += n * NODES_PER_BYTE
 
 
-def _too_large(display: str, budget: Budget) -> Problem:
-    return Problem(Diagnostic(
-        "error", f"the cluster expands to more than {budget.allowed} values (this file and its includes together)",
-        "anchors and aliases multiply content; write the data out, or split the cluster", display, 1, 1, "size"))
+def _too_large(display: str, budget: Budget, where: Pos | None = None) -> Problem:
+    """The budget's refusal: at the node where it ran out while composing, else (aliases expanded) at the top."""
+    return Problem(at(
+        "error", where or Pos(display, 1, 1),
+        f"the cluster expands to more than {budget.allowed} values (this file and its includes together)",
+        "anchors and aliases multiply content; write the data out, or split the cluster", "size"))
 
 
 def read_text(path: str, display: str, overrides: dict[str, str] | None = None, budget: Budget | None = None) -> str:
@@ -220,25 +244,27 @@ def load_seconds(path: str, base: float) -> float:
 
 
 def read_yaml(path: str, display: str, overrides: dict[str, str] | None = None,
-              budget: Budget | None = None) -> tuple[Any, SourceMap]:
+              budget: Budget | None = None, *, top: TopLevel | None = None) -> tuple[Any, SourceMap]:
     """Parse one file into plain data and its source map; ``Problem`` on any failure.
 
     ``overrides`` maps absolute paths to text standing in for the file (an edit being
-    validated before it is written). ``budget`` is shared by a cluster's files.
+    validated before it is written). ``budget`` is shared by a cluster's files. ``top``:
+    what the schema lets the top level hold (the file stops at the first thing it cannot).
     """
     budget = budget or Budget()
     text = read_text(path, display, overrides, budget)
-    return parse_yaml(text, display, budget)
+    return parse_yaml(text, display, budget, top=top)
 
 
-def parse_yaml(text: str, display: str, budget: Budget, *, parser: str | None = None) -> tuple[Any, SourceMap]:
+def parse_yaml(text: str, display: str, budget: Budget, *, parser: str | None = None,
+               top: TopLevel | None = None) -> tuple[Any, SourceMap]:
     """``text`` → plain data and its source map, paid from ``budget``; ``Problem`` on any failure.
 
     ``parser``: ``"ruamel"`` or ``"libyaml"`` for the events; by default the size of the text decides
-    (``compose_yaml``).
+    (``compose_yaml``). ``top``: as for ``compose_yaml``.
     """
     with gc_paused():
-        node = compose_yaml(text, display, budget, parser=parser)
+        node = compose_yaml(text, display, budget, parser=parser, top=top)
         source = SourceMap(root=Pos(display, 1, 1))
         if node is None:
             return None, source
@@ -250,12 +276,14 @@ def parse_yaml(text: str, display: str, budget: Budget, *, parser: str | None = 
             raise Problem(Diagnostic("error", "nesting is too deep", file=display, line=1, col=1, code="yaml")) from None
 
 
-def compose_yaml(text: str, display: str, budget: Budget, *, parser: str | None = None) -> Node | None:
+def compose_yaml(text: str, display: str, budget: Budget, *, parser: str | None = None,
+                 top: TopLevel | None = None) -> Node | None:
     """The document's root node (None for an empty stream), every node paid from ``budget``; ``Problem`` on failure.
 
     A text of up to ``RUAMEL_BYTES`` is parsed by ruamel's pure parser, as every file
     always was; a larger one by libyaml (``parser`` forces either). The nodes' start
     marks are the ``Pos`` each will have in the source map (``display``, 1-based).
+    ``top``: the composer stops at the first top-level key or value it does not allow.
     """
     if parser is None:
         parser = "libyaml" if _C_LOADER is not None and len(text) > RUAMEL_BYTES else "ruamel"
@@ -263,17 +291,17 @@ def compose_yaml(text: str, display: str, budget: Budget, *, parser: str | None 
         if _C_LOADER is None:
             raise ValueError("libyaml is not available")
         try:
-            return _compose(_c_events(text), display, budget, text)
-        except _TooLarge:
-            raise _too_large(display, budget) from None
+            return _compose(_c_events(text), display, budget, text, top)
+        except _TooLarge as exc:
+            raise _too_large(display, budget, exc.where) from None
         except (pyyaml.YAMLError, _Refused) as exc:
             raise Problem(_error(exc, text, display)) from None
         except UnicodeEncodeError:  # a lone surrogate (in an override's text): libyaml reads UTF-8 only, ruamel reads it
             pass  # nothing was spent: the text is encoded before the first event
     try:
-        return _compose(_pure_events(text), display, budget)
-    except _TooLarge:
-        raise _too_large(display, budget) from None
+        return _compose(_pure_events(text), display, budget, top=top)
+    except _TooLarge as exc:
+        raise _too_large(display, budget, exc.where) from None
     except (MarkedYAMLError, YAMLError, _Refused) as exc:
         raise Problem(_error(exc, text, display)) from None
     except AssertionError as exc:  # ruamel asserts a %YAML directive's minor version is 1 or 2 (libyaml refuses it)
@@ -495,7 +523,8 @@ def _resolver(version: tuple[int, int] | None) -> Callable[[str], Tag]:
     return resolve
 
 
-def _compose(events: Iterable[Any], display: str, budget: Budget, text: str | None = None) -> Node | None:
+def _compose(events: Iterable[Any], display: str, budget: Budget, text: str | None = None,
+             top: TopLevel | None = None) -> Node | None:
     """One document's events → its root node, as ruamel's ``Composer.get_single_node`` builds it, without recursion.
 
     Every node (an alias too) is paid from ``budget`` as it is composed; a node nested
@@ -510,6 +539,10 @@ def _compose(events: Iterable[Any], display: str, budget: Budget, text: str | No
     (``key:`` with nothing after it) and nodes with a tag before their anchor elsewhere
     than ruamel, and gives ``!`` on an empty node another meaning; those are put as
     ruamel has them (``_Marks``), so both parsers' events compose to the same nodes.
+
+    ``top``: each key of a top-level mapping is checked as soon as it is composed, each of
+    its values as soon as it starts (``_top_key``, ``_top_value``): what the schema cannot
+    hold stops the file there, before anything under it is composed.
     """
     kinds = _KINDS
     new_scalar = ScalarNode.__new__
@@ -522,6 +555,9 @@ def _compose(events: Iterable[Any], display: str, budget: Budget, text: str | No
     key_end: Any = None  # where the last key of a flow mapping ended (libyaml's mark)
     waiting: Any = None  # an empty block mapping value: ruamel places it where the next token ends
     root: Node | None = None
+    checked: Any = None  # the top-level mapping, when ``top`` says what it may hold
+    records: Any = None  # the list of records being composed (``top.records``) ...
+    wrong: Any = None  # ... and its items that are not mappings (``_NotRecords``)
     root_mark = None
     last_line = 0
     documents = 0
@@ -536,7 +572,8 @@ def _compose(events: Iterable[Any], display: str, budget: Budget, text: str | No
             if kind <= _ALIAS:
                 left -= 1
                 if left < 0:
-                    raise _TooLarge
+                    mark = event.start_mark
+                    raise _TooLarge(Pos(display, mark.line + 1, mark.column + 1))
                 if kind == _ALIAS:
                     node = anchors.get(event.anchor)
                     if node is None:
@@ -588,6 +625,11 @@ def _compose(events: Iterable[Any], display: str, budget: Budget, text: str | No
                             pos = Pos(display, line, mark.column + 1)
                         node = (SequenceNode if kind == _SEQUENCE else MappingNode)(
                             ctag, [], pos, None, flow_style=event.flow_style, anchor=anchor)
+                        if top is not None and parents and parents[-1] is checked and keys[-1] is not None:
+                            if _top_value(keys[-1], kind == _SEQUENCE, pos, top):
+                                records, wrong = node, _NotRecords(keys[-1].value)
+                        if top is not None and not parents and kind == _MAPPING:
+                            checked = node
                         if anchor is not None:
                             anchors[anchor] = node
                         parents.append(node)
@@ -612,11 +654,15 @@ def _compose(events: Iterable[Any], display: str, budget: Budget, text: str | No
                 continue
             parent = parents[-1]
             if parent.__class__ is SequenceNode:
+                if parent is records and node.__class__ is not MappingNode:
+                    wrong.add(node, len(parent.value))
                 parent.value.append(node)
             else:
                 key = keys[-1]
                 if key is None:
                     keys[-1] = node
+                    if parent is checked and top is not None:
+                        _top_key(node, top, display, budget)
                     if empties is not None and parent.flow_style:
                         key_end = event.end_mark
                 else:
@@ -625,6 +671,51 @@ def _compose(events: Iterable[Any], display: str, budget: Budget, text: str | No
     finally:
         budget.nodes = left
     return root
+
+
+def _top_key(node: Node, top: TopLevel, display: str, budget: Budget) -> None:
+    """A key of the top-level mapping, just composed: ``Problem`` when the schema has no such key (``top.closed``)."""
+    if not top.closed or node.__class__ is not ScalarNode or _tag_text(node) == _MERGE:
+        return  # a list or mapping as a key is the converter's to refuse; a merge's keys are the schema's
+    key = _Converter(display, SourceMap(), budget).key(node)  # the key as the data will have it
+    if key not in top.keys:
+        raise Problem(unknown_key(node.start_mark, key, list(top.keys)))
+
+
+def _top_value(key: Node, sequence: bool, pos: Pos, top: TopLevel) -> bool:
+    """A list or mapping starting at ``pos`` as the value of the top-level ``key``: ``Problem`` when the schema holds
+    the other kind there; whether it is a list of records (``top.records``)."""
+    name = key.value if key.__class__ is ScalarNode else None
+    want = top.keys.get(name) if isinstance(name, str) else None
+    got: Literal["list", "mapping"] = "list" if sequence else "mapping"
+    if want is not None and want != got:
+        raise Problem(wrong_kind(pos, str(name), want, f"a {got}"))
+    return sequence and name in top.records
+
+
+_DESCRIBED = {_TAG + "str": "text", _TAG + "int": "a number", _TAG + "float": "a number", _TAG + "bool": "true/false",
+              _TAG + "null": "nothing (null)", _TAG + "timestamp": "a date"}
+
+
+class _NotRecords:
+    """The items of one list of records that are not mappings: past ``MAX_NOT_RECORDS`` of them, ``Problem`` at the
+    first (what the loader would have told, without composing the rest)."""
+
+    def __init__(self, key: str):
+        self.key = key
+        self.count = 0
+        self.first: tuple[int, Node] | None = None
+
+    def add(self, node: Node, index: int) -> None:
+        self.count += 1
+        if self.first is None:
+            self.first = (index, node)
+        if self.count > MAX_NOT_RECORDS:
+            first, item = self.first
+            got = "a list" if item.__class__ is SequenceNode else _DESCRIBED.get(_tag_text(item) or "", "not a mapping")
+            raise Problem(at("error", item.start_mark, f"{self.key}[{first}] must be a mapping, not {got}, and so are more "
+                             f"than {MAX_NOT_RECORDS} other {self.key} after it: the file was read no further",
+                             f"each of {self.key} is a mapping, e.g. `- name: alice`", "many"))
 
 
 _BREAKS = "\n\r\x85\u2028\u2029"

@@ -25,8 +25,9 @@ With ``settings.outputs.workers`` above 1 the public side runs in worker process
 port (``reconciler.loop.workers``), each with this class's ``public`` over its own copy of the
 snapshot; this process keeps the operations listener.
 
-Both listeners are guarded (``reconciler.loop.listener``): a connection cap, header and
-idle timeouts, malformed requests logged once per client per minute.
+Both listeners are guarded (``reconciler.loop.listener``): a connection cap, a cap per client
+(behind ``trusted_proxies`` the proxy is not capped so), header and idle timeouts, malformed
+requests logged once per client per minute.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from reconciler.loop.client_address import Network, client_address
-from reconciler.loop.listener import Credential, Limits, Listener
+from reconciler.loop.listener import Credential, Handler, Limits, Listener
 from reconciler.loop.outlets import LiveAnswers
 from reconciler.metrics import FleetView
 from reconciler.subscriptions import FORMATS, choose_format
@@ -109,16 +110,20 @@ class HttpOutlet:
         ``operations``, or with the same address, one listener serves both. ``public=False``: the operations
         listener only (worker processes answer the public port: ``reconciler.loop.workers``)."""
         self.credential = credential
+
+        def guarded(name: str, handle: Handler) -> Listener:
+            return Listener(name, handle, limits, trusted_proxies=lambda: self.trusted_proxies)  # as reloads set them
+
         if not public:
             if operations is None or operations == (host, port):
                 raise ValueError("the operations listener needs an address of its own when workers answer the public one")
-            self.listeners = [Listener("operations", self.operations, limits)]
+            self.listeners = [guarded("operations", self.operations)]
             addresses = [operations]
         elif operations is None or operations == (host, port):
-            self.listeners = [Listener("http", self.both, limits)]
+            self.listeners = [guarded("http", self.both)]
             addresses = [(host, port)]
         else:
-            self.listeners = [Listener("public", self.public, limits), Listener("operations", self.operations, limits)]
+            self.listeners = [guarded("public", self.public), guarded("operations", self.operations)]
             addresses = [(host, port), operations]
         try:
             for listener, (h, p) in zip(self.listeners, addresses, strict=True):

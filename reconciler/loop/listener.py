@@ -2,6 +2,10 @@
 
 - **A connection cap**: past ``max_connections`` open connections a new one is closed at once
   (counted), so a flood cannot exhaust file descriptors that real clients need.
+- **A cap per client**: past ``per_client`` open connections from one client (``client_address.connection_key``:
+  its address, an IPv6 one by its /64; a trusted proxy is not capped so) its new ones are closed at once
+  (counted), so one greedy client cannot take the connections every other client shares. Only a listener told
+  the trusted proxies (``trusted_proxies``) caps per client.
 - **Header and idle timeouts**: a connection must finish each request's headers within
   ``header_timeout`` of opening or of its previous response, and an idle keep-alive connection is
   closed after the same time (slowloris: 300 slow connections were held forever).
@@ -30,6 +34,7 @@ from aiohttp.web_protocol import RequestHandler
 
 from reconciler.credentials import read_credential
 from reconciler.errors import SecretError
+from reconciler.loop.client_address import Network, connection_key
 from reconciler.model.cluster import OperationsAuth
 
 log = logging.getLogger("reconciler.http")
@@ -66,30 +71,42 @@ class Credential:
         return 'Bearer realm="reconciler"' if self.kind == "bearer" else 'Basic realm="reconciler", charset="UTF-8"'
 
 
+#: Connections one client may hold open at once (``Limits.per_client``). Not small: a carrier's NAT puts many users
+#: behind one IPv4 address, and a load generator on one host (``bench/subscriptions.py``: 32) is one client too.
+PER_CLIENT_CONNECTIONS = 64
+
+
 @dataclass
 class Limits:
     max_connections: int = 1024
+    per_client: int = PER_CLIENT_CONNECTIONS
     header_timeout: float = 10.0
     log_every: float = 60.0  # seconds between two log lines about one client's malformed requests
 
 
 class _Connection:
-    __slots__ = ("since", "busy")
+    __slots__ = ("since", "busy", "client")
 
-    def __init__(self) -> None:
+    def __init__(self, client: str | None) -> None:
         self.since = time.monotonic()  # opened, or its last response was sent
         self.busy = 0  # requests being answered
+        self.client = client  # whose it is, for the cap per client (None: not capped so)
 
 
 class Listener:
     """One listening socket: ``handle`` answers every request that arrives within the limits."""
 
-    def __init__(self, name: str, handle: Handler, limits: Limits | None = None):
+    def __init__(self, name: str, handle: Handler, limits: Limits | None = None,
+                 trusted_proxies: Callable[[], tuple[Network, ...]] | None = None):
         self.name = name
         self.handle = handle
         self.limits = limits or Limits()
+        # Asked at each connection (a reload may change them). None: who is a proxy is not known here, so no cap per
+        # client (it would cap a proxy's clients together); the cap on all connections holds.
+        self.trusted_proxies = trusted_proxies
         self.open: dict[RequestHandler, _Connection] = {}
-        self.refused = 0  # connections closed at once: over the cap
+        self.by_client: dict[str, int] = {}  # open connections per client (connection_key)
+        self.refused = 0  # connections closed at once: over a cap
         self.timed_out = 0  # connections closed for slow headers or idleness
         self.served = 0  # requests handed to ``handle``
         self._logged: dict[str, float] = {}
@@ -134,6 +151,28 @@ class Listener:
                     self.timed_out += 1
                     proto.transport.close()
 
+    def admit(self, proto: RequestHandler, transport: asyncio.BaseTransport) -> bool:
+        """Whether a new connection fits under both caps (then it is counted open), else it is counted refused."""
+        client = None
+        if self.trusted_proxies is not None:
+            peer = transport.get_extra_info("peername")
+            client = connection_key(str(peer[0]) if isinstance(peer, tuple) and peer else "", self.trusted_proxies())
+        held = self.by_client.get(client, 0) if client is not None else 0
+        if len(self.open) >= self.limits.max_connections or held >= self.limits.per_client:
+            self.refused += 1
+            return False
+        if client is not None:
+            self.by_client[client] = held + 1
+        self.open[proto] = _Connection(client)
+        return True
+
+    def release(self, proto: RequestHandler) -> None:
+        conn = self.open.pop(proto, None)
+        if conn is not None and conn.client is not None:
+            left = self.by_client.pop(conn.client, 1) - 1
+            if left > 0:
+                self.by_client[conn.client] = left
+
     def malformed(self, peer: str, what: str, bug: BaseException | None = None) -> None:
         """One line per client per minute; ``bug``: not the client's fault, logged with its traceback."""
         now = time.monotonic()
@@ -156,14 +195,11 @@ class _Handler(RequestHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        if len(self.listener.open) >= self.listener.limits.max_connections:
-            self.listener.refused += 1
+        if not self.listener.admit(self, transport):
             transport.close()
-            return
-        self.listener.open[self] = _Connection()
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self.listener.open.pop(self, None)
+        self.listener.release(self)
         super().connection_lost(exc)
 
 class _QuietLogger:

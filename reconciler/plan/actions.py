@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from reconciler.credentials import Redactor, fingerprint_digest
 from reconciler.engine.base import AGENT, RESPONDER, RESPONDER_IDS, RESPONDER_UNIT, USAGE_NFT, DesiredServer, Layout, ManagedFile
 from reconciler.plan.facts import Facts
-from reconciler.text import plural
+from reconciler.text import plural, printable, printable_json
 
 SUPPORTED_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 DIFF_LINES = 200
@@ -229,15 +229,18 @@ _COLORS = {"+": "\033[32m", "~": "\033[33m", "-": "\033[31m", "!": "\033[1;31m"}
 
 
 def _paint(text: str, sign: str, color: bool) -> str:
+    """One line of a plan: its text made printable (``reconciler.text.printable``: much of it is what servers sent —
+    file contents, versions, paths, errors), then coloured by us."""
+    text = printable(text)
     return f"{_COLORS[sign]}{text}\033[0m" if color and sign in _COLORS else text
 
 
 def render_human(plans: list[ServerPlan], warnings: list[str] | None = None, color: bool = False) -> str:
     """The plan as Terraform prints one: ``+ ~ -`` per action (coloured when ``color``), diffs indented, and a
-    summary that never reads as complete while a server could not be planned."""
+    summary that never reads as complete while a server could not be planned. Every line goes through ``_paint``."""
     out = []
     for w in warnings or []:
-        out.append(f"warning: {w}")
+        out.append(_paint(f"warning: {w}", "", color))
     for p in plans:
         head = f"server {p.server} ({p.host})" + (" — left the cluster file" if p.removed else "")
         if p.error:
@@ -245,18 +248,18 @@ def render_human(plans: list[ServerPlan], warnings: list[str] | None = None, col
             continue
         if p.problems:
             out.append(_paint(f"! {head}: refused by preflight:", "!", color))
-            out.extend(f"    - {x}" for x in p.problems)
+            out.extend(_paint(f"    - {x}", "", color) for x in p.problems)
             continue
         if not p.actions:
-            out.append(f"  {head}: up to date")
+            out.append(_paint(f"  {head}: up to date", "", color))
             continue
         a, c, d = p.counts()
-        out.append(f"  {head}: {a} to add, {c} to change, {d} to destroy")
+        out.append(_paint(f"  {head}: {a} to add, {c} to change, {d} to destroy", "", color))
         for act in p.actions:
             out.append(_paint(f"    {act.sign} {act.kind} {act.target}: {act.reason}", act.sign, color))
             if act.diff:
                 out.extend(_paint("        " + line, line[:1] if line[:1] in "+-" and line[:3] not in ("+++", "---") else "",
-                                  color) for line in act.diff.splitlines())
+                                  color) for line in act.diff.split("\n"))
     out.append("")
     out.append(summary_line(plans))
     unplanned = [p.server for p in plans if p.error or p.problems]
@@ -288,6 +291,6 @@ def render_markdown(plans: list[ServerPlan]) -> str:
 
 def render_json(plans: list[ServerPlan], fingerprint: str, warnings: list[str] | None = None) -> str:
     add, change, destroy = (sum(p.counts()[i] for p in plans) for i in range(3))
-    return json.dumps({"fingerprint": fingerprint, "summary": {"add": add, "change": change, "destroy": destroy},
-                       "complete": not any(p.error or p.problems for p in plans), "warnings": list(warnings or []),
-                       "servers": [p.as_json() for p in plans]}, indent=2, ensure_ascii=False) + "\n"
+    return printable_json(json.dumps({"fingerprint": fingerprint, "summary": {"add": add, "change": change, "destroy": destroy},
+                                      "complete": not any(p.error or p.problems for p in plans), "warnings": list(warnings or []),
+                                      "servers": [p.as_json() for p in plans]}, indent=2, ensure_ascii=False)) + "\n"
