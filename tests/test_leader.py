@@ -219,7 +219,7 @@ def test_published_state_is_chunked_read_whole_and_only_the_leader_writes_it(etc
         leader = Election(Etcd([etcd], 1.0), prefix, LEASE, identity="writer")
         task = asyncio.create_task(leader.run(stop))
         dead = f"http://127.0.0.1:{free_port()}"  # an etcd member that is down: the next endpoint answers
-        channel = StateChannel(Etcd([dead, etcd], 30.0), prefix)
+        channel = StateChannel(Etcd([dead, etcd], 30.0), prefix, SECRET)
         try:
             while not leader.is_leader:
                 await asyncio.sleep(0.02)
@@ -297,7 +297,7 @@ def test_an_etcd_with_authentication_is_reached_as_its_user_with_the_password_fr
                     assert time.monotonic() < deadline, election.error
                     await asyncio.sleep(0.02)
                 client.clients[0].session.headers["Authorization"] = "expired"  # as after an etcd restart
-                channel = StateChannel(client, settings.prefix)
+                channel = StateChannel(client, settings.prefix, SECRET)
                 assert await channel.publish(election.guard(), election.fence, b"state", {"by": "authed"}) is not None
                 got = await channel.read()
                 assert got is not None and got.blob == b"state"

@@ -7,7 +7,10 @@
   hashed, and the build of the one this machine can run inspected for its capabilities.
 
 The fetching, hashing and unpacking are the servers' own (``reconciler.engine.scripts.engine``): one
-implementation on both sides of the wire.
+implementation on both sides of the wire, and one place that decides what a release may be. A release is hostile
+input until its binary is out, so the unpacking stops with an error once a release has inflated past
+``MAX_UNPACKED_BYTES`` (counted as the bytes come, whatever the container: gzip, zstd, bzip2, xz, tar), and takes
+the binary only from a regular file in it (a link, device or sparse file of that name is refused).
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ LOCAL_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": 
 #: The kernel's name of each architecture (``uname -m``): what ``{machine}`` expands to in a release URL
 #: (sing-box names its Arch Linux packages so: ``sing-box_<version>_linux_x86_64.pkg.tar.zst``).
 MACHINES = {"amd64": "x86_64", "arm64": "aarch64"}
+#: The most a release may inflate to on the controller, its tar stream with every member in it (an engine's binary
+#: is 30–50 MB); past it the unpacking stops with an error. The servers' own cap (the same script decides).
+MAX_UNPACKED_BYTES = script.MAX_UNPACKED_BYTES
 
 
 def release_url(template: str, arch: str) -> str:
@@ -86,7 +92,7 @@ def fetch_binary(url: str, pin: str, name: str, fetched: str | None = None) -> s
             if got != pin:
                 raise ReleaseError(f"the file at {url} has sha256 {got}, not the pinned {pin}: refused")
             try:
-                script.unpack(path, unpacked, name, zstd_library())
+                script.unpack(path, unpacked, name, zstd_library(), MAX_UNPACKED_BYTES)
             except (script.Failed, RuntimeError, tarfile.TarError, zlib.error, EOFError) as exc:  # pinned, unusable
                 raise ReleaseError(f"{url}: {exc}") from None
             except OSError as exc:
@@ -132,7 +138,7 @@ def pin_release(settings: EngineSettings, arches: tuple[str, ...] = ARCHES,
                 if settings.name == "mihomo":
                     capabilities = MIHOMO
                 else:
-                    build = learn(binary)
+                    build = learn(binary, named_by_operator=True)  # `engine pin`: the operator asked for this release
                     if build is None:
                         raise ReleaseError(f"{url}: the binary in it does not answer `sing-box version`")
                     if build.version != settings.version:

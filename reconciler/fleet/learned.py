@@ -7,6 +7,12 @@ reports. ``fold`` advances it by one interval (pure: time and reports passed
 in); ``to_bytes``/``from_bytes`` are its persisted form, which the state
 folder (``reconciler.state.folder``) writes atomically and reads back.
 
+A persisted state is untrusted when it is read back (a file, or what a leader published): ``state_arrays``
+reads every array's header before its data and refuses an archive or array that would inflate past
+``MAX_STATE_BYTES`` or ``MAX_ARRAY_BYTES``, and ``from_bytes`` checks every array's kind, shape and
+finiteness against what the state says it holds (``_check``). ``restore`` makes any failure a fresh start
+that names the file and what was wrong.
+
 When the cluster file changes which servers or inbounds exist, the state is
 carried over by name: a new server starts fresh, the others keep their
 streaks and peaks.
@@ -16,9 +22,11 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import zipfile
+import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -28,7 +36,7 @@ from reconciler.balance import RTTProfile, ServerLoad
 from reconciler.balance.assignments import Assignments
 from reconciler.balance.capacity import CapacityEstimator
 from reconciler.fleet.reports import Counter, Report, observation, traffic_rate
-from reconciler.fleet.usage import Ledger
+from reconciler.fleet.usage import Ledger, Trust
 from reconciler.health.engine import HealthEngine, HealthState
 from reconciler.health.topology import Topology
 from reconciler.health.verdicts import Verdicts
@@ -69,8 +77,10 @@ class Learned:
 
     # ------------------------------------------------------------------ one interval
 
-    def fold(self, cluster: Cluster, reports: dict[str, Report | None], now: float) -> Verdicts:
-        """Advance by one interval: verdicts, traffic rates, capacity peaks, RTT EWMAs."""
+    def fold(self, cluster: Cluster, reports: dict[str, Report | None], now: float,
+             trust: Trust | None = None) -> Verdicts:
+        """Advance by one interval: verdicts, traffic rates, capacity peaks, RTT EWMAs, and the users' usage (with
+        ``trust``: each server believed only about itself, ``reconciler.fleet.usage.Trust``)."""
         topo = self.topology
         obs = observation(topo, cluster, reports, now)
         engine = HealthEngine(topo, cluster.settings.health, self.health)
@@ -91,7 +101,10 @@ class Learned:
                 rates[i], valid[i] = rate, True
                 self.traffic_mbps[name] = rate
             self.connected[name] = list(rep.users)
-        self.ledger.fold(cluster, reports, now, self.assignments)
+        if trust is not None:  # each server's rows bounded by its capacity as learned before this interval's reports
+            cap = self.capacity.estimate(now)
+            trust = replace(trust, capacity_mbps={name: float(cap[i]) for i, name in enumerate(topo.servers)})
+        self.ledger.fold(cluster, reports, now, self.assignments, trust)
         self.capacity.observe(now, rates, valid)
         self._fold_rtt(obs.probe_rtt_ms, now, cluster.settings.steering.rtt_half_life)
         self.last_tick, self.ticks = now, self.ticks + 1
@@ -245,12 +258,14 @@ class Learned:
     @classmethod
     def from_bytes(cls, data: bytes) -> Learned:
         values = state_arrays(data)
-        meta = json.loads(values.pop("meta").tobytes())
+        text = _text_array(values.pop("meta"), "meta")
+        meta = json.loads(text) if text else None
+        if not isinstance(meta, dict):
+            raise StateRefused("its meta array is not a JSON object")
         if meta.get("format") not in READS:
             raise ValueError(f"state format {meta.get('format')} is not {FORMAT}")
-        topo = Topology(servers=tuple(meta["servers"]), countries=tuple(meta["countries"]), probers=tuple(meta["probers"]),
-                        inbounds=tuple(meta["inbounds"]), inbound_server=tuple(meta["inbound_server"]),
-                        regions=tuple(meta.get("regions") or ()))
+        topo = _topology(meta)
+        _check(values, meta, topo)
         health = HealthState.from_arrays({k[2:]: v for k, v in values.items() if k.startswith("h_")}, topo)
         assignments: Mapping[tuple[str, str], str]
         if meta["format"] == 1:
@@ -275,12 +290,21 @@ class Learned:
         try:
             return cls.from_bytes(data).adopt(cluster), None
         except (ValueError, KeyError, TypeError, IndexError, OSError, EOFError, RecursionError, AttributeError,
-                OverflowError) as exc:
+                OverflowError, MemoryError) as exc:  # MemoryError: never expected (the sizes are checked first)
             return cls.fresh(cluster), f"ignoring unreadable {where} ({type(exc).__name__}: {exc}); starting afresh"
 
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 MAX_EXPANSION = 64  # a state frame may say it holds at most this many times its size (more: a bomb, refused)
+MAX_STATE_BYTES = 512 << 20  # a whole state inflated (a million users' is ~120 MB); more is refused unread
+MAX_ARRAY_BYTES = 256 << 20  # one array of it
+MAX_ARRAYS = 256  # arrays in a state (it has about 40)
+MAX_MESH_CELLS = 1 << 25  # servers × inbounds, servers × servers of the fleet a state declares (1000 × 3000: 3M)
+READ_STEP = 1 << 20  # inflated and read in steps of this many bytes
+
+
+class StateRefused(ValueError):
+    """A learned state read back is not one this service can have written: broken, too big or inconsistent."""
 
 
 def _npz(arrays: dict[str, Any]) -> bytes:
@@ -317,23 +341,157 @@ class _Counted:
 
 def state_arrays(data: bytes) -> dict[str, np.ndarray]:
     """A learned state's arrays: a zstd frame of an ``.npz`` (``_npz``), or an ``.npz`` compressed by zip itself
-    (states written before). Untrusted: anything malformed raises ValueError (or what ``np.load`` raises)."""
+    (states written before). Untrusted: anything malformed, or bigger than a state can be, raises ValueError
+    (``StateRefused`` says what was wrong) before it is inflated or allocated."""
     if data[:4] == ZSTD_MAGIC:
         try:
-            cap, out = MAX_EXPANSION * len(data), io.BytesIO()
+            cap, out = min(MAX_EXPANSION * len(data), MAX_STATE_BYTES), io.BytesIO()
             with zstandard.ZstdDecompressor().stream_reader(data) as frame:  # in 1 MB steps: a bomb stops at cap
-                while chunk := frame.read(1 << 20):
+                while chunk := frame.read(READ_STEP):
                     out.write(chunk)
                     if out.tell() > cap:
-                        raise ValueError("the state's compressed frame holds more than it can have been written with")
+                        raise StateRefused(f"its compressed frame inflates to more than {cap} bytes, more than it "
+                                           "can have been written with")
             data = out.getvalue()
         except zstandard.ZstdError as exc:
-            raise ValueError(f"the state's compressed frame is broken: {exc}") from None
+            raise StateRefused(f"its compressed frame is broken: {exc}") from None
     try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-            return {k: npz[k] for k in npz.files}
-    except zipfile.BadZipFile as exc:
-        raise ValueError(f"the state's archive is broken: {exc}") from None
+        with zipfile.ZipFile(io.BytesIO(data)) as zf:
+            return _read_archive(zf)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, EOFError, NotImplementedError, RuntimeError) as exc:
+        raise StateRefused(f"its archive is broken: {type(exc).__name__}: {exc}") from None
+
+
+def _read_archive(zf: zipfile.ZipFile) -> dict[str, np.ndarray]:
+    """Every ``<name>.npy`` member of a state's archive as an array. Sizes come from the archive's directory and
+    each array's header, and are checked before anything is inflated or allocated; the data is then read in
+    bounded steps, never past what was declared (a directory or header that lies cannot make it read more)."""
+    infos = zf.infolist()
+    if len(infos) > MAX_ARRAYS:
+        raise StateRefused(f"its archive holds {len(infos)} members, more than the {MAX_ARRAYS} of a state")
+    for info in infos:
+        if info.file_size > MAX_ARRAY_BYTES:
+            raise StateRefused(f"its member {info.filename!r} inflates to {info.file_size} bytes, more than the "
+                               f"{MAX_ARRAY_BYTES} one array of a state may hold")
+    total = sum(info.file_size for info in infos)
+    if total > MAX_STATE_BYTES:
+        raise StateRefused(f"its archive inflates to {total} bytes, more than the {MAX_STATE_BYTES} a state may hold")
+    out: dict[str, np.ndarray] = {}
+    for info in infos:
+        name = info.filename.removesuffix(".npy")
+        if name == info.filename or name in out or info.is_dir():
+            raise StateRefused(f"its member {info.filename!r} is not one array of a state")
+        with zf.open(info) as f:
+            out[name] = _read_npy(f, info.file_size, name)
+    return out
+
+
+def _read_npy(f: Any, size: int, name: str) -> np.ndarray:
+    """One ``.npy`` member of ``size`` bytes: its header first (``numpy.lib.format``), then exactly the data it
+    declares, which must be what the member holds after the header."""
+    fmt = np.lib.format
+    try:
+        version = fmt.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = fmt.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran, dtype = fmt.read_array_header_2_0(f)
+        else:
+            raise StateRefused(f"array {name}: .npy version {version} is not one a state is written in")
+    except (ValueError, EOFError) as exc:
+        raise StateRefused(f"array {name}: not an array's header ({exc})") from None
+    if dtype.kind not in "biuf" or dtype.fields is not None or dtype.subdtype is not None or dtype.itemsize > 8:
+        raise StateRefused(f"array {name} holds {dtype}, not booleans or numbers")
+    if len(shape) > 2 or any(d < 0 for d in shape):
+        raise StateRefused(f"array {name} has the shape {shape}; a state's arrays have at most two dimensions")
+    nbytes = math.prod(shape) * dtype.itemsize
+    held = size - f.tell()
+    if nbytes != held:
+        raise StateRefused(f"array {name} declares the shape {shape} of {dtype} ({nbytes} bytes) but holds {held} bytes")
+    buf = bytearray(nbytes)
+    view, got = memoryview(buf), 0
+    while got < nbytes:
+        chunk = f.read(min(READ_STEP, nbytes - got))
+        if not chunk:
+            raise StateRefused(f"array {name} ends after {got} of its {nbytes} bytes")
+        view[got:got + len(chunk)] = chunk
+        got += len(chunk)
+    if f.read(1):
+        raise StateRefused(f"array {name} holds more than its {nbytes} bytes")
+    flat = np.frombuffer(buf, dtype)
+    return flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
+
+
+def _text_array(value: np.ndarray, name: str) -> bytes:
+    """The bytes of a text array (the meta document, users' names): one dimension of bytes."""
+    if value.ndim != 1 or value.dtype != np.uint8:
+        raise StateRefused(f"array {name} is not text (one dimension of bytes): {value.dtype}, shape {value.shape}")
+    return value.tobytes()
+
+
+def _topology(meta: dict[str, Any]) -> Topology:
+    """The fleet a state was learned on, as its meta document says; refused when it is not lists of names of the
+    same lengths, or bigger than ``MAX_MESH_CELLS`` (its (servers, inbounds) and (servers, servers) arrays)."""
+    servers, inbounds = meta["servers"], meta["inbounds"]
+    lists = (servers, meta["countries"], meta["probers"], inbounds, meta["inbound_server"], meta.get("regions") or [])
+    if not all(isinstance(x, list) for x in lists):
+        raise StateRefused("its fleet (servers, inbounds, countries) is not lists")
+    n, m = len(servers), len(inbounds)
+    if max(n, m) * n > MAX_MESH_CELLS:
+        raise StateRefused(f"it declares {n} servers and {m} inbounds, more than a state can hold")
+    if not all(isinstance(x, str) for x in (*servers, *inbounds, *meta["countries"], *(meta.get("regions") or []))):
+        raise StateRefused("its servers, inbounds or countries are not names")
+    at = meta["inbound_server"]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in at):
+        raise StateRefused("its inbounds name servers it does not have")
+    return Topology(servers=tuple(servers), countries=tuple(meta["countries"]), probers=tuple(bool(p) for p in meta["probers"]),
+                    inbounds=tuple(inbounds), inbound_server=tuple(at), regions=tuple(meta.get("regions") or ()))
+
+
+# The non-finite values an array of a state may hold, and what they mean there; every other value of every array
+# is finite.
+_NAN_MEANS_NONE = frozenset({"rtt_ewma", "rtt_first", "rtt_last", "cap_peak", "l_u_seen"})  # no sample / never
+_MINUS_INF_MEANS_NEVER = frozenset({"h_last_report"})
+_TEXT = ("a_names", "a_users", "l_u_names")
+
+
+def _check(values: dict[str, np.ndarray], meta: dict[str, Any], topo: Topology) -> None:
+    """Every array of a state read back as what ``to_bytes`` writes for the fleet ``topo``: the engine's, the
+    capacities' and the RTTs' of the fleet's shape and kind (``HealthState.initial`` and ``fresh`` decide them),
+    texts as bytes, and nothing non-finite where it has no meaning; the meta document's figures finite. Raises
+    ``StateRefused`` naming the first array or figure that is not. (The assignments and the users' ledger check
+    their own columns' lengths against each other as they are read.)"""
+    n, m = topo.n, topo.m
+    expected: dict[str, tuple[tuple[int, ...], str]] = {
+        f"h_{k}": (v.shape, v.dtype.kind) for k, v in vars(HealthState.initial(topo)).items() if isinstance(v, np.ndarray)}
+    expected |= {"h_evaluations": ((), "iu"), "cap_peak": ((n,), "f"), "cap_time": ((n,), "f"),
+                 "rtt_ewma": ((n, m), "f"), "rtt_first": ((n, m), "f"), "rtt_last": ((n, m), "f")}
+    for name in ("cap_peak", "cap_time", "rtt_ewma", "rtt_first", "rtt_last"):
+        if name not in values:
+            raise StateRefused(f"array {name} is missing")
+    for name, value in values.items():
+        shape, kinds = expected.get(name, (None, "biuf"))
+        if name in _TEXT:
+            _text_array(value, name)
+            continue
+        if shape is not None and (value.shape != shape or value.dtype.kind not in kinds):
+            raise StateRefused(f"array {name} is {value.dtype} of shape {value.shape}; this state's fleet of {n} "
+                               f"servers and {m} inbounds needs shape {shape}")
+        if value.dtype.kind == "f":
+            bad = ~np.isfinite(value)
+            if name in _NAN_MEANS_NONE:
+                bad &= ~np.isnan(value)
+            elif name in _MINUS_INF_MEANS_NEVER:
+                bad &= value != -np.inf
+            if bad.any():
+                raise StateRefused(f"array {name} holds {np.count_nonzero(bad)} values that are not finite numbers")
+    scope = values.get("h_unreach_scope")
+    if scope is not None and scope.size and not (-1 <= scope.min() and scope.max() < len(topo.country_codes)):
+        raise StateRefused("array h_unreach_scope names countries the state's fleet does not have")
+    figures = [meta["last_tick"], meta["capacity_half_life"], *dict(meta["traffic_mbps"]).values()]
+    figures += [x for pair in dict(meta["counters"]).values() for x in list(pair)]
+    if not all(isinstance(x, int | float) and math.isfinite(x) for x in figures) or meta["capacity_half_life"] <= 0:
+        raise StateRefused("its last interval, capacity half-life, traffic rates or counters are not finite numbers")
 
 
 def _assignments(values: dict[str, np.ndarray], meta: dict[str, Any]) -> dict[tuple[str, str], str]:

@@ -28,7 +28,9 @@ folder's ``managed.json`` and ``facts.json`` after each interval: in chunks unde
 ``<prefix>/state/current``, then older generations are deleted — each write a transaction guarded by "the
 leader key still holds my identity at my fence", so a deposed leader can never overwrite its successor's
 state. A reader reads the pointer and then the chunks at the pointer's revision: a consistent copy, or
-none (it tries again next interval).
+none (it tries again next interval). The pointer carries the state's HMAC under a key derived from the master
+secret (and the generation): a reader takes only a state a controller with the same secret published, at most
+``MAX_PUBLISHED_BYTES`` long — anyone else who can write to etcd cannot hand the standbys a state.
 
 etcd is reached through ``etcd3gw`` (its v3 JSON gateway over HTTP; etcd 3.4 or later); its calls block,
 so each of ``Election`` and ``StateChannel`` runs them in a thread of its own — a large state upload never
@@ -40,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import hashlib
+import hmac
 import json
 import logging
 import math
@@ -60,9 +62,11 @@ from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Et
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from reconciler.credentials import read_credential
+from reconciler.credentials import Secret, read_credential
 from reconciler.errors import SecretError
+from reconciler.fleet.learned import MAX_STATE_BYTES
 from reconciler.model.cluster import LeaderSettings
+from reconciler.state.files import Mac, mac_matches
 
 log = logging.getLogger("reconciler.leader")
 T = TypeVar("T")
@@ -71,6 +75,7 @@ MIN_TTL = 2  # etcd's shortest lease with its default heartbeat (shorter ones ar
 CHUNK = 1_000_000  # bytes of state per etcd request (its default limit is 1.5 MiB, base64 in JSON adds a third)
 API_PATH = "/v3/"  # the gateway of etcd 3.4 and later
 BUNDLE_MAGIC = b"RSB1"
+MAX_PUBLISHED_BYTES = MAX_STATE_BYTES  # a published state (compressed, with managed.json and facts.json) is far less
 # What a call to etcd may raise: etcd3gw's errors, the HTTP client's (requests' are OSErrors), a malformed answer.
 EtcdFailure = (Etcd3Exception, OSError, ValueError, KeyError, TypeError)
 
@@ -422,22 +427,31 @@ class Published:
 
 
 class StateChannel:
-    """The leader's learned state in etcd: ``publish`` (guarded by the election) and ``read``."""
+    """The leader's learned state in etcd: ``publish`` (guarded by the election) and ``read``, authenticated with
+    an HMAC keyed from the master secret (leader and standby hold the same secret; etcd never does)."""
 
-    def __init__(self, etcd: Etcd, prefix: str, chunk: int = CHUNK):
+    def __init__(self, etcd: Etcd, prefix: str, secret: Secret, chunk: int = CHUNK):
         self.etcd = etcd
         self.prefix = prefix.rstrip("/")
         self.pointer = f"{self.prefix}/state/current"
         self.chunks = f"{self.prefix}/state/g/"
         self.chunk = chunk
+        self._key = secret.derive("published-learned-state")
         self._seq = 0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="etcd-state")
 
     def _chunk_key(self, generation: str, i: int) -> str:
         return f"{self.chunks}{generation}/{i:06d}"
 
+    def _generation_key(self, generation: str) -> bytes:
+        """The HMAC key of one generation: a state published as one generation is refused as any other."""
+        return hmac.digest(self._key, generation.encode(), "sha256")
+
     def publish_sync(self, guard: list[dict[str, Any]], fence: int, blob: bytes, meta: dict[str, Any]) -> str | None:
         """Write ``blob`` as a new generation; its name, or None when the guard failed (no longer the leader)."""
+        if len(blob) > MAX_PUBLISHED_BYTES:
+            raise ValueError(f"the learned state is {len(blob)} bytes, more than the {MAX_PUBLISHED_BYTES} a standby "
+                             "reads: not published")
         self._seq += 1
         generation = f"{fence:016d}-{self._seq:010d}"
         parts = [blob[i:i + self.chunk] for i in range(0, len(blob), self.chunk)] or [b""]
@@ -445,8 +459,10 @@ class StateChannel:
             got = self.etcd.txn(guard, [{"request_put": {"key": _b64(self._chunk_key(generation, i)), "value": _b64(part)}}])
             if not got.get("succeeded"):
                 return None
+        mac = Mac(self._generation_key(generation))
+        mac.update(blob)
         pointer = {**meta, "generation": generation, "chunks": len(parts), "size": len(blob), "fence": fence,
-                   "sha256": hashlib.sha256(blob).hexdigest(), "at": time.time()}
+                   "hmac": mac.hexdigest(), "at": time.time()}
         older = [{"request_delete_range": {"key": _b64(self.chunks), "range_end": _b64(f"{self.chunks}{generation}")}}]
         got = self.etcd.txn(guard, [{"request_put": {"key": _b64(self.pointer), "value": _b64(json.dumps(pointer))}}, *older])
         return generation if got.get("succeeded") else None
@@ -461,16 +477,27 @@ class StateChannel:
         if not isinstance(pointer, dict) or str(pointer.get("generation")) == known:
             return None
         revision = int(got["header"]["revision"])
-        generation, n = str(pointer["generation"]), int(pointer["chunks"])
-        parts = []
+        generation, n, size, mac = str(pointer["generation"]), pointer["chunks"], pointer.get("size"), pointer.get("hmac")
+        if not isinstance(mac, str):
+            raise ValueError(f"published state {generation} carries no HMAC (a controller of an older version, or not "
+                             "a controller, wrote it): refused")
+        if (not isinstance(size, int) or not isinstance(n, int) or not 0 <= size <= MAX_PUBLISHED_BYTES
+                or not 1 <= n <= max(1, size)):
+            raise ValueError(f"published state {generation} says it is {size} bytes in {n} chunks; a published state "
+                             f"is at most {MAX_PUBLISHED_BYTES} bytes: refused")
+        parts, got_bytes = [], 0
         for i in range(n):  # one request per chunk, all at the pointer's revision: a consistent copy
             part = self.etcd.range(self._chunk_key(generation, i), revision=revision).get("kvs") or []
             if not part:
                 raise ValueError(f"published state {generation}: chunk {i} of {n} is missing")
             parts.append(_unb64(part[0].get("value", "")))
+            got_bytes += len(parts[-1])
+            if got_bytes > size:
+                raise ValueError(f"published state {generation} holds more than the {size} bytes it says: refused")
         blob = b"".join(parts)
-        if hashlib.sha256(blob).hexdigest() != pointer.get("sha256") or len(blob) != pointer.get("size"):
-            raise ValueError(f"published state {generation}: its checksum does not match")
+        if len(blob) != size or not mac_matches(self._generation_key(generation), blob, mac):
+            raise ValueError(f"published state {generation}: its HMAC does not match (not published by a controller "
+                             "with this master secret): refused; this controller keeps the state it has")
         return Published(pointer, blob)
 
     async def publish(self, guard: list[dict[str, Any]], fence: int, blob: bytes, meta: dict[str, Any]) -> str | None:

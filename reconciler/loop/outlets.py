@@ -36,11 +36,16 @@ from reconciler.balance.decide import Entry
 from reconciler.credentials import TOKEN_CHARS, Secret, UserCredentials, is_token, user_credentials, user_token
 from reconciler.model import Cluster, User, UserUsage
 from reconciler.model.roster import ACTIVE, NO_LIMIT, STANDINGS
-from reconciler.state.files import write_atomic, write_new
+from reconciler.safe_read import read_regular_file
+from reconciler.state.files import Mac, mac_matches, make_private_dirs, write_atomic, write_new
 from reconciler.subscriptions import FORMATS, Document, render
 from reconciler.subscriptions.document import EXTENSIONS, headers_json, headers_json_restamped, render_formats, userinfo
 
 MANIFEST = "subscription-files.json"
+#: The most the manifest may hold. A user's entry is ~96 bytes (``"user-123456": ["<token>", "<fingerprint>",
+#: 12345], ``), 162 at most (a 63-character name, a 19-digit size): a million users' manifest is ~92 MiB, 155 MiB
+#: at the longest; a bigger file is not one the loop wrote, and is not read (every user's files are written again).
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 FINGERPRINT_CHARS = 32  # user_fingerprint: hex
 STEP_HEX = 16  # a fingerprint's last characters are the usage step: a step alone is stamped without deciding again
 # Documents are regenerated from the snapshot at will, so they are not fsynced one by one: the manifest,
@@ -314,10 +319,15 @@ class FileOutlet:
         """(snapshot digest, user → what was published); entries that are not well-formed are dropped
         (their users are written again), a manifest that cannot be read is a fresh start, noted."""
         try:
-            data = json.loads(self.manifest_path.read_bytes())
+            data = json.loads(read_regular_file(str(self.manifest_path), MAX_MANIFEST_BYTES))  # no FIFO, no 10 GB file
         except FileNotFoundError:
             return "", PublishedTable((), {})
-        except (OSError, ValueError, RecursionError) as exc:
+        except OSError as exc:  # not a regular file, or too big: said in full
+            why = exc.strerror or type(exc).__name__
+            self.notes.append(f"ignoring {self.manifest_path}: {'it ' if why.startswith('is ') else ''}{why}; every "
+                              "user's files are written again (and the manifest with them)")
+            return "", PublishedTable((), {})
+        except (ValueError, RecursionError) as exc:
             self.notes.append(f"ignoring unreadable {self.manifest_path} ({type(exc).__name__}); every user's files are "
                               "written again")
             return "", PublishedTable((), {})
@@ -493,7 +503,7 @@ class FileOutlet:
         # the loop's peak. The secret travels with the call, never in the file; the call carries the file's HMAC
         # too, and a worker unpickles only the bytes it checked (a file swapped in the folder is refused).
         spill = self.manifest_path.parent / f"{SPILL_PREFIX}{os.getpid()}.{os.urandom(4).hex()}.pickle"
-        spill.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_private_dirs(spill.parent)
         try:
             mac = _SpillMac(self.secret)
             with open(os.open(spill, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
@@ -514,17 +524,16 @@ class FileOutlet:
 SPILL_PREFIX = ".outlet-snapshot."  # the snapshot file of a pass in worker processes (state folder; see _in_workers)
 
 
-class _SpillMac:
-    """The HMAC of a pass's snapshot file, keyed from the master secret."""
+def _spill_key(secret: Secret) -> bytes:
+    """The HMAC key of a pass's snapshot file."""
+    return secret.derive("outlet-snapshot-file")
+
+
+class _SpillMac(Mac):
+    """The HMAC of a pass's snapshot file, keyed from the master secret (checked by ``mac_matches``)."""
 
     def __init__(self, secret: Secret) -> None:
-        import hmac
-
-        self._mac = hmac.new(secret.derive("outlet-snapshot-file"), digestmod="sha256")
-        self.update = self._mac.update
-
-    def hexdigest(self) -> str:
-        return self._mac.hexdigest()
+        super().__init__(_spill_key(secret))
 
 
 class _Tee:
@@ -540,14 +549,11 @@ class _Tee:
 
 def _worker(spill: str, mac: str, secret: Secret, directory: str, formats: tuple[str, ...], before: Before,
             which: np.ndarray, headers_only: np.ndarray) -> Part:
-    import hmac
     import pickle
 
     with open(spill, "rb") as f:
         data = f.read()
-    check = _SpillMac(secret)
-    check.update(data)
-    if not hmac.compare_digest(check.hexdigest(), mac):  # not the file the pass wrote: never unpickled
+    if not mac_matches(_spill_key(secret), data, mac):  # not the file the pass wrote: never unpickled
         raise RuntimeError(f"the snapshot file {spill} is not the one this pass wrote")
     snapshot = pickle.loads(data)
     del data

@@ -11,7 +11,10 @@ spreads new connections among them, and each runs the same guarded listener
   a running event loop and threads. The master secret goes over the worker's pipe as its first
   message — never on a command line, in a file or in the environment.
 - **The same snapshot**: every interval the loop's snapshot is pickled into the state folder
-  (0600, replaced atomically) and its generation is sent to every worker, which loads it and
+  (0600, replaced atomically, sealed with an HMAC under a key derived from the master secret:
+  ``reconciler.state.files.sealed``) and its generation is sent to every worker, which checks the
+  HMAC before it unpickles anything — a file someone else put there is refused with one line in
+  the log, and the worker answers from the snapshot it has meanwhile — and then loads it and
   answers from it with the same pure ``render``: bytes and ETags equal the files'. The cluster —
   the big part, 100k users are ~10 MB and ~0.7 s to load — is written to a file of its own only
   when it changes; an interval's snapshot without it is ~2 MB and ~15 ms each way. A worker
@@ -49,7 +52,8 @@ from reconciler.balance import Snapshot, decide
 from reconciler.credentials import Secret
 from reconciler.loop.listener import Limits, Listener
 from reconciler.loop.outlets import LiveAnswers, Tokens
-from reconciler.state.files import write_atomic
+from reconciler.state.files import MacMismatch, make_private_dirs, sealed, unsealed, write_atomic
+from reconciler.text import PrintableFormatter
 
 log = logging.getLogger("reconciler.live")
 
@@ -134,7 +138,7 @@ class LiveWorkers:
 
     async def start(self) -> None:
         """Start every worker and wait until each listens; ``WorkerStartError`` (all stopped again) if one cannot."""
-        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_private_dirs(self.folder)
         await asyncio.to_thread(_check_free, self.host, self.port)
         results = await asyncio.gather(*(self._spawn(i) for i in range(self.count)), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -356,12 +360,12 @@ class LiveWorkers:
         if cluster is not self._cluster:
             self._cluster_generation += 1
             data = pickle.dumps((self._cluster_generation, cluster), protocol=pickle.HIGHEST_PROTOCOL)
-            write_atomic(self.folder / CLUSTER_FILE, data, 0o600, sync=False)
+            write_atomic(self.folder / CLUSTER_FILE, sealed(file_key(self.secret, CLUSTER_FILE), data), 0o600, sync=False)
             self._cluster = cluster
         generation = self.generation + 1
         data = pickle.dumps((generation, self._cluster_generation, snapshot_fields(snapshot)),
                             protocol=pickle.HIGHEST_PROTOCOL)
-        write_atomic(self.folder / SNAPSHOT_FILE, data, 0o600, sync=False)
+        write_atomic(self.folder / SNAPSHOT_FILE, sealed(file_key(self.secret, SNAPSHOT_FILE), data), 0o600, sync=False)
         self.generation = generation
         return generation
 
@@ -395,13 +399,20 @@ def _exit_status(code: int | None) -> str:
     return f"exited with status {code}"
 
 
-def _read_ours(path: Path) -> Any:
-    """Unpickle a file this service wrote: only if it is ours and nobody else may write it."""
+def file_key(secret: Secret, name: str) -> bytes:
+    """The HMAC key of one of the files the loop's process hands the workers (its own per file)."""
+    return secret.derive("live-worker-file", name)
+
+
+def _read_ours(path: Path, key: bytes) -> Any:
+    """Unpickle a file this service wrote: only if it is ours, nobody else may write it, and its HMAC under ``key``
+    matches (``MacMismatch`` if not: then nothing of it is unpickled)."""
     with open(path, "rb") as f:
         st = os.fstat(f.fileno())
         if st.st_uid != os.getuid() or st.st_mode & 0o077:
             raise PermissionError(f"{path} is not ours alone (owner {st.st_uid}, mode {st.st_mode & 0o777:04o}): not read")
-        return pickle.load(f)
+        content = f.read()
+    return pickle.loads(unsealed(key, content, str(path)))
 
 
 # ---------------------------------------------------------------------- the worker process
@@ -411,8 +422,9 @@ def serve(conn: Connection, slot: int, host: str, port: int, base_dir: str, fold
           limits: Limits) -> None:
     """A worker process's entry point (spawned): answer the public port until told to stop or orphaned."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the loop stops us in order
-    logging.basicConfig(level=level, stream=sys.stderr, format=f"%(asctime)s %(levelname)-7s live[{slot}] %(message)s",
-                        datefmt="%H:%M:%S", force=True)
+    handler = logging.StreamHandler(sys.stderr)  # escaped as the loop's own lines are (clients' text is in them)
+    handler.setFormatter(PrintableFormatter(f"%(asctime)s %(levelname)-7s live[{slot}] %(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
     try:
         kind, secret, generation, healthy = conn.recv()
     except EOFError:
@@ -440,6 +452,7 @@ class _Serving:
         self.conn = conn
         self.slot = slot
         self.secret = secret
+        self.keys = {name: file_key(secret, name) for name in (CLUSTER_FILE, SNAPSHOT_FILE)}
         self.folder = folder
         self.base_dir = base_dir
         self.limits = limits
@@ -468,11 +481,16 @@ class _Serving:
         if generation:
             try:
                 self._install(*await asyncio.to_thread(self._load))
+            except MacMismatch as exc:  # one line: what was refused is in it; nothing of it was unpickled
+                log.error("%s; not starting", exc)
+                self.conn.send(("error", 0, f"live worker {self.slot}: {exc}"))
+                return 4
             except Exception as exc:  # noqa: BLE001 — told to the loop's process, which logs it and tries again later
                 log.exception("cannot load the snapshot")
                 self.conn.send(("error", 0, f"live worker {self.slot} cannot load the snapshot: {type(exc).__name__}: {exc}"))
                 return 4
-        self.listener = Listener("public", self.outlet.public, self.limits)
+        self.listener = Listener("public", self.outlet.public, self.limits,
+                                 trusted_proxies=lambda: self.outlet.trusted_proxies)  # the per-client cap: as the loop's
         try:
             await self.listener.start(host, port, reuse_port=True)
         except OSError as exc:
@@ -514,6 +532,10 @@ class _Serving:
         while self._wanted > self.generation:
             try:
                 self._install(*await asyncio.to_thread(self._load))
+            except MacMismatch as exc:  # one line: what was refused is in it; nothing of it was unpickled
+                log.error("%s; answering from snapshot %d until the next one", exc, self.generation)
+                self._load_error = "cannot load the snapshot: its file was not written by this service"
+                return
             except Exception as exc:  # noqa: BLE001 — keep answering from the last snapshot; /healthz says why
                 log.exception("cannot load snapshot %d", self._wanted)
                 self._load_error = f"cannot load the snapshot: {type(exc).__name__}"
@@ -523,10 +545,10 @@ class _Serving:
         """(generation, snapshot, cluster generation, a token index for a new cluster, a region lookup) from the
         files; in a thread — the listener goes on answering from the current snapshot meanwhile."""
         for _ in range(50):
-            generation, cluster_generation, fields = _read_ours(self.folder / SNAPSHOT_FILE)
+            generation, cluster_generation, fields = _read_ours(self.folder / SNAPSHOT_FILE, self.keys[SNAPSHOT_FILE])
             cluster, tokens = self.cluster, None
             if cluster_generation != self.cluster_generation:
-                written, cluster = _read_ours(self.folder / CLUSTER_FILE)
+                written, cluster = _read_ours(self.folder / CLUSTER_FILE, self.keys[CLUSTER_FILE])
                 if written != cluster_generation:  # the loop's process is replacing both files: read them again
                     time.sleep(0.05)
                     continue

@@ -73,6 +73,11 @@ class Result:
     stderr: str
 
 
+#: The most ``known_hosts.json`` may hold: ~110 bytes a server with an ed25519 key, ~600 with an RSA one (a fleet of
+#: tens of thousands); a bigger file is not one this controller wrote, and is not read.
+MAX_KNOWN_HOSTS_BYTES = 16 * 1024 * 1024
+
+
 class KnownHosts:
     """Host keys seen on first contact, recorded in a JSON file (`host:port` → `type base64`)."""
 
@@ -81,10 +86,15 @@ class KnownHosts:
         self.keys: dict[str, str] = {}
         self.note = ""  # why the recorded keys could not be read (then none are trusted from the file)
         try:
-            raw = json.loads(path.read_bytes())
+            raw = json.loads(read_regular_file(str(path), MAX_KNOWN_HOSTS_BYTES))  # no FIFO, no 10 GB file
         except FileNotFoundError:
             raw = {}
-        except (OSError, ValueError, RecursionError) as exc:
+        except OSError as exc:  # not a regular file, too big, not ours to read: said in full
+            why = exc.strerror or type(exc).__name__
+            raw, self.note = {}, (f"ignoring {path}: {'it ' if why.startswith('is ') else ''}{why}; host keys are learnt "
+                                  "again on first contact (move the file aside, or pin the keys with `reconciler "
+                                  "hostkeys pin`)")
+        except (ValueError, RecursionError) as exc:
             raw, self.note = {}, f"ignoring unreadable {path} ({type(exc).__name__}); host keys are learnt again on first contact"
         if isinstance(raw, dict):
             self.keys = {str(k): v for k, v in raw.items() if isinstance(v, str)}

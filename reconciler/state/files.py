@@ -5,14 +5,26 @@ power loss. Every writer in the project goes through here.
 
 ``sync=False`` skips both fsyncs for files that are cheap to regenerate and many (subscription
 documents: the outlet's manifest, written with ``sync=True`` after them, is what records them).
+
+Folders the service makes for itself (``make_private_dirs``) are 0700, and so is every folder above them
+it had to make; folders that were already there are left as they are.
+
+Bytes the service writes for itself and reads back later — a pickled snapshot handed to worker processes, the
+learned state a leader publishes — are authenticated with an HMAC-SHA256 under a key derived from the master
+secret (``Mac``, ``mac_matches``), and checked before anything is made of them: a file someone else put in
+the folder is refused, never unpickled. ``sealed`` and ``unsealed`` keep the HMAC at the end of the file itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import os
 from collections.abc import Iterable
 from pathlib import Path
+
+PRIVATE_DIR = 0o700
+MAC_BYTES = 32  # HMAC-SHA256
 
 
 def write_all(fd: int, data: bytes) -> None:
@@ -61,7 +73,7 @@ def write_atomic(path: str | Path, data: bytes | Iterable[bytes], mode: int = 0o
         try:
             write_new(tmp, data, mode, sync)
         except FileNotFoundError:  # the folder is not there yet (made only then: most writes replace a file)
-            os.makedirs(folder, exist_ok=True)
+            make_private_dirs(folder)
             write_new(tmp, data, mode, sync)
         os.chmod(tmp, mode)  # the umask may have narrowed it
         os.replace(tmp, target)
@@ -71,3 +83,66 @@ def write_atomic(path: str | Path, data: bytes | Iterable[bytes], mode: int = 0o
         raise
     if sync:
         fsync_folder(folder)
+
+
+def make_private_dirs(path: str | Path) -> None:
+    """Make ``path`` and every missing folder above it, each 0700: chmod after mkdir, because the umask may have
+    narrowed or widened the mode. Folders that were already there, or that another process made meanwhile, are
+    left as they are (they need not be ours)."""
+    missing: list[str] = []
+    folder = os.path.abspath(os.fspath(path))
+    while not os.path.isdir(folder):
+        missing.append(folder)
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, PRIVATE_DIR)
+        except FileExistsError:
+            if os.path.isdir(folder):  # another process made it first: not ours to change
+                continue
+            raise
+        os.chmod(folder, PRIVATE_DIR)
+
+
+class MacMismatch(ValueError):
+    """Bytes read back are not what this service wrote: their HMAC is missing or does not match."""
+
+
+class Mac:
+    """HMAC-SHA256 under ``key`` of the bytes given to ``update`` (in pieces: a big pickle is never whole twice)."""
+
+    def __init__(self, key: bytes) -> None:
+        self._mac = hmac.new(key, digestmod="sha256")
+        self.update = self._mac.update
+
+    def hexdigest(self) -> str:
+        return self._mac.hexdigest()
+
+
+def mac_matches(key: bytes, data: bytes | memoryview, mac: bytes | memoryview | str) -> bool:
+    """Whether ``mac`` (raw, or hex as ``Mac.hexdigest`` gives it) is ``data``'s HMAC-SHA256 under ``key``; compared in
+    constant time. The one check of every HMAC the service reads back."""
+    want = hmac.digest(key, data, "sha256")
+    if isinstance(mac, str):
+        if not mac.isascii():
+            return False
+        return hmac.compare_digest(want.hex(), mac)
+    return hmac.compare_digest(want, mac)
+
+
+def sealed(key: bytes, data: bytes) -> tuple[bytes, bytes]:
+    """What a sealed file holds: ``data``, then its HMAC (pieces for ``write_atomic``)."""
+    return data, hmac.digest(key, data, "sha256")
+
+
+def unsealed(key: bytes, content: bytes, where: str) -> memoryview:
+    """The data of a sealed file's ``content`` (``sealed``), once its HMAC is checked; ``MacMismatch`` naming
+    ``where`` when the HMAC is missing or wrong (the data is then never looked at)."""
+    view = memoryview(content)
+    if len(view) < MAC_BYTES or not mac_matches(key, view[:-MAC_BYTES], view[-MAC_BYTES:]):
+        raise MacMismatch(f"{where} was not written by this service with this master secret (its HMAC does not "
+                          "match): not read")
+    return view[:-MAC_BYTES]

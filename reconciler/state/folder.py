@@ -5,10 +5,13 @@ What it holds: ``known_hosts.json`` (host keys seen on first contact), ``facts.j
 material servers generated: the pins of self-signed certificates), ``managed.json`` (servers
 an apply has managed, with how to reach them, for pruning), ``learned.npz`` (the fleet core's
 learned state) and the file outlet's manifest. Every write goes through
-``reconciler.state.files.write_atomic`` (mode 0600, the folder 0700).
+``reconciler.state.files.write_atomic`` (mode 0600); the folder, and every folder above it that had to be made
+for it, is made 0700 (``make_private_dirs``).
 
 A JSON file that cannot be read is reported (``notes``) and treated as empty — a fresh start,
-named, never silent and never an exception in the loop.
+named, never silent and never an exception in the loop. Every file is read only when it is a regular file
+(a FIFO put in its place never blocks the loop) of a bounded size: ``MAX_JSON_FILE_BYTES``, and for the learned
+state ``MAX_LEARNED_FILE_BYTES`` (``Learned.restore`` checks what it holds).
 
 ``lock()`` is an advisory lock on the folder (``flock`` on ``.lock``): one apply or loop at a
 time per state folder on this machine. The servers' own apply locks are separate (plan/lock).
@@ -26,14 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from reconciler.errors import LockHeld
-from reconciler.fleet.learned import Learned
+from reconciler.fleet.learned import MAX_STATE_BYTES, Learned
 from reconciler.model import Cluster
-from reconciler.state.files import write_atomic
+from reconciler.safe_read import read_regular_file
+from reconciler.state.files import make_private_dirs, write_atomic
 
 KNOWN_HOSTS = "known_hosts.json"
 FACTS = "facts.json"
 MANAGED = "managed.json"
 LEARNED = "learned.npz"
+MAX_LEARNED_FILE_BYTES = MAX_STATE_BYTES  # compressed, it is smaller than what it may inflate to
+MAX_JSON_FILE_BYTES = 64 << 20  # facts.json and managed.json are kilobytes for a fleet of thousands
 
 
 @dataclass
@@ -52,9 +58,10 @@ class StateFolder:
         """The JSON object in ``name``, or {} when it is missing or unreadable (noted)."""
         f = self.path / name
         try:
-            data = json.loads(f.read_bytes())
-        except FileNotFoundError:
-            return {}
+            raw = self.read_bytes(name)
+            if raw is None:
+                return {}
+            data = json.loads(raw)
         except (OSError, ValueError, RecursionError) as exc:
             self.notes.append(f"ignoring unreadable {f} ({type(exc).__name__}: {str(exc)[:200]}); starting afresh")
             return {}
@@ -66,14 +73,16 @@ class StateFolder:
     def write_json(self, name: str, data: dict[str, Any]) -> None:
         self.write_bytes(name, json.dumps(data, indent=2, sort_keys=True).encode())
 
-    def read_bytes(self, name: str) -> bytes | None:
+    def read_bytes(self, name: str, max_bytes: int = MAX_JSON_FILE_BYTES) -> bytes | None:
+        """The content of ``name``, None when it is missing; ``OSError`` when it is not a regular file or is longer
+        than ``max_bytes``."""
         try:
-            return (self.path / name).read_bytes()
+            return read_regular_file(str(self.path / name), max_bytes)
         except FileNotFoundError:
             return None
 
     def write_bytes(self, name: str, data: bytes) -> None:
-        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_private_dirs(self.path)
         write_atomic(self.path / name, data, 0o600)
 
     # ------------------------------------------------------------------ what is kept
@@ -115,7 +124,7 @@ class StateFolder:
     def load_learned(self, cluster: Cluster) -> Learned:
         """The learned state adopted to ``cluster``; unreadable → a fresh one, noted."""
         try:
-            data = self.read_bytes(LEARNED)
+            data = self.read_bytes(LEARNED, MAX_LEARNED_FILE_BYTES)
         except OSError as exc:
             data = None
             self.notes.append(f"cannot read {self.learned}: {exc.strerror}; starting afresh")
@@ -144,7 +153,7 @@ class StateFolder:
     @contextlib.contextmanager
     def lock(self, what: str = "apply") -> Iterator[None]:
         """Hold the folder's lock, or raise ``LockHeld`` naming who holds it."""
-        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_private_dirs(self.path)
         fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             try:

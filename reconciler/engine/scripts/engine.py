@@ -10,6 +10,12 @@ before anything is unpacked: a different file is refused and nothing is installe
 server's libzstd, ``library``, ~42% of a ``.tar.gz``'s CPU for the same size), ``.gz`` or ``.zst`` release (or is
 the file itself) in one pass: inflated once, read as a tar stream up to that member, hashed as it is written
 (tarfile's random-access reader inflated a 44 MB release twice, then the binary was read again to hash it).
+A release is hostile until its binary is out (a decompression bomb would fill this server's disk or memory): every
+byte inflated is counted, whatever the container (gzip, zstd, bzip2, xz, tar), and the unpacking stops with an error
+past ``MAX_UNPACKED_BYTES``; a tar member declaring more is refused before it is read, and so is a member named like
+the binary that is not a regular file (a link, a device, a sparse file whose holes would inflate outside the count),
+and a tar header whose extended data (pax records, long names, sparse maps: read whole into memory) passes
+``MAX_HEADER_BYTES``. ``release`` (the controller's unpacking) calls the same code with the same cap.
 The version is the controller's when it could run the same bytes (``version``), else this binary's own
 (``version_args``); with ``version_later`` it is left to the controller (another server staging the same bytes
 answers it for all: starting a 44 MB Go binary cost ~100 ms of CPU per server on 20 busy lab hosts), and
@@ -33,6 +39,10 @@ if TYPE_CHECKING:
 
 REQUEST: Any = None
 MAX_DOWNLOAD = 512 * 1024 * 1024  # a release is tens of MB; a server sending more is not a release
+#: The most a release (or an upload) may inflate to, every member of its tar stream counted (an engine is 30-50 MB).
+MAX_UNPACKED_BYTES = 512 * 1024 * 1024
+#: The most one tar header's extended data may hold (pax records, a GNU long name, a sparse map: a few hundred bytes).
+MAX_HEADER_BYTES = 1 << 20
 
 
 class Failed(Exception):
@@ -46,14 +56,25 @@ def at(root: str, path: str) -> str:
     return path if root == "/" else root.rstrip("/") + path
 
 
-def write_blocks(chunk: Any, path: str) -> None:
-    """Inflated blocks (``chunk()``: the next, empty at the end) into ``path``: an upload, hashed on the controller."""
+def write_blocks(chunk: Any, path: str, limit: int = MAX_UNPACKED_BYTES) -> None:
+    """Inflated blocks (``chunk()``: the next, empty at the end) into ``path``: an upload, hashed on the controller;
+    at most ``limit`` bytes of it."""
+    size = 0
     try:
         with open(path, "wb") as out:
             for block in iter(chunk, b""):
+                size += len(block)
+                if size > limit:
+                    raise RuntimeError("it inflates to more than %d MB: not an engine binary; refused" % (limit >> 20))
                 out.write(block)
     except RuntimeError as e:
         raise RuntimeError("the engine upload: %s" % e) from None
+
+
+def too_big(limit: int) -> Failed:
+    """The error of a release inflating past ``limit`` bytes."""
+    return Failed("stage", "the release inflates to more than %d MB: not an engine release; refused (check "
+                           "settings.engine.url)" % (limit >> 20))
 
 
 def zstd_api(library: str) -> tuple[Any, Any]:
@@ -168,9 +189,43 @@ class Inflating:
                 return out
 
 
-def copy_hashed(src: Any, path: str) -> str:
-    """``src`` (a readable file) into ``path``; the sha256 of what was written."""
-    return Blocks(lambda: src.read(1 << 20)).copy(path)
+class Decompressing:
+    """A bzip2 or xz stream in blocks (``chunk``, as ``Inflating``'s: 64 kB in, 128 kB out at most, empty at its
+    end). ``Failed("codec")`` when this Python was built without that codec (the controller unpacks the release)."""
+
+    def __init__(self, src: BinaryIO, codec: str) -> None:
+        try:
+            if codec == "bzip2":
+                import bz2
+
+                self.d: Any = bz2.BZ2Decompressor()
+            else:
+                import lzma
+
+                self.d = lzma.LZMADecompressor()
+        except ImportError as e:
+            raise Failed("codec", "this server's python3 cannot inflate %s: %s" % (codec, e)) from None
+        self.src, self.codec = src, codec
+
+    def chunk(self) -> bytes:
+        while not self.d.eof:
+            data = b""
+            if self.d.needs_input:
+                data = self.src.read(1 << 16)
+                if not data:
+                    raise RuntimeError("the %s stream ended early" % self.codec)
+            try:
+                out = self.d.decompress(data, 1 << 17)
+            except (OSError, ValueError, EOFError) as e:  # bz2 says a broken stream with OSError; lzma.LZMAError too
+                raise RuntimeError("the %s stream is broken: %s" % (self.codec, e)) from None
+            if out:
+                return bytes(out)
+        return b""
+
+
+def copy_hashed(src: Any, path: str, limit: int = MAX_UNPACKED_BYTES) -> str:
+    """``src`` (a readable file) into ``path``, at most ``limit`` bytes of it; the sha256 of what was written."""
+    return Blocks(lambda: src.read(1 << 20), limit).copy(path)
 
 
 def fetch(url: str, path: str) -> str:
@@ -224,14 +279,19 @@ class Blocks:
     """Inflated blocks (``chunk()``: the next one, empty at the end) as a readable file that never reads ahead of
     what it is asked. tarfile's stream mode, asking 512-byte blocks, leaves a member's bytes here, and they are
     copied to their file from the inflater's own buffer (through tarfile's 1 MB joins and slices, a third of a
-    .pkg.tar.zst's unpacking was copying)."""
+    .pkg.tar.zst's unpacking was copying). Every block is counted as it comes: past ``limit`` bytes, ``too_big``."""
 
-    def __init__(self, chunk: Any) -> None:
+    def __init__(self, chunk: Any, limit: int = MAX_UNPACKED_BYTES) -> None:
         self.chunk, self.pending, self.consumed = chunk, memoryview(b""), 0
+        self.limit, self.inflated = limit, 0
 
     def _fill(self) -> bool:
         if not self.pending:
             self.pending = memoryview(self.chunk()).cast("B")
+            self.inflated += len(self.pending)
+            if self.inflated > self.limit:
+                self.pending = memoryview(b"")
+                raise too_big(self.limit)
         return bool(self.pending)
 
     def read(self, size: int = -1) -> bytes:
@@ -270,47 +330,110 @@ class Blocks:
         return h.hexdigest()
 
 
-def unpack(archive: str, dest: str, name: str, library: str = "") -> str | None:
+def unpack(archive: str, dest: str, name: str, library: str = "", limit: int = MAX_UNPACKED_BYTES) -> str | None:
     """The binary ``name`` out of a release: a .tar.gz, a .tar.zst (an Arch package, ``.pkg.tar.zst``: zstd
-    inflates in ~40% of zlib's time, through ``library``, the server's libzstd), a .gz, a .zst, another tar, or the file
-    itself; its sha256 (None: the file's own). ``Failed("codec")`` for a zstd release where libzstd does not load."""
+    inflates in ~40% of zlib's time, through ``library``, the server's libzstd), a .tar.bz2, a .tar.xz, a .gz, a .zst
+    (or .bz2, .xz), a plain tar, or the file itself; its sha256 (None: the file's own). At most ``limit`` bytes
+    inflated (``Failed`` past it). ``Failed("codec")`` for a zstd release where libzstd does not load (or a bzip2 or
+    xz one where this Python lacks the codec)."""
     with open(archive, "rb") as raw:
-        magic = raw.read(4)
-        if magic == ZSTD_MAGIC or magic[:2] == b"\x1f\x8b":
-            raw.seek(0)
-            z = Unzstd(raw, library) if magic == ZSTD_MAGIC else None
-            try:
-                blocks = Blocks(z.view if z else Inflating(raw).chunk)
+        magic = raw.read(6)
+        raw.seek(0)
+        z = Unzstd(raw, library) if magic[:4] == ZSTD_MAGIC else None
+        try:
+            chunk: Any = None
+            if z:
+                chunk = z.view
+            elif magic[:2] == b"\x1f\x8b":
+                chunk = Inflating(raw).chunk
+            elif magic[:3] == b"BZh":
+                chunk = Decompressing(raw, "bzip2").chunk
+            elif magic == b"\xfd7zXZ\x00":
+                chunk = Decompressing(raw, "xz").chunk
+            if chunk is not None:
+                blocks = Blocks(chunk, limit)
                 if is_tar_header(blocks.peek(512)):  # a tar inside
-                    return _from_tar(blocks, dest, name)
-                return blocks.copy(dest)
-            finally:
-                if z:
-                    z.close()
-    import tarfile
-
-    if tarfile.is_tarfile(archive):  # reads the first header only; tarfile's own stream detection (bz2, xz)
-        with open(archive, "rb") as raw:
-            return _from_tar(raw, dest, name)
+                    return _from_tar(blocks, dest, name, limit)
+                return blocks.copy(dest)  # the binary alone, compressed
+        finally:
+            if z:
+                z.close()
+        if is_tar_header(raw.read(512)):  # a plain tar: nothing inflated, it is the download (MAX_DOWNLOAD at most)
+            raw.seek(0)
+            return _from_tar(raw, dest, name, limit)
     os.replace(archive, dest)  # the binary itself: its sha256 is the download's
     return None
 
 
-def _from_tar(stream: Blocks | BinaryIO, dest: str, name: str) -> str:
-    """The file named ``name`` (in any folder) of a tar stream (``Blocks``, or a file tarfile reads itself) into
-    ``dest``; its sha256."""
+class _HeaderBytes:
+    """A tar stream read while tarfile reads one header and its extended data into memory: at most
+    ``MAX_HEADER_BYTES`` of it (a 600 MB pax header of zeros inflates in a few MB of release)."""
+
+    def __init__(self, src: Any) -> None:
+        self.src, self.left = src, MAX_HEADER_BYTES
+
+    def read(self, size: int) -> bytes:
+        self.left -= size
+        if self.left < 0:
+            raise Failed("stage", "a tar header of the release holds more than %d MB of extended data (pax records, "
+                                  "long names, sparse maps): not an engine release; refused (check settings.engine.url)"
+                         % (MAX_HEADER_BYTES >> 20))
+        return bytes(self.src.read(size))
+
+    def __getattr__(self, name: str) -> Any:  # tell, seek: the stream's own
+        return getattr(self.src, name)
+
+
+def _bounded_headers(tarfile: Any) -> Any:
+    """A ``TarInfo`` whose headers are read through ``_HeaderBytes`` (``_proc_member``: tarfile's own entry point for
+    subclasses, on every Python 3; were it gone, headers would be read unbounded, no worse)."""
+
+    class Header(tarfile.TarInfo):  # type: ignore[misc]
+        def _proc_member(self, tar: Any) -> Any:
+            stream = tar.fileobj
+            tar.fileobj = _HeaderBytes(stream)
+            try:
+                return tarfile.TarInfo._proc_member(self, tar)
+            finally:
+                tar.fileobj = stream
+
+    return Header
+
+
+def _member_kind(member: Any) -> str:
+    if member.issparse():
+        return "a sparse file"
+    if member.issym() or member.islnk():
+        return "a link"
+    if member.ischr() or member.isblk() or member.isfifo():
+        return "a device or FIFO"
+    return "a tar entry of type %r" % member.type
+
+
+def _from_tar(stream: Blocks | BinaryIO, dest: str, name: str, limit: int = MAX_UNPACKED_BYTES) -> str:
+    """The regular file named ``name`` (in any folder) of a tar stream (``Blocks``, or a plain tar file tarfile reads
+    itself) into ``dest``; its sha256. ``Failed`` for a member of that name that is not a regular file (a link, a
+    device, a sparse file), and for any member declaring more than ``limit`` bytes."""
     import tarfile
 
     direct = stream if isinstance(stream, Blocks) else None
-    with tarfile.open(fileobj=stream, mode="r|" if direct else "r|*",  # type: ignore[call-overload]
+    with tarfile.open(fileobj=stream, mode="r|", tarinfo=_bounded_headers(tarfile),  # type: ignore[call-overload]
                       bufsize=tarfile.BLOCKSIZE if direct else 1 << 20) as tar:
         for member in tar:  # a stream: the members in order, up to the binary
-            if member.isfile() and os.path.basename(member.name) == name:
-                if direct and direct.consumed == member.offset_data and not member.issparse():  # its bytes come next
+            binary = os.path.basename(member.name) == name and not member.isdir()
+            if binary and (not member.isreg() or member.issparse()):
+                raise Failed("stage", "the release's %s is %s, not a regular file: refused (check settings.engine.url)"
+                             % (member.name, _member_kind(member)))
+            if member.size > limit:  # refused before its bytes are read, or skipped
+                raise Failed("stage", "the release's %s declares %d bytes: the release inflates to more than %d MB, "
+                                      "not an engine release; refused (check settings.engine.url)"
+                             % (member.name, member.size, limit >> 20))
+            if binary:
+                if direct and direct.consumed == member.offset_data:  # its bytes come next
                     return direct.copy(dest, member.size)
                 src = tar.extractfile(member)
                 assert src is not None
-                return copy_hashed(src, dest)
+                return copy_hashed(src, dest, limit)
     raise Failed("stage", "the release holds no file named %r" % name)
 
 
