@@ -48,6 +48,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -55,6 +57,7 @@ INTERVAL = 60.0
 TARGET_SHARE = 0.10
 TARGET_RSS_MB = 2048
 SECRET = b"fleet-scale-bench-secret-0123456789abcdef"
+ASSIGNED = "assigned.npy"  # in the case's folder: where the controller assigned each user
 IDLE_S = 10.0  # seconds of idling sampled after the intervals (the work between intervals)
 BURST = 0.01  # the share of users whose usage crosses a step of their subscription-userinfo in an interval
 
@@ -66,22 +69,39 @@ def serve(port_file: str, host_key: str, client_pub: str, servers: int, users: i
     """An asyncssh server answering every server's agent request (the servers are told apart by the SSH user)."""
     import asyncssh
 
+    from reconciler.credentials import Secret
     from reconciler.engine.agent import packed  # the agent's own packing of its counters (agent 2)
-    from reconciler.engine.base import marks_for  # the marks the controller gives the users (the same function)
+    from reconciler.engine.base import mark_key, marks_for  # the marks the controller gives the users (the same function)
 
     rng = random.Random(17)
 
-    marks = marks_for(tuple(f"u{i}" for i in range(users)))
-    rows: dict[str, list[list[Any]]] = {f"s{i}": [] for i in range(servers)}
-    connected: dict[str, list[str]] = {f"s{i}": [] for i in range(servers)}
-    for i in range(users):
-        server = f"s{i % servers}"
-        name = f"u{i}"
-        rows[server].append([marks[name], "ipv4", "tcp", 0, 0])
-        if i % 50 == 0:
-            connected[server].append(name)
+    marks = marks_for(tuple(f"u{i}" for i in range(users)), mark_key(Secret(SECRET)))
+    rows: dict[str, list[list[Any]]] = {}
+    connected: dict[str, list[str]] = {}
+    placed = Path(port_file).with_name(ASSIGNED)  # where the controller put each user (after its first interval)
+    seen = [-1.0]
+
+    def layout() -> None:
+        """Each user's counters on the server the controller assigned it to (a server is believed only about
+        its own users), or round robin until the controller has said."""
+        at = placed.stat().st_mtime if placed.exists() else 0.0
+        if at == seen[0]:
+            return
+        seen[0] = at
+        where = np.load(placed) if at else np.arange(users) % servers
+        rows.clear()
+        connected.clear()
+        rows.update({f"s{i}": [] for i in range(servers)})
+        connected.update({f"s{i}": [] for i in range(servers)})
+        for i in range(users):
+            server = f"s{int(where[i])}"
+            name = f"u{i}"
+            rows[server].append([marks[name], "ipv4", "tcp", 0, 0])
+            if i % 50 == 0:
+                connected[server].append(name)
 
     def report(server: str, request: dict[str, Any]) -> str:
+        layout()
         tx, rx = [], []
         for row in rows.get(server, []):
             pkts = rng.randrange(1, 200) if rng.random() >= BURST else 100_000  # a burst: 90 MB up, 810 MB down
@@ -164,9 +184,9 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
     received = [0]
     parse = service.parse_report
 
-    def counting(name: str, text: str, at: float) -> Any:
+    def counting(name: str, text: str, at: float, *rest: Any) -> Any:
         received[0] += len(text)
-        return parse(name, text, at)
+        return parse(name, text, at, *rest)
 
     service.parse_report = counting  # type: ignore[assignment]
     phases = phase_clock(loop, service)
@@ -190,6 +210,8 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
             ok = sum(v.status == "ok" for v in verdicts.servers().values())
             if i:  # the first interval connects to every server and writes every user's files: a warm-up
                 samples.append((cpu, wall, received[0], len(metrics), ok, dict(phases)))
+            else:  # from now on the servers report each user where the controller assigned it
+                tell_assignments(loop, work / ASSIGNED, servers, users)
         # Work between intervals (timers, keepalives: the pool's idle connections send one after IDLE_KEEPALIVE_S,
         # longer than the rest of an interval), measured over IDLE_S of idling and scaled to the rest of 60 s.
         wall = statistics.median(s[1] for s in samples)
@@ -222,7 +244,19 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
             "state_saved_every_s": service.BIG_STATE_EVERY if big else INTERVAL,
             "report_bytes": int(statistics.median(s[2] for s in samples)), "metrics_bytes": samples[-1][3],
             "servers_ok": samples[-1][4], "probes_per_server": probes,
+            "rows_not_believed": sum(rows for rows, _ in loop.learned.ledger.refused.values()),  # 0: all counted
             "share_of_60s": round(cpu / INTERVAL, 4), "phases_cpu_s": phases_cpu}
+
+
+def tell_assignments(loop: Any, path: Path, servers: int, users: int) -> None:
+    """Write each user's assigned server (index) for the servers' process: the bench's users use what they were
+    given, as real apps do, so every row the servers report is believed (the worst case for the fold)."""
+    where = np.arange(users) % servers
+    for (user, _route), inbound in loop.learned.assignments.items():
+        where[int(user[1:])] = int(inbound.split("-", 1)[0][1:])
+    tmp = path.with_suffix(".tmp.npy")
+    np.save(tmp, where.astype(np.int32))
+    os.replace(tmp, path)
 
 
 def phase_clock(loop: Any, service: Any) -> Counter[str]:

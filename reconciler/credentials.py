@@ -23,8 +23,10 @@ The master secret must be long (``MIN_SECRET_BYTES``) and not guessable: ``stren
 estimates its entropy (character classes, repeats, runs and common words count for little) and
 ``Secret`` refuses one under ``MIN_SECRET_BITS``; ``reconciler secret new`` prints a good one.
 
-What a person sees in place of a secret (GITOPS-6, issue 13): ``fingerprint(value)``, a short prefix
-of its sha256; ``Redactor`` replaces every known secret value and every PEM block in a text by its
+What a person sees in place of a secret (GITOPS-6): ``fingerprint(value)``, a short prefix of an HMAC of
+it under a key derived from the master secret (``use_fingerprint_key``), so a short or guessable value (a
+REALITY short id, a chosen password) cannot be found again from a plan, a log or a saved plan by trying
+candidates without the secret; ``Redactor`` replaces every known secret value and every PEM block in a text by its
 fingerprint (the engine adapter records the values it put into each file: ``ManagedFile.secrets``).
 """
 
@@ -157,9 +159,11 @@ def load_secret(env: str = "RECONCILER_SECRET", file: str | None = None) -> Secr
             "and keep it out of git"
         )
     try:
-        return Secret(raw)
+        secret = Secret(raw)
     except SecretError as exc:
         raise SecretError(f"{exc} ({where})") from None
+    use_fingerprint_key(secret)
+    return secret
 
 
 def _b64(data: bytes) -> str:
@@ -255,6 +259,16 @@ def clash_api_secret(secret: Secret, server: str) -> str:
     return _b64(secret.derive("clash-api", server, length=18))
 
 
+DEVICE_KEY_PERIOD = 86_400  # seconds: the device fingerprints' key changes every UTC day
+
+
+def device_fingerprint_key(secret: Secret, day: int) -> str:
+    """The key the agents fingerprint client addresses with on ``day`` (``now // DEVICE_KEY_PERIOD``): an address
+    is never stored, and what is stored (state, etcd, a server's answer) gives no address back without the master
+    secret; a new key every day, so fingerprints of different days cannot be linked."""
+    return secret.derive("device-fingerprint", str(day), length=16).hex()
+
+
 # --------------------------------------------------------------------------- what a person sees instead
 
 FINGERPRINT_HEX = 12
@@ -265,14 +279,27 @@ _CREDENTIAL_KEYS = re.compile(r'("(?:uuid|password|secret|private_key|short_id|k
 _JSON_STRING = re.compile(r'"([^"\\]*)"')
 
 
+FINGERPRINT_PREFIX = "fp:"
+_fingerprint_key: list[bytes] = [os.urandom(32)]  # until a master secret is loaded: this process's own, random
+
+
+def use_fingerprint_key(secret: Secret) -> None:
+    """Key every fingerprint this process shows with ``secret`` (done when the master secret is loaded): the same
+    value shows the same fingerprint in a plan and in the apply that checks it, and only the secret's holder can
+    test a guess against one."""
+    _fingerprint_key[0] = secret.derive("display-fingerprint")
+
+
 def fingerprint(value: str | bytes) -> str:
-    """``sha256:<12 hex>…``: what a person sees in place of a secret value or an opaque file."""
+    """``fp:<12 hex>…``: what a person sees in place of a secret value or an opaque file (keyed: GITOPS-6)."""
     return fingerprint_digest(hashlib.sha256(value.encode() if isinstance(value, str) else value).hexdigest())
 
 
 def fingerprint_digest(sha256_hex: str) -> str:
-    """The fingerprint of content whose sha256 is known (a file on a server, by its facts)."""
-    return f"sha256:{sha256_hex[:FINGERPRINT_HEX]}…"
+    """The fingerprint of content whose sha256 is known (a file on a server, by its facts): keyed too, since the
+    sha256 of a short file is as guessable as the file."""
+    mac = hmac.digest(_fingerprint_key[0], sha256_hex.encode(), "sha256").hex()
+    return f"{FINGERPRINT_PREFIX}{mac[:FINGERPRINT_HEX]}…"
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ def test_users_share_their_reset_rule_and_given_fields():
 def test_the_ledger_keeps_each_users_book_across_file_changes_and_restarts():
     c1 = cluster([{"name": "alice"}, {"name": "bob"}, {"name": "carol"}])
     ledger = Ledger()
-    marks = usage_marks(c1)
+    marks = usage_marks(c1, b"")
 
     def report(tx: dict[str, int], at: float) -> object:
         rows = [[marks[u], "ipv4", "udp", 1, 28 + n] for u, n in tx.items()]
@@ -91,7 +91,7 @@ def test_the_ledger_keeps_each_users_book_across_file_changes_and_restarts():
     ledger.fold(c1, {"s0": report({"alice": 100, "bob": 200, "carol": 300}, 61.0)}, 61.0)
     # The file changes: bob leaves, dave comes, the order changes.
     c2 = cluster([{"name": "dave"}, {"name": "carol"}, {"name": "alice"}])
-    marks = usage_marks(c2) | {"bob": marks["bob"]}
+    marks = usage_marks(c2, b"") | {"bob": marks["bob"]}
     ledger.fold(c2, {"s0": report({"alice": 150, "bob": 260, "carol": 300, "dave": 0}, 121.0)}, 121.0)
     view = ledger.view(c2, 121.0)
     assert list(view) == ["dave", "carol", "alice"]

@@ -20,7 +20,7 @@ import pytest
 
 from reconciler.credentials import probe_credentials, reality_keys
 from reconciler.engine import mihomo, singbox
-from reconciler.engine.base import usage_marks
+from reconciler.engine.base import mark_key, usage_marks
 from reconciler.engine.capabilities import refusals
 from reconciler.lab.releases import arch_package, write_mirror
 from reconciler.model import Cluster
@@ -77,7 +77,8 @@ def test_a_mihomo_server_is_planned_applied_and_converged(tmp_path, runner):
     reality = next(x for x in doc["listeners"] if x["name"] == "a-reality")
     assert reality["reality-config"]["private-key"] == reality_keys(SECRET, "a-reality").private_key
     assert reality["reality-config"]["server-names"] == ["www.example.com", "cdn.example.com"]  # Mihomo takes several
-    assert "IN-USER,alice,u-alice" in doc["rules"] and {"name": "u-bob", "type": "direct", "routing-mark": usage_marks(c)["bob"]} in doc["proxies"]
+    bob = {"name": "u-bob", "type": "direct", "routing-mark": usage_marks(c, mark_key(SECRET))["bob"]}
+    assert "IN-USER,alice,u-alice" in doc["rules"] and bob in doc["proxies"]
     assert plan(c, runner)[0].plan.actions == []
     # a configuration change reloads (SIGHUP keeps the connections of listeners that did not change)
     more = Cluster.model_validate({**c.model_dump(mode="json", exclude={"routes": {0: {"implicit"}}}),

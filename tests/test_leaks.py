@@ -126,5 +126,5 @@ def test_plan_and_apply_never_show_a_secret_or_a_pem_block(cli, tmp_path, monkey
     for n, text in enumerate(shown):
         assert "-----BEGIN" not in text and "PRIVATE KEY-----" not in text, f"a PEM block in output {n}"
         assert not [line for line in body_lines if line in text], f"part of a PEM body in output {n}"
-    assert "content differs: sha256:" in runs[-3].out  # the key files changed: shown by their fingerprints
-    assert "rejects a configuration containing 'sha256:" in runs[3].out  # the echoed password, as its fingerprint
+    assert "content differs: fp:" in runs[-3].out  # the key files changed: shown by their fingerprints
+    assert "rejects a configuration containing 'fp:" in runs[3].out  # the echoed password, as its fingerprint

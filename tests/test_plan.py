@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reconciler.credentials import Redactor, Secret, fingerprint, reality_keys, user_credentials
+from reconciler.credentials import Redactor, Secret, fingerprint, fingerprint_digest, reality_keys, user_credentials
 from reconciler.engine import remote
 from reconciler.engine.adapters import LAYOUTS, desired
 from reconciler.engine.base import AGENT, RESPONDER, RESPONDER_IDS, RESPONDER_UNIT, USAGE_NFT, ManagedFile
@@ -102,7 +102,7 @@ def test_bare_host_plan():
     assert {a.target for a in acts if a.kind == "write-file"} == {TEMPLATE, UNIT, AGENT, RESPONDER, RESPONDER_IDS,
                                                                    RESPONDER_UNIT, USAGE_NFT, CERT, KEY}
     key = next(a for a in acts if a.target == KEY)
-    assert key.diff.startswith("create: sha256:") and "BEGIN" not in render_human([ServerPlan("a", "h", acts)])
+    assert key.diff.startswith("create: fp:") and "BEGIN" not in render_human([ServerPlan("a", "h", acts)])
 
 
 def test_a_fresh_reality_server_plans_no_key_generation_and_shows_no_key():
@@ -115,7 +115,7 @@ def test_a_fresh_reality_server_plans_no_key_generation_and_shows_no_key():
     assert kinds(acts) == [("+", "install-engine")] + [("+", "write-file")] * 7 + [("~", "restart"), ("+", "harden")]
     private = reality_keys(SECRET, "a-in").private_key
     shown = render_human([ServerPlan("a", "192.0.2.1", acts)]) + json.dumps([a.as_json() for a in acts])
-    assert private not in shown and '"private_key": "sha256:' in shown
+    assert private not in shown and '"private_key": "fp:' in shown
 
 
 def test_agent_change_does_not_reload_the_engine():
@@ -177,30 +177,32 @@ def test_diffs_show_fingerprints_where_credentials_were():
         assert value not in diff
     assert redact('"uuid": "abc", "short_id": ["", "0a"]') == \
         f'"uuid": "{fingerprint("abc")}", "short_id": ["", "{fingerprint("0a")}"]'
-    assert fingerprint("abc") == "sha256:" + hashlib.sha256(b"abc").hexdigest()[:12] + "…"
+    shown = fingerprint("abc")  # keyed: not the plain sha256's prefix, which a search of short values reverses
+    assert shown.startswith("fp:") and shown.endswith("…") and len(shown) == 3 + 12 + 1
+    assert hashlib.sha256(b"abc").hexdigest()[:12] not in shown and fingerprint("abc") == shown
 
 
 PEM = "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC\n-----END PRIVATE KEY-----\n"
 
 
-@pytest.mark.parametrize("text,shown", [
-    (PEM, f"<PEM private key {fingerprint(PEM[:-1])}>\n"),
-    ("cut: -----BEGIN CERTIFICATE-----\nMIIB", f"cut: <PEM certificate {fingerprint('-----BEGIN CERTIFICATE-----' + chr(10) + 'MIIB')}>"),
-    ("MIIB\n-----END RSA PRIVATE KEY-----", "MIIB\n<PEM marker>"),
-    ("the engine said: bad key alice-pw-0123", f"the engine said: bad key {fingerprint('alice-pw-0123')}"),
-    ("nothing secret", "nothing secret"),
+@pytest.mark.parametrize("text,shown", [  # made when the test runs: the fingerprints' key is the process's then
+    (PEM, lambda: f"<PEM private key {fingerprint(PEM[:-1])}>\n"),
+    ("cut: -----BEGIN CERTIFICATE-----\nMIIB", lambda: f"cut: <PEM certificate {fingerprint('-----BEGIN CERTIFICATE-----' + chr(10) + 'MIIB')}>"),
+    ("MIIB\n-----END RSA PRIVATE KEY-----", lambda: "MIIB\n<PEM marker>"),
+    ("the engine said: bad key alice-pw-0123", lambda: f"the engine said: bad key {fingerprint('alice-pw-0123')}"),
+    ("nothing secret", lambda: "nothing secret"),
 ])
 def test_the_redactor_replaces_pem_blocks_and_known_values(text, shown):
-    assert Redactor.of(["alice-pw-0123"])(text) == shown
+    assert Redactor.of(["alice-pw-0123"])(text) == shown()
 
 
 def test_opaque_files_are_shown_as_fingerprints_only():
     # Issue 13: key material and certificates are never diffed; their fingerprints say that they change
     key = ManagedFile("/etc/sing-box/tls/a.key", PEM.encode(), 0o600, secret=True, opaque=True)
     assert file_diff(key, None) == f"create: {fingerprint(PEM)}"
-    assert file_diff(key, b"old bytes are never even read", "ab" * 32) == f"content differs: sha256:{'ab' * 6}… → {fingerprint(PEM)}"
+    assert file_diff(key, b"old bytes are never even read", "ab" * 32) == f"content differs: {fingerprint_digest('ab' * 32)} → {fingerprint(PEM)}"
     plain = ManagedFile("/etc/x.conf", b"a = 1\n" + PEM.encode())  # a PEM inside a file that is not opaque
-    assert "BEGIN" not in file_diff(plain, b"a = 0\n") and "<PEM private key sha256:" in file_diff(plain, b"a = 0\n")
+    assert "BEGIN" not in file_diff(plain, b"a = 0\n") and "<PEM private key fp:" in file_diff(plain, b"a = 0\n")
     assert "content" not in repr(key) and "MIIE" not in repr(key)
 
 
@@ -255,7 +257,7 @@ def test_human_output_ends_like_terraform():
     assert "\033[32m    + install-engine" in painted and "\033[33m    ~ restart" in painted
     # the agent's source is one line in a plan, not its diff
     agent = next(a for a in p.actions if a.target == AGENT)
-    assert agent.diff.startswith("new version: sha256:") and "\n" not in agent.diff
+    assert agent.diff.startswith("new version: fp:") and "\n" not in agent.diff
     assert summary_line([]) == "Plan: 0 to add, 0 to change, 0 to destroy."
 
 

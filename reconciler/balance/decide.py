@@ -293,6 +293,11 @@ def decide(snapshot: Snapshot, user_name: str, region: str | None = None) -> lis
     return entries
 
 
+def failover_servers(snapshot: Snapshot, user_name: str) -> frozenset[str]:
+    """The servers the user's subscription sends its app to (every entry's inbound and its failover order)."""
+    return frozenset(r.server.name for e in decide(snapshot, user_name) for r in (e.ref, *e.backups))
+
+
 def _backups(snapshot: Snapshot, route: Route, members: tuple[InboundRef, ...], cands: tuple[InboundRef, ...],
              pool: str | None, chosen: InboundRef, ukeys: np.ndarray, rkey: str | None,
              draws: np.ndarray | None = None) -> tuple[InboundRef, ...]:

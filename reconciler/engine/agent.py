@@ -39,7 +39,7 @@ Every probe and the whole run are bounded by the request's timeout.
 """
 
 import asyncio
-import hashlib
+import hmac
 import json
 import os
 import shutil
@@ -52,7 +52,7 @@ import time
 import urllib.request
 from typing import Any, Dict, List, Optional, Set, Tuple  # typing's generics: the servers' Python may predate list[...]
 
-AGENT_VERSION = 3  # 2: usage packed; 3: app probes
+AGENT_VERSION = 4  # 2: usage packed; 3: app probes; 4: device fingerprints as HMACs
 
 
 def service_state(unit: str) -> str:
@@ -167,8 +167,8 @@ def clash_connections(address: str, secret: str, timeout: float,
             if isinstance(tag, str) and tag.startswith("u-"):
                 seen = devices.setdefault(tag[2:], set())
                 source = str((c.get("metadata") or {}).get("sourceIP") or "")
-                if source:
-                    seen.add(hashlib.sha256((salt + source).encode()).hexdigest()[:16])
+                if source:  # keyed (the day's key from the controller): no address can be found again from it
+                    seen.add(hmac.new(salt.encode(), (tag[2:] + "\n" + source).encode(), "sha256").hexdigest()[:16])
     traffic = {"up": int(data.get("uploadTotal") or 0), "down": int(data.get("downloadTotal") or 0)}
     return traffic, sorted(devices), len(conns), {u: sorted(d) for u, d in devices.items()}
 

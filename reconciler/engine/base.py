@@ -27,7 +27,7 @@ from reconciler.certificates import derived_certificate
 from reconciler.credentials import Redactor, Secret
 from reconciler.model import Cluster, Server, User, UserUsage
 from reconciler.model.roster import ACTIVE, STANDINGS
-from reconciler.safe_read import read_regular_file
+from reconciler.safe_read import read_confined, read_regular_file
 from reconciler.text import size_text
 
 AGENT = "/usr/local/lib/reconciler/agent.py"
@@ -86,25 +86,32 @@ table inet {USAGE_TABLE} {{
 USAGE_LOAD = (f"/bin/sh -c 'nft list table inet {USAGE_TABLE} >/dev/null 2>&1 || nft -f {USAGE_NFT}'")
 
 
-def usage_marks(cluster: Cluster) -> dict[str, int]:
-    return marks_for(tuple(u.name for u in cluster.users))
+def mark_key(secret: Secret) -> bytes:
+    """The key of the users' marks: derived from the master secret, so a server, which sees the marks of the users
+    in its configuration, cannot compute anyone else's from a name."""
+    return secret.derive("usage-mark", length=32)
+
+
+def usage_marks(cluster: Cluster, key: bytes) -> dict[str, int]:
+    return marks_for(tuple(u.name for u in cluster.users), key)
 
 
 @functools.lru_cache(maxsize=4)
-def marks_for(names: tuple[str, ...]) -> dict[str, int]:
+def marks_for(names: tuple[str, ...], key: bytes) -> dict[str, int]:
     """``user_marks``, kept for the last few sets of names (rendering asks per server)."""
-    return user_marks(names)
+    return user_marks(names, key)
 
 
-def user_marks(names: tuple[str, ...]) -> dict[str, int]:
+def user_marks(names: tuple[str, ...], key: bytes) -> dict[str, int]:
     """user → the SO_MARK of that user's outbound on every server (the one place that decides it).
 
-    24 bits from the name's hash, so a user keeps its mark whoever else is added; a collision (rare: one in
-    16 million per pair) moves the later name (in sorted order) to the next free value."""
+    24 bits of a keyed hash of the name (``mark_key``), so a user keeps its mark whoever else is added, and a mark
+    says nothing to whoever lacks the key; a collision (rare: one in 16 million per pair) moves the later name (in
+    sorted order) to the next free value."""
     taken: set[int] = set()
     marks = {}
     for name in sorted(names):
-        slot = int.from_bytes(hashlib.sha256(name.encode()).digest()[:3], "big") or 1
+        slot = int.from_bytes(hashlib.blake2b(name.encode(), key=key[:64], digest_size=3).digest(), "big") or 1
         while slot in taken:
             slot = slot % 0xFFFFFF + 1
         taken.add(slot)
@@ -267,19 +274,20 @@ def acme_paths(acme_dir: str, inbound_id: str) -> tuple[str, str]:
 
 def tls_files(server: Server, secret: Secret, layout: Layout, base_dir: str, acme_dir: str) -> list[ManagedFile]:
     """Every TLS inbound's certificate and key at ``<tls_dir>/<inbound>.crt|.key``: the operator's files, read
-    here; the ACME CA's, as the controller last got them (``acme_dir``); or a certificate derived from the master
-    secret. Both opaque: a certificate is public, but its diff
-    is noise and its PEM is never printed; a key's lines are secrets too (a tool that echoes one line of it
-    shows its fingerprint)."""
+    here from the repository or a folder the operator allows (``safe_read.read_confined``); the ACME CA's, as the
+    controller last got them (``acme_dir``); or a certificate derived from the master secret. Both opaque: a
+    certificate is public, but its diff is noise and its PEM is never printed; a key's lines are secrets too (a tool
+    that echoes one line of it shows its fingerprint)."""
     files = []
     for ib in server.inbounds:
         tls = getattr(ib, "tls", None)
         if tls is None:
             continue  # REALITY's key is in the configuration; Shadowsocks has no TLS
         if tls.certificate and tls.key:  # the model gives both or neither
-            path = os.path.join(base_dir, os.path.expanduser(tls.certificate))
-            cert = read_regular_file(path)
-            key = read_regular_file(os.path.join(base_dir, os.path.expanduser(tls.key)))
+            # Only from the repository (``base_dir``) or a folder the operator allows, checked again on the opened
+            # file: the cluster file may come from a pull request, and these files go to the server.
+            cert = read_confined(tls.certificate, base_dir)
+            key = read_confined(tls.key, base_dir)
         elif tls.acme:
             cert_path, key_path = acme_paths(acme_dir, ib.id)
             try:

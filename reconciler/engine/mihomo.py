@@ -44,6 +44,7 @@ from reconciler.engine.base import (
     RESPONDER_PORT,
     Layout,
     active_users,
+    mark_key,
     torrent_blocked,
     unit_text,
     usage_marks,
@@ -128,7 +129,7 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
     torrent = [f"AND,((IN-NAME,{blocked}),(DST-PORT,{TORRENT_PORTS})),REJECT",
                *(f"AND,((IN-NAME,{blocked}),(DOMAIN-KEYWORD,{word})),REJECT" for word in TORRENT_WORDS)] if blocked else []
     put.append(clash_api_secret(secret, server.name))
-    marks = usage_marks(cluster)  # the kernel counts each user's traffic by its outbound's mark
+    marks = usage_marks(cluster, mark_key(secret))  # the kernel counts each user's traffic by its outbound's mark
     return {
         "mode": "rule", "log-level": "warning", "ipv6": True, "allow-lan": False, "find-process-mode": "off",
         "geo-auto-update": False, "profile": {"store-selected": False, "store-fake-ip": False},

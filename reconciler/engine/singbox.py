@@ -36,6 +36,7 @@ from reconciler.engine.base import (
     RESPONDER_PORT,
     Layout,
     active_users,
+    mark_key,
     torrent_blocked,
     unit_text,
     usage_marks,
@@ -125,7 +126,7 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
                              "users": [{"name": n, "uuid": c.uuid, "password": c.password} for n, c in creds.items()],
                              "tls": {**tls_paths(ib.tls.server_name, ib.id), "alpn": ["h3"]}})
     names = sorted(n for n in creds if n != PROBE_USER)
-    marks = usage_marks(cluster)  # the kernel counts each user's traffic by its outbound's mark
+    marks = usage_marks(cluster, mark_key(secret))  # the kernel counts each user's traffic by its outbound's mark
     put.append(clash_api_secret(secret, server.name))
     blocked = torrent_blocked(cluster, server)
     torrent = [{"inbound": blocked, "action": "sniff"},  # sniffing names the protocol of the first bytes

@@ -12,6 +12,7 @@ import base64
 import binascii
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -116,6 +117,7 @@ class Report:
     usage: UsageCounters | None = None  # the kernel's per-user counters; None: not available (``usage_error``)
     usage_error: str = ""
     devices: dict[str, tuple[str, ...]] = field(default_factory=dict)  # user → client address fingerprints now
+    unasked: int = 0  # probe results for inbounds this server was not asked to probe (left out: never votes)
 
     @property
     def service_ok(self) -> bool:
@@ -158,13 +160,17 @@ def _mapping(value: object, what: str) -> dict[str, object]:
     return value
 
 
-def parse_report(server: str, text: str, received: float) -> Report:
+def parse_report(server: str, text: str, received: float, asked: frozenset[str] | None = None) -> Report:
     """The agent's report (the last line of its output), checked field by field.
 
     The output is untrusted (a broken or hostile server can print anything): every field is
     checked for its type and bounds here, once, and anything wrong raises ``ReportError`` naming
     the field — that server then has no report this interval (no_data), and nothing downstream
     ever sees an unchecked value.
+
+    ``asked``: the inbounds the server was asked to probe this interval (its row of the probe plan). Results for
+    any other inbound are left out, so a server votes once per target it was asked about, and a rooted server
+    cannot vote against the whole fleet (``Report.unasked`` counts them).
     """
     if len(text) > MAX_REPORT_BYTES:
         raise ReportError(f"the agent printed {len(text)} bytes (at most {MAX_REPORT_BYTES})")
@@ -183,7 +189,11 @@ def parse_report(server: str, text: str, received: float) -> Report:
         t = _mapping(traffic, "traffic")
         total = min(MAX_COUNTER, _whole(t.get("up", 0), "traffic.up") + _whole(t.get("down", 0), "traffic.down"))
     probes: dict[str, Probe] = {}
+    unasked = 0
     for key, value in _mapping(raw.get("probes"), "probes").items():
+        if asked is not None and key not in asked:
+            unasked += 1
+            continue
         if not isinstance(value, dict) or not isinstance(value.get("ok"), bool):
             raise ReportError(f"`probes.{key[:60]}` is not a probe result")
         rtt = value.get("rtt_ms")
@@ -210,7 +220,7 @@ def parse_report(server: str, text: str, received: float) -> Report:
     return Report(server=server, received=received, service=_text(raw["service"], "service", 64), listeners=listeners,
                   traffic_bytes=total, users=users, connections=_whole(raw.get("connections") or 0, "connections"),
                   probes=probes, took_ms=_finite(raw.get("took_ms") or 0.0, "took_ms"), usage=usage,
-                  usage_error=usage_error, devices=devices)
+                  usage_error=usage_error, devices=devices, unasked=unasked)
 
 
 def _app_result(raw: object, what: str) -> tuple[bool | None, int, str | None]:
@@ -409,6 +419,12 @@ class AppProbing:
     timeout: float = 6.0
 
 
+def asked_probes(request: Mapping[str, object]) -> frozenset[str]:
+    """The inbounds an ``agent_request`` asks its server to probe (what its report may vote on)."""
+    probes = request.get("probes")
+    return frozenset(str(p["id"]) for p in probes if isinstance(p, dict)) if isinstance(probes, list) else frozenset()
+
+
 def agent_request(cluster: Cluster, server_name: str, clash_secret: str, timeout: float,
                   device_salt: str = "", interval: int = 0, app: AppProbing | None = None) -> dict[str, object]:
     """What one server's agent is asked: its own listeners, and the inbounds it probes in interval ``interval``.
@@ -439,7 +455,8 @@ def agent_request(cluster: Cluster, server_name: str, clash_secret: str, timeout
 
 
 def observation(topology: Topology, cluster: Cluster, reports: dict[str, Report | None], now: float) -> Observation:
-    """The arrays the verdict engine reads, from whichever reports arrived this interval."""
+    """The arrays the verdict engine reads, from whichever reports arrived this interval. A server speaks for itself
+    (its service and listeners) and, as a witness, once per inbound it probed; never about its own inbounds."""
     n, m = topology.n, topology.m
     server_index = {s: i for i, s in enumerate(topology.servers)}
     inbound_index = {t: j for j, t in enumerate(topology.inbounds)}
@@ -458,7 +475,7 @@ def observation(topology: Topology, cluster: Cluster, reports: dict[str, Report 
         service_ok[w] = rep.service_ok
         for t_id, probe in rep.probes.items():
             t = inbound_index.get(t_id)
-            if t is None:
+            if t is None or topology.inbound_server[t] == w:
                 continue
             present[w, t] = True
             ok[w, t] = probe.passed

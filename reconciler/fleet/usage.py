@@ -9,9 +9,13 @@ bytes per user:
 - **payload, not packets**: the counters hold IP packet lengths; the IP and transport headers (per packet: the
   kernel counts segments after GRO/TSO, so one header per counted skb) are taken off, so the figures are the bytes
   the user's apps sent and received, as a subscription's ``upload``/``download`` mean them;
-- **restarts**: a counter lower than the last one means the table started again (a reboot): what it holds now is
-  new; a server seen for the first time is a baseline (its past is not this controller's to count); a mark that
-  changed owner (a hash collision moved it) is a baseline too — one user's bytes are never another's;
+- **restarts**: a new epoch (a reboot, the table made again) or a counter lower than the last one is a new
+  baseline: what it holds is not added (a server that claims a restart every interval gains nothing); a server
+  seen for the first time is a baseline (its past is not this controller's to count); a mark that changed owner
+  (a hash collision moved it) is a baseline too — one user's bytes are never another's;
+- **a server is believed only about itself** (``Trust``): its rows count only for users the controller sent to
+  it (an assignment there, or a place in the user's failover order); each row adds at most what the server's link
+  could carry since its last read (its learned capacity, with headroom); the same holds for its device lists;
 - **periods**: bytes count into the user's current period (``User.reset``); a new period starts from zero.
 
 The ledger is part of the learned state, so usage survives controller restarts; servers that leave the file
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +55,46 @@ SIDE_SHIFT, KIND_SHIFT = 35, 32  # a counter's key: side (0 tx, 1 rx) << 35 | ki
 # hostile counter, counted as this at most. So sums of a report's rows (at most 2**21) stay far inside 64 bits.
 DELTA_CAP = 1 << 40
 TOTAL_CAP = BYTES_CAP  # a user's bytes saturate here (the state keeps them as 64-bit integers)
+# What one server's row may add per second of the interval: its learned capacity (Mbps) times this headroom, and at
+# least LINK_FLOOR_MBPS (a server whose peak is not learned yet), at most LINK_CEILING_MBPS (a learned figure is the
+# server's own report too).
+LINK_HEADROOM = 4.0
+LINK_FLOOR_MBPS = 1_000.0
+LINK_CEILING_MBPS = 100_000.0
+REACH_BUDGET = 4096  # users per server and interval checked against their failover order (the rest: not counted)
+
+
+@dataclass(frozen=True)
+class Trust:
+    """What the fold needs to believe each server only about itself.
+
+    ``mark_key``: the users' marks' key (``engine.base.mark_key``). ``reach``: which of the given users (indices in
+    the cluster's order) the controller's last answers put on ``server`` other than by assignment (a place in a
+    failover order); None: only assignments count. ``capacity_mbps``: each server's learned capacity (NaN: not
+    learned). ``device_epoch``: the day of the key the interval's device fingerprints were made with."""
+
+    mark_key: bytes
+    reach: Callable[[str, np.ndarray], np.ndarray] | None = None
+    capacity_mbps: Mapping[str, float] = field(default_factory=dict)
+    device_epoch: int = 0
+
+
+def link_bytes(capacity_mbps: float, seconds: float) -> int:
+    """The most one row of a server may add in ``seconds``."""
+    mbps = LINK_FLOOR_MBPS if capacity_mbps != capacity_mbps else capacity_mbps * LINK_HEADROOM
+    mbps = min(max(mbps, LINK_FLOOR_MBPS), LINK_CEILING_MBPS)
+    return int(min(mbps * 1e6 / 8 * max(seconds, 1.0), DELTA_CAP))
+
+
+def device_count(fps: Mapping[str, float], now: float, window: float) -> int:
+    """Distinct devices seen within ``window``: fingerprints are made with a key of the day (``d<epoch>:``), so at a
+    change of day one device shows under two keys for a moment; the larger day's count is the count."""
+    per: dict[str, int] = {}
+    for fp, t in fps.items():
+        if now - t <= window:
+            day = fp.partition(":")[0] if ":" in fp else ""
+            per[day] = per.get(day, 0) + 1
+    return max(per.values(), default=0)
 
 
 @dataclass
@@ -138,8 +182,8 @@ class UserIndex:
 
 
 @functools.lru_cache(maxsize=4)
-def user_index(names: tuple[str, ...]) -> UserIndex:
-    marks = user_marks(names)  # not marks_for's cache: the loop keeps only these arrays (a million-entry dict less)
+def user_index(names: tuple[str, ...], key: bytes) -> UserIndex:
+    marks = user_marks(names, key)  # not marks_for's cache: the loop keeps only these arrays (a million-entry dict less)
     by_user = np.fromiter((marks[n] for n in names), np.int64, len(names))
     order = np.argsort(by_user, kind="stable")
     owners = (name_keys(names) >> np.uint64(1)).astype(np.int64)
@@ -220,11 +264,12 @@ def read_counters(usage: UsageCounters, index: UserIndex,
             RowOrder(index, digest, order.astype(np.int32), user.astype(np.int32), keys, owners))
 
 
-def counted(before: CounterTable | None, after: CounterTable, user: np.ndarray) -> np.ndarray:
+def counted(before: CounterTable | None, after: CounterTable, user: np.ndarray, cap: int = DELTA_CAP) -> np.ndarray:
     """The payload bytes each row of ``after`` adds since ``before`` (None: a first contact, a baseline: nothing).
 
-    A key seen before under the same owner adds its growth (or all it holds when it went back: the counters
-    started again); a new key adds all it holds; a key whose mark changed hands, or nobody's, adds nothing."""
+    A key seen before under the same owner adds its growth (a counter that went back is a new baseline: nothing);
+    a new key adds all it holds (the kernel made it since the last read); a key whose mark changed hands, or
+    nobody's, adds nothing. No row adds more than ``cap`` bytes or packets."""
     if before is None or not len(after):
         return np.zeros(len(after), np.int64)
     packets, nbytes = after.packets, after.nbytes
@@ -233,7 +278,7 @@ def counted(before: CounterTable | None, after: CounterTable, user: np.ndarray) 
         same = before.owners == after.owners  # the same keys as last time (the common case): row for row
         dp, db = packets - before.packets, nbytes - before.nbytes
         grew = same & (dp >= 0) & (db >= 0)
-        packets, nbytes = np.where(grew, dp, packets), np.where(grew, db, nbytes)
+        packets, nbytes = np.where(grew, dp, 0), np.where(grew, db, 0)
         mine = (user >= 0) & same
     elif len(before):
         at = np.searchsorted(before.keys, after.keys)
@@ -242,13 +287,24 @@ def counted(before: CounterTable | None, after: CounterTable, user: np.ndarray) 
         same = found & (before.owners[atc] == after.owners)
         dp, db = packets - before.packets[atc], nbytes - before.nbytes[atc]
         grew = same & (dp >= 0) & (db >= 0)
-        packets, nbytes = np.where(grew, dp, packets), np.where(grew, db, nbytes)
+        packets, nbytes = np.where(grew, dp, np.where(found, 0, packets)), np.where(grew, db, np.where(found, 0, nbytes))
         mine = (user >= 0) & (~found | same)
     else:
         mine = user >= 0
     header = HEADERS[(after.keys >> KIND_SHIFT) & 0x7]
-    got = np.minimum(nbytes, DELTA_CAP) - header * np.minimum(packets, DELTA_CAP)
+    got = np.minimum(nbytes, cap) - header * np.minimum(packets, cap)
     return np.where(mine & (header >= 0) & (got > 0), got, 0)
+
+
+def _served(routes: RouteServers, server: int) -> Callable[[np.ndarray], np.ndarray]:
+    """Whether each of the given users (indices; -1: nobody) is assigned to ``server`` on some route."""
+    def check(users: np.ndarray) -> np.ndarray:
+        ok = np.zeros(len(users), bool)
+        safe = np.maximum(users, 0)
+        for _key, where in routes:
+            ok |= where[safe] == server
+        return ok & (users >= 0)
+    return check
 
 
 @dataclass
@@ -260,6 +316,8 @@ class Ledger:
     unavailable: dict[str, str] = field(default_factory=dict)  # server → why its counters could not be read
     said: dict[str, str] = field(default_factory=dict)  # events already sent (reconciler.fleet.events)
     epochs: dict[str, str] = field(default_factory=dict)  # server → its counters' epoch (boot and table)
+    read_at: dict[str, float] = field(default_factory=dict)  # server → when its counters were last read
+    refused: dict[str, tuple[int, int]] = field(default_factory=dict)  # server → (rows, bytes) not believed last fold
     last_fold: float = 0.0
     _view: tuple[Cluster, float, UsageView] | None = field(default=None, repr=False, compare=False)
     _orders: dict[str, RowOrder] = field(default_factory=dict, repr=False, compare=False)  # read_counters' memo
@@ -284,45 +342,68 @@ class Ledger:
                         b.servers.get(name, ()))
 
     def fold(self, cluster: Cluster, reports: Mapping[str, Report | None], now: float,
-             assignments: Mapping[tuple[str, str], str] | None = None) -> Counted:
-        """Count one interval's reports; returns this interval's (up, down) bytes per user who had traffic."""
+             assignments: Mapping[tuple[str, str], str] | None = None, trust: Trust | None = None) -> Counted:
+        """Count one interval's reports; returns this interval's (up, down) bytes per user who had traffic.
+
+        With ``trust`` (the loop always gives it), each server is believed only about the users the controller sent
+        to it and only up to what its link could carry (``Trust``); without it (tests of the counting alone), every
+        row of a known user counts, under unkeyed marks."""
         roster = self.align(cluster)
-        index = user_index(roster.names)
+        index = user_index(roster.names, trust.mark_key if trust is not None else b"")
         n = len(roster)
         routes = _routes_on_servers(cluster, assignments or {}, roster)
         server_at = {s.name: i for i, s in enumerate(cluster.servers)}
         up, down = np.zeros(n, np.int64), np.zeros(n, np.int64)
         open_on: dict[str, list[str]] = {}
         books = self.books
+        self.refused = {}
         for gone in [s for s in self._orders if s not in server_at]:  # left the file: its memo goes with it
             del self._orders[gone]
         for server, rep in reports.items():
             if rep is None:
                 continue
-            for user in rep.users:
+            believe = self._believer(server, server_at.get(server, -1), routes, roster, trust)
+            claimed = [u for u in rep.users if u in roster.index]
+            for user in _believed_names(claimed, roster, believe):
                 open_on.setdefault(user, []).append(server)
-            for user, fps in rep.devices.items():
-                if fps and user in roster.index:
-                    devices = books.devices.setdefault(user, {})
-                    for fp in fps:
-                        devices[fp] = now
+            device_users = [u for u, fps in rep.devices.items() if fps and u in roster.index]
+            day = f"d{trust.device_epoch}:" if trust is not None else ""
+            for user in _believed_names(device_users, roster, believe):
+                devices = books.devices.setdefault(user, {})
+                for fp in rep.devices[user]:
+                    devices[day + fp] = now
             if rep.usage is None:
                 self.unavailable[server] = rep.usage_error
                 continue
             self.unavailable.pop(server, None)
             before = self.counters.get(server)
             if before is not None and self.epochs.get(server) != rep.usage.epoch:
-                before = CounterTable.empty()  # a reboot, or the table made again: everything it holds is new
+                before = None  # a reboot, or the table made again: a new baseline, never a whole counter added
             self.epochs[server] = rep.usage.epoch
             after, row_user, order = read_counters(rep.usage, index, self._orders.get(server))
             if order is None:
                 self._orders.pop(server, None)
             else:
                 self._orders[server] = order
-            got = counted(before, after, row_user)
+            last = self.read_at.get(server)
+            self.read_at[server] = rep.received
+            cap = DELTA_CAP
+            if trust is not None:
+                seconds = rep.received - last if last is not None else cluster.settings.health.report_interval
+                cap = link_bytes(float(trust.capacity_mbps.get(server, float("nan"))), seconds)
+            got = counted(before, after, row_user, cap)
             self.counters[server] = after
             if not got.any():
                 continue
+            if trust is not None:
+                claim = np.flatnonzero(got > 0)
+                ok = believe(row_user[claim])
+                if not ok.all():
+                    no = claim[~ok]
+                    self.refused[server] = (len(no), int(got[no].sum()))
+                    got[no] = 0
+                    row_user = row_user.copy()
+                    row_user[no] = -1
             side = after.keys >> SIDE_SHIFT
             sums = self.by_server.setdefault(server, [0, 0])
             for s in (0, 1):
@@ -355,6 +436,24 @@ class Ledger:
         self._view = (cluster, now, self._usage(roster, start, nxt, now, window))  # what view() would build
         return Counted(roster.names, np.flatnonzero((up > 0) | (down > 0)), up, down)
 
+    @staticmethod
+    def _believer(server: str, at: int, routes: RouteServers, roster: Roster,
+                  trust: Trust | None) -> Callable[[np.ndarray], np.ndarray]:
+        """Which of the given users (indices; -1: nobody) ``server`` may report on: assigned there, or (at most
+        ``REACH_BUDGET`` of them) placed there by a failover order; everyone without ``trust``."""
+        if trust is None:
+            return lambda users: users >= 0
+        assigned = _served(routes, at)
+
+        def believe(users: np.ndarray) -> np.ndarray:
+            ok = assigned(users)
+            rest = np.flatnonzero(~ok & (users >= 0))
+            if len(rest) and trust.reach is not None:
+                look = rest[:REACH_BUDGET]
+                ok[look] = trust.reach(server, users[look])
+            return ok
+        return believe
+
     def view(self, cluster: Cluster, now: float) -> UsageView:
         """Each user's usage as of ``now`` (a period that ended since the last fold reads as zero)."""
         if self._view is not None and self._view[0] is cluster and self._view[1] == now:
@@ -372,7 +471,7 @@ class Ledger:
         for user, fps in b.devices.items():
             i = roster.index.get(user)
             if i is not None:
-                devices[i] = sum(1 for t in fps.values() if now - t <= window)
+                devices[i] = device_count(fps, now, window)
         return UsageView(roster.names, np.where(fresh, b.up[:n], 0), np.where(fresh, b.down[:n], 0), b.total[:n].copy(),
                          start, nxt, devices, b.last_seen[:n].copy(), b.demand[:n].copy(), dict(b.servers),
                          roster.index)
@@ -380,7 +479,7 @@ class Ledger:
     def adopt(self, cluster: Cluster) -> None:
         """Forget the counters of servers that left the file (their users' totals stay)."""
         keep = {s.name for s in cluster.servers}
-        for table in (self.counters, self.by_server, self.unavailable, self.epochs):
+        for table in (self.counters, self.by_server, self.unavailable, self.epochs, self.read_at):
             for name in [k for k in table if k not in keep]:
                 del table[name]
 
@@ -394,7 +493,7 @@ class Ledger:
         b = self.books
         sparse = {n: [b.devices.get(n, {}), list(b.servers.get(n, ()))] for n in sorted({*b.devices, *b.servers})}
         meta = {"epochs": self.epochs, "by_server": self.by_server, "by_route": self.by_route, "last_fold": self.last_fold,
-                "said": self.said, "counter_servers": servers, "counter_rows": [len(t) for t in tables],
+                "said": self.said, "read_at": self.read_at, "counter_servers": servers, "counter_rows": [len(t) for t in tables],
                 "sparse": sparse}
 
         def joined(pick: str) -> np.ndarray:
@@ -442,6 +541,7 @@ class Ledger:
             at += n
         return cls(counters=counters, books=books,
                    epochs={str(k): str(v) for k, v in dict(meta.get("epochs") or {}).items()},
+                   read_at={str(k): float(v) for k, v in dict(meta.get("read_at") or {}).items()},
                    by_server={str(k): [int(v[0]), int(v[1])] for k, v in dict(meta["by_server"]).items()},
                    by_route={str(k): [int(v[0]), int(v[1])] for k, v in dict(meta["by_route"]).items()},
                    last_fold=float(meta["last_fold"]), said={str(k): str(v) for k, v in dict(meta.get("said") or {}).items()})
@@ -485,6 +585,14 @@ class Counted(Mapping[str, tuple[int, int]]):
 
     def __len__(self) -> int:
         return len(self._which)
+
+
+def _believed_names(names: list[str], roster: Roster, believe: Callable[[np.ndarray], np.ndarray]) -> list[str]:
+    """The names (of the cluster's users) a server's report is believed about."""
+    if not names:
+        return []
+    ok = believe(np.fromiter((roster.index[u] for u in names), np.int64, len(names)))
+    return [u for u, y in zip(names, ok.tolist(), strict=True) if y]
 
 
 def _old_key(text: str) -> int:

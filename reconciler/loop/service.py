@@ -43,11 +43,11 @@ from reconciler.apply.acme import ensure_certificates
 from reconciler.apply.run import apply_all
 from reconciler.apply.session import Progress, pool_for, remember
 from reconciler.balance import Snapshot
-from reconciler.balance.decide import held_by_server
+from reconciler.balance.decide import failover_servers, held_by_server
 from reconciler.config import load_cluster
 from reconciler.config.yamlread import load_seconds
-from reconciler.credentials import Secret, clash_api_secret
-from reconciler.engine.base import AGENT
+from reconciler.credentials import DEVICE_KEY_PERIOD, Secret, clash_api_secret, device_fingerprint_key
+from reconciler.engine.base import AGENT, mark_key
 from reconciler.engine.capabilities import of_engine
 from reconciler.errors import LockHeld, RemoteError, ReportError, SecretError
 from reconciler.fleet import snapshot
@@ -55,7 +55,8 @@ from reconciler.fleet.app_probe import AppTarget, probe_targets
 from reconciler.fleet.events import degraded_reason, fleet_event, user_events, verdict_events
 from reconciler.fleet.learned import Learned
 from reconciler.fleet.reality import with_reality_keys
-from reconciler.fleet.reports import AppProbing, Report, agent_request, parse_report
+from reconciler.fleet.reports import AppProbing, Report, agent_request, asked_probes, parse_report
+from reconciler.fleet.usage import REACH_BUDGET, Trust
 from reconciler.health.verdicts import Verdicts
 from reconciler.loop import gcpause
 from reconciler.loop.client_address import networks
@@ -71,6 +72,7 @@ from reconciler.plan.lock import Fence
 from reconciler.plan.observe import observe
 from reconciler.ssh import Target
 from reconciler.state.folder import StateFolder
+from reconciler.text import size_text, url_for_log, without_url_secrets
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -149,7 +151,10 @@ class Loop:
         self._app_targets: tuple[Cluster, dict[str, AppTarget], dict[str, frozenset[str]]] | None = None
         self._session_failures: dict[tuple[str, str], str] = {}  # (witness, inbound) → how its session fails
         self._local_probe_errors: dict[str, str] = {}  # witness → why its own probe client did not run
-        self._device_salt = secret.derive("device-fingerprint", length=16).hex()  # the same on every server
+        self._mark_key = mark_key(secret)  # the users' marks: the counters are read under the same key
+        self._device_day = 0  # the day of the key this interval's device fingerprints are made with
+        self._reach: Snapshot | None = None  # the last answers: where users' failover orders send them
+        self._refused: dict[str, int] = {}  # server → rows not believed, as last logged
         self.acme_backoff = CertificateBackoff()  # failed certificate orders wait longer each time
         for note in self.state.notes:
             log.warning("%s", note)
@@ -361,8 +366,10 @@ class Loop:
             reports = await self.collect(cluster)
             with gcpause.paused():  # the interval's CPU work, without the cyclic collector walking the heap
                 now = time.time()
-                verdicts = self.learned.fold(cluster, reports, now)
+                verdicts = self.learned.fold(cluster, reports, now, self._trust())
+                self._tell_refused()
                 snap = snapshot(cluster, self.learned, with_reality_keys(self.facts, cluster, self.secret), now, verdicts)
+                self._reach = snap
                 self.learned.assignments = snap.assignments  # stickiness (LB-6): the next interval starts here (immutable)
                 self.stats.record("collect", True, time.perf_counter() - started, now)
                 self.answers.publish(snap)
@@ -405,12 +412,14 @@ class Loop:
         budget = max(5.0, min(0.8 * interval, 60.0))
 
         app = self._app_probing(cluster, probe_timeout)
+        self._device_day = int(time.time() // DEVICE_KEY_PERIOD)
+        device_key = device_fingerprint_key(self.secret, self._device_day)
 
         async def one(server: Server) -> tuple[str, Report | None]:
             name = server.name
             if not self.backoff.due(name, self._tick_index):
                 return name, None
-            req = agent_request(cluster, name, clash_api_secret(self.secret, name), probe_timeout, self._device_salt,
+            req = agent_request(cluster, name, clash_api_secret(self.secret, name), probe_timeout, device_key,
                                 interval=self._tick_index, app=app)
             try:
                 async with asyncio.timeout(budget + 2):  # not wait_for: no task of its own per server and interval
@@ -420,7 +429,7 @@ class Loop:
                     hint = " (the agent is not installed yet: apply first)" if "No such file" in res.stderr else ""
                     raise ReportError(f"the agent exited {res.code}{hint}: {res.stderr.strip()[-300:]}")
                 with gcpause.paused():
-                    report = parse_report(name, res.stdout, time.time())
+                    report = parse_report(name, res.stdout, time.time(), asked_probes(req))
             except Exception as exc:  # noqa: BLE001 — one server's failure, whatever it is, is that server's no_data
                 wait = self.backoff.failed(name, self._tick_index)
                 self.stats.server_error(name)
@@ -436,6 +445,35 @@ class Loop:
         results = dict(await asyncio.gather(*(one(s) for s in cluster.servers)))
         self._tell_sessions(results)
         return results
+
+    def _trust(self) -> Trust:
+        """How this interval's reports are believed: each server only about the users the last answers sent to it."""
+        last = self._reach
+        budget = [REACH_BUDGET]  # decisions per interval, over every server: a flood of claims costs this at most
+
+        def reach(server: str, users: np.ndarray) -> np.ndarray:
+            if last is None:
+                return np.zeros(len(users), bool)
+            names = last.cluster.roster.names
+            look = users[:max(budget[0], 0)].tolist()
+            budget[0] -= len(look)
+            out = np.zeros(len(users), bool)  # past the budget: not believed this interval
+            out[:len(look)] = [u < len(names) and server in failover_servers(last, names[u]) for u in look]
+            return out
+        return Trust(self._mark_key, reach, device_epoch=self._device_day)
+
+    def _tell_refused(self) -> None:
+        """Log a server whose report claims traffic of users the controller never sent to it (once, and when it
+        stops): such rows are not counted (a server is believed only about itself)."""
+        now = {server: rows for server, (rows, _nbytes) in self.learned.ledger.refused.items()}
+        for server, rows in now.items():
+            if server not in self._refused:
+                log.warning("%s reports traffic of %d user(s) the controller never sent to it (%s): not counted; "
+                            "a server that does this every interval may be compromised", server, rows,
+                            size_text(self.learned.ledger.refused[server][1]))
+        for server in [s for s in self._refused if s not in now]:
+            log.info("%s reports only its own users' traffic again", server)
+        self._refused = now
 
     def _tell_sessions(self, reports: dict[str, Report | None]) -> None:
         """Log, when it starts and when it ends, each pair whose handshake passes while its proxy session fails
@@ -708,7 +746,7 @@ class Loop:
         calls = max(0.5, min(5.0, settings.lease / 4))  # an etcd request of the election never outlasts a round
         self.election = Election(Etcd.from_settings(settings, self.base_dir, calls), settings.prefix, settings.lease,
                                  on_change=self._on_leadership)
-        self.channel = StateChannel(Etcd.from_settings(settings, self.base_dir, 30.0), settings.prefix)
+        self.channel = StateChannel(Etcd.from_settings(settings, self.base_dir, 30.0), settings.prefix, self.secret)
         self.registry.register(LeaderCollector(self.election))
         self.http._pages["/status.json"] = self._status_json  # the status document says who leads
         log.info("standby controllers: etcd %s, lease %gs, keys under %s; this one is %s", ", ".join(settings.etcd),
@@ -914,15 +952,23 @@ def _resolved(host: str) -> str:
 
 
 async def _post(url: str, payload: dict[str, Any]) -> None:
+    """POST one event to ``settings.outputs.webhook_url``. No redirect is followed: the body goes to the address in
+    the file or nowhere, and a 3xx answer is a failure, logged. The log shows the URL without the parts that carry
+    tokens (``reconciler.text.url_for_log``), also inside an error's text."""
     import aiohttp
 
+    shown = url_for_log(url)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-            async with session.post(url, json=payload) as resp:
-                if resp.status >= 300:
-                    log.warning("webhook %s answered %d", url, resp.status)
-    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-        log.warning("webhook %s failed: %s", url, exc)
+            async with session.post(url, json=payload, allow_redirects=False) as resp:
+                if 300 <= resp.status < 400:
+                    log.warning("webhook %s answered %d (a redirect): the event was not delivered, since webhooks follow "
+                                "no redirects; set settings.outputs.webhook_url to the address it redirects to",
+                                shown, resp.status)
+                elif resp.status >= 400:
+                    log.warning("webhook %s answered %d: the event was not delivered", shown, resp.status)
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+        log.warning("webhook %s failed: %s", shown, without_url_secrets(str(exc), url) or type(exc).__name__)
 
 
 async def run_loop(path: str, cluster: Cluster, secret: Secret, **kw: Any) -> int:

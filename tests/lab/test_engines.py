@@ -109,10 +109,12 @@ def test_a_fresh_init_runs_reality_on_mihomo_downloaded_by_the_server(lab, env, 
     finally:
         procs.stop()
     # issue 16: the official Mihomo marks the user's connections, and the kernel counted the 1 MiB it carried
+    from reconciler.cli.common import secret_of
     from reconciler.config import load_cluster
-    from reconciler.engine.base import usage_marks
+    from reconciler.engine.base import mark_key, usage_marks
 
-    mark = usage_marks(load_cluster(str(env / "c.yaml")).cluster)["me"]
+    lab_cluster = load_cluster(str(env / "c.yaml")).cluster
+    mark = usage_marks(lab_cluster, mark_key(secret_of(lab_cluster)))["me"]
     counted = json.loads(ssh(lab, h, "nft -j list set inet reconciler_usage rx").stdout)
     down = sum(e["elem"]["counter"]["bytes"] for x in counted["nftables"] if "set" in x
                for e in x["set"].get("elem", []) if e["elem"]["val"]["concat"][0] == mark)
