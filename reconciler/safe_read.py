@@ -171,14 +171,27 @@ def named(value: str, base: str) -> str:
     return os.path.join(base, os.path.expanduser(value))
 
 
-def confine(path: str, folders: Sequence[str]) -> str:
-    """``path`` resolved (symlinks followed), when it lies in one of ``folders``; else ``OutsideRepository``.
+PRIVATE = ("is one of the controller's own files (its state folder with the ACME keys, the subscription files, or a "
+           "credential): those never leave the controller")
+
+
+def confine(path: str, folders: Sequence[str], private: Sequence[str] = ()) -> str:
+    """``path`` resolved (symlinks followed), when it lies in one of ``folders`` and in none of ``private`` (the
+    controller's own files and folders, resolved: ``private_paths``); else ``OutsideRepository``.
 
     ``folders`` are resolved (``roots``). ``ValueError`` for a path with a NUL character."""
     resolved = os.path.realpath(os.path.abspath(path))
     if not inside(resolved, folders):
         raise OutsideRepository(path, resolved)
+    if private and inside(resolved, private):
+        raise OutsideRepository(path, resolved, PRIVATE)
     return resolved
+
+
+def private_paths(values: Iterable[str], base: str) -> list[str]:
+    """The controller's own files and folders (``Cluster.controller_private``), resolved as their readers resolve
+    them (relative to the cluster file's folder ``base``)."""
+    return [os.path.realpath(named(v, base)) for v in values if v and "\x00" not in v]
 
 
 def through_symlink(path: str, folders: Sequence[str]) -> bool:
@@ -186,7 +199,7 @@ def through_symlink(path: str, folders: Sequence[str]) -> bool:
     return inside(os.path.normpath(os.path.abspath(path)), folders)
 
 
-def read_confined(value: str, base: str, max_bytes: int = MAX_NAMED_FILE_BYTES) -> bytes:
+def read_confined(value: str, base: str, max_bytes: int = MAX_NAMED_FILE_BYTES, private: Sequence[str] = ()) -> bytes:
     """The content of the file ``value`` names (relative to ``base``, the cluster file's folder), bounded, and only
     when it is confined (``confine``); ``OSError`` otherwise, as ``read_regular_file`` raises it.
 
@@ -195,7 +208,7 @@ def read_confined(value: str, base: str, max_bytes: int = MAX_NAMED_FILE_BYTES) 
     the same file) must be confined too."""
     folders = roots(base)
     path = named(value, base)
-    resolved = confine(path, folders)
+    resolved = confine(path, folders, private)
     flags = (os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NOCTTY", 0)
              | getattr(os, "O_CLOEXEC", 0))
     try:
@@ -206,6 +219,8 @@ def read_confined(value: str, base: str, max_bytes: int = MAX_NAMED_FILE_BYTES) 
         raise OSError(exc.errno, exc.strerror, path) from None
     try:
         opened = _opened_path(fd, resolved)
+        if opened is not None and private and inside(opened, private):
+            raise OutsideRepository(path, opened, PRIVATE)
         if opened is None or not inside(opened, folders):
             raise OutsideRepository(path, opened or resolved, "changed while it was being read (a folder on its way was "
                                                               "swapped for a symlink); it was not read")

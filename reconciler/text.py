@@ -80,7 +80,11 @@ def without_url_secrets(text: str, url: str) -> str:
 
 class PrintableFormatter(logging.Formatter):
     """Log lines carry what servers, clients and the CA sent (errors, verdict reasons): each is made printable
-    (``printable``) so no escape sequence reaches the journal's or a CI log's viewer."""
+    (``printable``) so no escape sequence reaches the journal's or a CI log's viewer, and a line break in a message
+    is shown as ``\\n``, so no text from a server forges a log line of its own (a traceback keeps its lines)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 — logging's name
+        return super().formatMessage(record).replace("\r", "\\r").replace("\n", "\\n")
 
     def format(self, record: logging.LogRecord) -> str:
         return printable(super().format(record))

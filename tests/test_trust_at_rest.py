@@ -687,3 +687,17 @@ def test_the_servers_unpack_bzip2_and_xz_releases_through_the_same_counted_reade
     upload = io.BytesIO(_gzip_stream(bytes(MiB) for _ in range(8)))
     with pytest.raises(RuntimeError, match="the engine upload: it inflates to more than 4 MB"):
         script.write_blocks(script.Inflating(upload).chunk, str(tmp_path / "uploaded"), 4 * MiB)
+
+
+def test_an_older_generation_in_etcd_is_a_replay_and_refused():
+    # Attack: whoever can write to etcd puts back an authentic but older published state (last week's usage):
+    # a standby that already read a newer one refuses it.
+    etcd = FakeEtcd()
+    channel = StateChannel(etcd, "/p", SECRET)  # type: ignore[arg-type]
+    channel.publish_sync([], 5, b"new state", {"by": "leader"})
+    older = dict(etcd.kv)
+    channel.publish_sync([], 5, b"newer state", {"by": "leader"})
+    assert channel.read_sync().blob == b"newer state"  # type: ignore[union-attr]
+    etcd.kv.update(older)  # the older pointer and chunks, as they were
+    with pytest.raises(ValueError, match="older"):
+        channel.read_sync()

@@ -150,7 +150,7 @@ def test_one_client_cannot_take_every_connection_of_the_listener():
     # them open: everyone else's connections are then closed at once. A cap per client leaves room for the others.
     http, token = outlet()
     port = free_port()
-    limits = Limits(max_connections=16, per_client=4, header_timeout=30.0)
+    limits = Limits(max_connections=16, per_client=4, header_timeout=30.0, loopback_is_proxy=False)
 
     async def go() -> tuple[int, int, int]:
         await http.start("127.0.0.1", port, limits=limits)
@@ -185,7 +185,7 @@ def test_a_trusted_proxy_is_not_capped_as_one_client():
     port = free_port()
 
     async def go() -> tuple[int, int]:
-        await http.start("127.0.0.1", port, limits=Limits(max_connections=16, per_client=4, header_timeout=30.0))
+        await http.start("127.0.0.1", port, limits=Limits(max_connections=16, per_client=4, header_timeout=30.0, loopback_is_proxy=False))
         held = []
         try:
             for _ in range(8):

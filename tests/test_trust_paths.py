@@ -192,8 +192,8 @@ def test_the_reader_checks_what_it_opened(tmp_path, monkeypatch, swap):
     certs = path.parent / "certs"
     real_confine = safe_read.confine
 
-    def confine_then_swap(target: str, folders):
-        resolved = real_confine(target, folders)
+    def confine_then_swap(target: str, folders, private=()):
+        resolved = real_confine(target, folders, private)
         if resolved.endswith("ber-1.key"):
             if swap == "folder":
                 certs.rename(path.parent / "certs.old")

@@ -71,7 +71,7 @@ def test_a_server_claims_traffic_only_for_users_the_controller_sent_to_it():
     ledger.fold(c, {"s0": k0.report("s0", t + 60), "s1": k1.report("s1", t + 60)}, t + 60, where, trust)
     assert ledger.book("alice").down == 5 * MB
     assert ledger.book("bob").down == 1 * MB
-    assert ledger.refused["s1"] == (1, pytest.approx(link_bytes(float("nan"), 60), rel=0.01))
+    assert ledger.refused["s1"] == (1, pytest.approx(link_bytes(float("nan"), 60), rel=0.01))  # one user's bytes
     view = ledger.view(c, t + 60)
     assert view["alice"].used < 10 * 10**9  # under her 10 GB
 
@@ -83,8 +83,8 @@ def test_a_server_in_the_users_failover_order_is_believed_and_one_outside_it_is_
     where = assigned(c, {"alice": 0})
     placed = {"s2": {"alice"}}  # the last answers put alice's failover order on s2, not on s1
 
-    def reach(server: str, users: np.ndarray) -> np.ndarray:
-        return np.array([c.roster.names[int(u)] in placed.get(server, set()) for u in users], bool)
+    def reach(server: str, names: list[str]) -> np.ndarray:
+        return np.array([n in placed.get(server, set()) for n in names], bool)
 
     trust = Trust(KEY, reach)
     ledger = Ledger()
@@ -323,3 +323,92 @@ def test_the_loop_believes_a_rooted_server_only_about_its_own_users(tmp_path: Pa
     assert all(view[n].used == 0 for n in c.roster.names if n not in sent)
     assert all(view[n].used <= 4 * link_bytes(float("nan"), 60) for n in sent)
     assert "s2" in loop.learned.ledger.refused
+
+
+def test_all_of_a_servers_rows_together_add_at_most_its_link():
+    # Attack: a server claims a terabyte for each of its users at once: each row is bounded, and so is their sum.
+    c = fleet()
+    marks = usage_marks(c, KEY)
+    where = assigned(c, {"alice": 0, "bob": 0, "carol": 0})
+    ledger, k = Ledger(), Kernel()
+    t = ts(2026, 12, 1)
+    ledger.fold(c, {"s0": k.report("s0", t)}, t, where, Trust(KEY))
+    for name in ("alice", "bob", "carol"):
+        for family, transport in (("ipv4", "tcp"), ("ipv6", "tcp"), ("ipv4", "udp"), ("ipv6", "udp")):
+            k.counters[(1, marks[name], family, transport)] = [1, TiB]
+    ledger.fold(c, {"s0": k.report("s0", t + 60)}, t + 60, where, Trust(KEY))
+    assert sum(ledger.book(n).down for n in ("alice", "bob", "carol")) <= link_bytes(float("nan"), 60)
+
+
+def test_each_user_off_its_assignment_is_looked_up_once_and_counted_whole():
+    # A user on a failover member has several counter rows (IPv4 and IPv6, TCP and UDP) and open connections:
+    # its failover order is asked once, and every row counts.
+    c = fleet()
+    marks = usage_marks(c, KEY)
+    where = assigned(c, {"alice": 0})
+    asked: list[list[str]] = []
+
+    def reach(server: str, names: list[str]) -> np.ndarray:
+        asked.append(names)
+        return np.array([n == "alice" for n in names], bool)
+
+    ledger, k = Ledger(), Kernel()
+    t = ts(2026, 12, 1)
+    ledger.fold(c, {"s1": k.report("s1", t)}, t, where, Trust(KEY, reach))
+    for family, transport in (("ipv4", "tcp"), ("ipv6", "tcp"), ("ipv4", "udp"), ("ipv6", "udp")):
+        k.counters[(1, marks["alice"], family, transport)] = [10, MB + 10 * 52]
+    ledger.fold(c, {"s1": k.report("s1", t + 60)}, t + 60, where, Trust(KEY, reach))
+    assert [n for names in asked for n in names].count("alice") <= 1
+    assert ledger.book("alice").down > 3 * MB
+
+
+def test_what_is_kept_of_a_device_is_no_servers_fingerprint():
+    # Attack: every server holds the day's device key, so a rooted server could search stored fingerprints for
+    # addresses. What the controller keeps is an HMAC of the fingerprint under a key of its own.
+    c = fleet()
+    where = assigned(c, {"alice": 0})
+    ledger = Ledger()
+    t = ts(2026, 12, 1)
+    fp = "0123456789abcdef"
+    rep = Kernel().report("s0", t, devices={"alice": [fp]})
+    ledger.fold(c, {"s0": rep}, t, where, Trust(KEY, device_key=SECRET.derive("device-store"), device_epoch=7))
+    [kept] = ledger.book("alice").devices
+    assert kept.startswith("d7:") and fp not in kept
+    meta, _arrays = ledger.pack()
+    assert fp not in json.dumps(meta)
+
+
+def test_a_servers_tls_key_may_not_be_the_controllers_own(tmp_path: Path):
+    # Attack: `tls.key: .reconciler/acme/other.key` (inside the repository folder, where the state folder is by
+    # default) made apply upload another inbound's ACME key to the server the pull request names.
+    from reconciler.cli import main
+
+    (tmp_path / ".reconciler" / "acme").mkdir(parents=True)
+    (tmp_path / ".reconciler" / "acme" / "other.key").write_text("-----BEGIN PRIVATE KEY-----\nx\n-----END PRIVATE KEY-----\n")
+    (tmp_path / "mine.crt").write_text("-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n")
+    (tmp_path / "cluster.yaml").write_text(
+        "servers:\n  - name: a\n    host: 198.18.0.10\n    country: DE\n    inbounds:\n"
+        "      - {id: a-t, name: T, protocol: trojan, port: 8443,\n"
+        "         tls: {server_name: a.example.net, certificate: mine.crt, key: .reconciler/acme/other.key}}\n"
+        "users:\n  - {name: alice}\n")
+    import contextlib
+    import io
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
+        code = main(["validate", "-f", str(tmp_path / "cluster.yaml")])
+        assert code != 0
+    assert "cluster.yaml:7:" in err.getvalue() and "controller's own files" in err.getvalue()
+    from reconciler import safe_read
+    with pytest.raises(safe_read.OutsideRepository):
+        safe_read.read_confined(".reconciler/acme/other.key", str(tmp_path),
+                                private=safe_read.private_paths([".reconciler"], str(tmp_path)))
+
+
+def test_one_ipv6_host_is_one_client_at_the_acme_responder_and_a_local_proxy_is_not_capped():
+    from reconciler.engine.scripts import acme
+    from reconciler.loop.client_address import connection_key
+
+    assert acme._client("2001:db8:1:2::5") == acme._client("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
+    assert acme._client("::ffff:198.18.0.7") == "198.18.0.7"
+    assert connection_key("127.0.0.1", (), loopback_is_proxy=True) is None
+    assert connection_key("198.18.0.7", (), loopback_is_proxy=True) == "198.18.0.7"

@@ -79,15 +79,20 @@ def _confined(cluster: Cluster, source: SourceMap, cluster_file: str) -> Iterato
     folders, decided by ``safe_read.confine`` as the readers decide it."""
     base = os.path.dirname(os.path.abspath(cluster_file))
     folders = safe_read.roots(base)
+    private = safe_read.private_paths(cluster.controller_private(), base)
     cwd = os.getcwd()
     for where, what, value, from_cwd in named_files(cluster):
         full = safe_read.named(value, cwd if from_cwd else base)
         pos = source.value(where)
         try:
-            safe_read.confine(full, folders)
+            safe_read.confine(full, folders, private if where[-2:-1] == ("tls",) and where[0] == "servers" else ())
         except ValueError:
             yield at("error", pos, f"{what}: the path contains a NUL character", None, "path")
         except safe_read.OutsideRepository as exc:
+            if str(exc.strerror) == safe_read.PRIVATE:
+                yield at("error", pos, f"{what} names {shown(value)}, which {safe_read.PRIVATE}",
+                         "name a certificate and key of the repository's own for this inbound", "controller-file")
+                continue
             how = "leads through a symlink" if safe_read.through_symlink(full, folders) else "is"
             relative = (" (taken from the working directory, as a relative path here is)"
                         if from_cwd and not os.path.isabs(os.path.expanduser(value)) else "")

@@ -94,7 +94,7 @@ def desired(cluster: Cluster, server: Server, secret: Secret, now: float, base_d
              ManagedFile(RESPONDER_UNIT, RESPONDER_UNIT_TEXT.encode(), 0o644, engine=False),
              ManagedFile(RESPONDER_IDS, responder_ids(server), 0o644, engine=False),
              ManagedFile(USAGE_NFT, USAGE_NFT_TEXT.encode(), 0o644, engine=False),
-             *tls_files(server, secret, layout, base_dir, acme_dir(cluster, base_dir))]
+             *tls_files(server, secret, layout, base_dir, acme_dir(cluster, base_dir), cluster.controller_private())]
     listeners = sorted({(ib.port, t) for ib in server.inbounds for t in ib.transports})
     return DesiredServer(server=server.name, engine=layout, files=tuple(files),
                          binary=engine_binary(cluster.engine_of(server)), listeners=tuple(listeners),

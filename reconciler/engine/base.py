@@ -27,7 +27,7 @@ from reconciler.certificates import derived_certificate
 from reconciler.credentials import Redactor, Secret
 from reconciler.model import Cluster, Server, User, UserUsage
 from reconciler.model.roster import ACTIVE, STANDINGS
-from reconciler.safe_read import read_confined, read_regular_file
+from reconciler.safe_read import private_paths, read_confined, read_regular_file
 from reconciler.text import size_text
 
 AGENT = "/usr/local/lib/reconciler/agent.py"
@@ -272,7 +272,8 @@ def acme_paths(acme_dir: str, inbound_id: str) -> tuple[str, str]:
     return os.path.join(acme_dir, f"{inbound_id}.crt"), os.path.join(acme_dir, f"{inbound_id}.key")
 
 
-def tls_files(server: Server, secret: Secret, layout: Layout, base_dir: str, acme_dir: str) -> list[ManagedFile]:
+def tls_files(server: Server, secret: Secret, layout: Layout, base_dir: str, acme_dir: str,
+              private: tuple[str, ...] = ()) -> list[ManagedFile]:
     """Every TLS inbound's certificate and key at ``<tls_dir>/<inbound>.crt|.key``: the operator's files, read
     here from the repository or a folder the operator allows (``safe_read.read_confined``); the ACME CA's, as the
     controller last got them (``acme_dir``); or a certificate derived from the master secret. Both opaque: a
@@ -286,8 +287,11 @@ def tls_files(server: Server, secret: Secret, layout: Layout, base_dir: str, acm
         if tls.certificate and tls.key:  # the model gives both or neither
             # Only from the repository (``base_dir``) or a folder the operator allows, checked again on the opened
             # file: the cluster file may come from a pull request, and these files go to the server.
-            cert = read_confined(tls.certificate, base_dir)
-            key = read_confined(tls.key, base_dir)
+            # Never one of the controller's own files (``private``: Cluster.controller_private), such as another
+            # inbound's ACME key in the state folder.
+            mine = private_paths(private, base_dir)
+            cert = read_confined(tls.certificate, base_dir, private=mine)
+            key = read_confined(tls.key, base_dir, private=mine)
         elif tls.acme:
             cert_path, key_path = acme_paths(acme_dir, ib.id)
             try:

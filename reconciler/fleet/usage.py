@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,19 +63,23 @@ LINK_HEADROOM = 4.0
 LINK_FLOOR_MBPS = 1_000.0
 LINK_CEILING_MBPS = 100_000.0
 REACH_BUDGET = 4096  # users per server and interval checked against their failover order (the rest: not counted)
+DEVICE_ID_BYTES = 8  # a stored device fingerprint: 64 bits of an HMAC under the controller's own key
 
 
 @dataclass(frozen=True)
 class Trust:
     """What the fold needs to believe each server only about itself.
 
-    ``mark_key``: the users' marks' key (``engine.base.mark_key``). ``reach``: which of the given users (indices in
-    the cluster's order) the controller's last answers put on ``server`` other than by assignment (a place in a
-    failover order); None: only assignments count. ``capacity_mbps``: each server's learned capacity (NaN: not
-    learned). ``device_epoch``: the day of the key the interval's device fingerprints were made with."""
+    ``mark_key``: the users' marks' key (``engine.base.mark_key``). ``reach``: which of the given users (names,
+    distinct) the controller's last answers put on ``server`` other than by assignment (a place in a failover
+    order); None: only assignments count. ``device_key``: the controller's own key the servers' device fingerprints
+    are stored under (the servers share the day's key, so what is kept must not be theirs to search).
+    ``capacity_mbps``: each server's learned capacity (NaN: not learned). ``device_epoch``: the day of the key the
+    interval's device fingerprints were made with."""
 
     mark_key: bytes
-    reach: Callable[[str, np.ndarray], np.ndarray] | None = None
+    reach: Callable[[str, list[str]], np.ndarray] | None = None
+    device_key: bytes = b""
     capacity_mbps: Mapping[str, float] = field(default_factory=dict)
     device_epoch: int = 0
 
@@ -317,7 +322,7 @@ class Ledger:
     said: dict[str, str] = field(default_factory=dict)  # events already sent (reconciler.fleet.events)
     epochs: dict[str, str] = field(default_factory=dict)  # server → its counters' epoch (boot and table)
     read_at: dict[str, float] = field(default_factory=dict)  # server → when its counters were last read
-    refused: dict[str, tuple[int, int]] = field(default_factory=dict)  # server → (rows, bytes) not believed last fold
+    refused: dict[str, tuple[int, int]] = field(default_factory=dict)  # server → (users, bytes) not believed last fold
     last_fold: float = 0.0
     _view: tuple[Cluster, float, UsageView] | None = field(default=None, repr=False, compare=False)
     _orders: dict[str, RowOrder] = field(default_factory=dict, repr=False, compare=False)  # read_counters' memo
@@ -371,7 +376,7 @@ class Ledger:
             for user in _believed_names(device_users, roster, believe):
                 devices = books.devices.setdefault(user, {})
                 for fp in rep.devices[user]:
-                    devices[day + fp] = now
+                    devices[day + _device_id(trust, fp)] = now
             if rep.usage is None:
                 self.unavailable[server] = rep.usage_error
                 continue
@@ -395,16 +400,20 @@ class Ledger:
             self.counters[server] = after
             if not got.any():
                 continue
+            side = after.keys >> SIDE_SHIFT
             if trust is not None:
                 claim = np.flatnonzero(got > 0)
                 ok = believe(row_user[claim])
                 if not ok.all():
                     no = claim[~ok]
-                    self.refused[server] = (len(no), int(got[no].sum()))
+                    self.refused[server] = (len(np.unique(row_user[no])), int(got[no].sum()))
                     got[no] = 0
                     row_user = row_user.copy()
                     row_user[no] = -1
-            side = after.keys >> SIDE_SHIFT
+                for s in (0, 1):  # and all of the server's rows together: no more than its link either
+                    total = int(got[side == s].sum())
+                    if total > cap:
+                        got[side == s] = got[side == s] * (cap / total)
             sums = self.by_server.setdefault(server, [0, 0])
             for s in (0, 1):
                 sums[s] += int(got[side == s].sum())
@@ -440,17 +449,21 @@ class Ledger:
     def _believer(server: str, at: int, routes: RouteServers, roster: Roster,
                   trust: Trust | None) -> Callable[[np.ndarray], np.ndarray]:
         """Which of the given users (indices; -1: nobody) ``server`` may report on: assigned there, or (at most
-        ``REACH_BUDGET`` of them) placed there by a failover order; everyone without ``trust``."""
+        ``REACH_BUDGET`` distinct users per server and interval) placed there by a failover order; everyone
+        without ``trust``."""
         if trust is None:
             return lambda users: users >= 0
         assigned = _served(routes, at)
+        budget = [REACH_BUDGET]
 
         def believe(users: np.ndarray) -> np.ndarray:
             ok = assigned(users)
-            rest = np.flatnonzero(~ok & (users >= 0))
-            if len(rest) and trust.reach is not None:
-                look = rest[:REACH_BUDGET]
-                ok[look] = trust.reach(server, users[look])
+            rest = np.unique(users[~ok & (users >= 0)])
+            if len(rest) and trust.reach is not None and budget[0] > 0:
+                look = rest[:budget[0]]
+                budget[0] -= len(look)
+                placed = look[trust.reach(server, [roster.names[int(u)] for u in look])]
+                ok |= np.isin(users, placed)
             return ok
         return believe
 
@@ -585,6 +598,14 @@ class Counted(Mapping[str, tuple[int, int]]):
 
     def __len__(self) -> int:
         return len(self._which)
+
+
+def _device_id(trust: Trust | None, fp: str) -> str:
+    """What is kept of a server's device fingerprint: an HMAC under the controller's own key (the servers all hold
+    the day's key the fingerprints were made with; the state and etcd must give nothing they could search)."""
+    if trust is None or not trust.device_key:
+        return fp
+    return hmac.digest(trust.device_key, fp.encode(), "sha256")[:DEVICE_ID_BYTES].hex()
 
 
 def _believed_names(names: list[str], roster: Roster, believe: Callable[[np.ndarray], np.ndarray]) -> list[str]:

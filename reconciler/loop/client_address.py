@@ -77,18 +77,19 @@ def client_address(peer: str, headers: Mapping[str, str], trusted: tuple[Network
     return str(known)
 
 
-def connection_key(peer: str, trusted: tuple[Network, ...]) -> str | None:
+def connection_key(peer: str, trusted: tuple[Network, ...], loopback_is_proxy: bool = False) -> str | None:
     """Whose connection this is, for a listener's cap per client: the peer's address, an IPv6 one by its /64 (one host
     often holds a whole /64) and an IPv4-mapped one as the IPv4 address. None for a trusted proxy — it carries many
     clients over its connections, and which client a connection is for is known from its requests' headers only,
-    after the connection is taken — and for a peer that is not an address (a Unix socket)."""
+    after the connection is taken — for a loopback peer when ``loopback_is_proxy`` (a reverse proxy on this host),
+    and for a peer that is not an address (a Unix socket)."""
     try:
         address: Address = ipaddress.ip_address(peer)  # a socket's peer: a bare address
     except ValueError:
         return None
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped
-    if trusted and _trusted(address, trusted):
+    if (trusted and _trusted(address, trusted)) or (loopback_is_proxy and address.is_loopback):
         return None
     if isinstance(address, ipaddress.IPv6Address):
         return str(ipaddress.IPv6Network((address, 64), strict=False))

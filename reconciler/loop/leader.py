@@ -426,6 +426,14 @@ class Published:
         return str(self.pointer.get("generation", ""))
 
 
+def _order(generation: str) -> tuple[int, ...]:
+    """A generation's place in time (``<fence>-<seq>``, as ``publish`` names it); unknown forms sort first."""
+    try:
+        return tuple(int(x) for x in generation.split("-"))
+    except ValueError:
+        return ()
+
+
 class StateChannel:
     """The leader's learned state in etcd: ``publish`` (guarded by the election) and ``read``, authenticated with
     an HMAC keyed from the master secret (leader and standby hold the same secret; etcd never does)."""
@@ -438,6 +446,7 @@ class StateChannel:
         self.chunk = chunk
         self._key = secret.derive("published-learned-state")
         self._seq = 0
+        self._newest: str | None = None  # the newest generation read: an older one is a replay, refused
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="etcd-state")
 
     def _chunk_key(self, generation: str, i: int) -> str:
@@ -481,8 +490,11 @@ class StateChannel:
         if not isinstance(mac, str):
             raise ValueError(f"published state {generation} carries no HMAC (a controller of an older version, or not "
                              "a controller, wrote it): refused")
+        if self._newest is not None and _order(generation) < _order(self._newest):
+            raise ValueError(f"published state {generation} is older than {self._newest}, which this controller already "
+                             "read (a replay of an old state in etcd?): refused")
         if (not isinstance(size, int) or not isinstance(n, int) or not 0 <= size <= MAX_PUBLISHED_BYTES
-                or not 1 <= n <= max(1, size)):
+                or n != max(1, -(-size // self.chunk))):
             raise ValueError(f"published state {generation} says it is {size} bytes in {n} chunks; a published state "
                              f"is at most {MAX_PUBLISHED_BYTES} bytes: refused")
         parts, got_bytes = [], 0
@@ -498,6 +510,7 @@ class StateChannel:
         if len(blob) != size or not mac_matches(self._generation_key(generation), blob, mac):
             raise ValueError(f"published state {generation}: its HMAC does not match (not published by a controller "
                              "with this master secret): refused; this controller keeps the state it has")
+        self._newest = generation
         return Published(pointer, blob)
 
     async def publish(self, guard: list[dict[str, Any]], fence: int, blob: bytes, meta: dict[str, Any]) -> str | None:

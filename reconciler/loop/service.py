@@ -56,7 +56,7 @@ from reconciler.fleet.events import degraded_reason, fleet_event, user_events, v
 from reconciler.fleet.learned import Learned
 from reconciler.fleet.reality import with_reality_keys
 from reconciler.fleet.reports import AppProbing, Report, agent_request, asked_probes, parse_report
-from reconciler.fleet.usage import REACH_BUDGET, Trust
+from reconciler.fleet.usage import Trust
 from reconciler.health.verdicts import Verdicts
 from reconciler.loop import gcpause
 from reconciler.loop.client_address import networks
@@ -152,6 +152,7 @@ class Loop:
         self._session_failures: dict[tuple[str, str], str] = {}  # (witness, inbound) → how its session fails
         self._local_probe_errors: dict[str, str] = {}  # witness → why its own probe client did not run
         self._mark_key = mark_key(secret)  # the users' marks: the counters are read under the same key
+        self._device_store_key = secret.derive("device-store")  # what is kept of device fingerprints: ours alone
         self._device_day = 0  # the day of the key this interval's device fingerprints are made with
         self._reach: Snapshot | None = None  # the last answers: where users' failover orders send them
         self._refused: dict[str, int] = {}  # server → rows not believed, as last logged
@@ -366,7 +367,7 @@ class Loop:
             reports = await self.collect(cluster)
             with gcpause.paused():  # the interval's CPU work, without the cyclic collector walking the heap
                 now = time.time()
-                verdicts = self.learned.fold(cluster, reports, now, self._trust())
+                verdicts = self.learned.fold(cluster, reports, now, self._trust(cluster))
                 self._tell_refused()
                 snap = snapshot(cluster, self.learned, with_reality_keys(self.facts, cluster, self.secret), now, verdicts)
                 self._reach = snap
@@ -446,31 +447,36 @@ class Loop:
         self._tell_sessions(results)
         return results
 
-    def _trust(self) -> Trust:
-        """How this interval's reports are believed: each server only about the users the last answers sent to it."""
-        last = self._reach
-        budget = [REACH_BUDGET]  # decisions per interval, over every server: a flood of claims costs this at most
+    def _trust(self, cluster: Cluster) -> Trust:
+        """How this interval's reports are believed: each server only about the users the last answers sent to it
+        (their failover orders as the last snapshot gives them; after a start or a takeover, as the restored state
+        gives them), each user's order decided at most once per interval."""
+        orders: dict[str, frozenset[str]] = {}
 
-        def reach(server: str, users: np.ndarray) -> np.ndarray:
-            if last is None:
-                return np.zeros(len(users), bool)
-            names = last.cluster.roster.names
-            look = users[:max(budget[0], 0)].tolist()
-            budget[0] -= len(look)
-            out = np.zeros(len(users), bool)  # past the budget: not believed this interval
-            out[:len(look)] = [u < len(names) and server in failover_servers(last, names[u]) for u in look]
+        def reach(server: str, names: list[str]) -> np.ndarray:
+            if self._reach is None or self._reach.cluster is not cluster:  # a start, a takeover or a reload
+                now = time.time()
+                self._reach = snapshot(cluster, self.learned, with_reality_keys(self.facts, cluster, self.secret), now,
+                                       self.learned.current_verdicts(cluster, now))
+            last = self._reach
+            out = np.zeros(len(names), bool)
+            for i, name in enumerate(names):
+                found = orders.get(name)
+                if found is None:
+                    found = orders[name] = failover_servers(last, name)
+                out[i] = server in found
             return out
-        return Trust(self._mark_key, reach, device_epoch=self._device_day)
+        return Trust(self._mark_key, reach, self._device_store_key, device_epoch=self._device_day)
 
     def _tell_refused(self) -> None:
         """Log a server whose report claims traffic of users the controller never sent to it (once, and when it
         stops): such rows are not counted (a server is believed only about itself)."""
-        now = {server: rows for server, (rows, _nbytes) in self.learned.ledger.refused.items()}
-        for server, rows in now.items():
+        now = {server: users for server, (users, _nbytes) in self.learned.ledger.refused.items()}
+        for server, users in now.items():
             if server not in self._refused:
-                log.warning("%s reports traffic of %d user(s) the controller never sent to it (%s): not counted; "
-                            "a server that does this every interval may be compromised", server, rows,
-                            size_text(self.learned.ledger.refused[server][1]))
+                log.warning("%s reports traffic of %d user(s) the controller did not send to it, or no longer serves "
+                            "(%s): not counted; a server that does this every interval may be compromised", server,
+                            users, size_text(self.learned.ledger.refused[server][1]))
         for server in [s for s in self._refused if s not in now]:
             log.info("%s reports only its own users' traffic again", server)
         self._refused = now

@@ -881,6 +881,16 @@ class Cluster(_Model):
         """Inbounds in no route: invisible to clients (ROUTE-4)."""
         return tuple(ref for ref in self.inbounds if self._route_of[ref.inbound.id] is None)
 
+    def controller_private(self) -> tuple[str, ...]:
+        """The paths the controller keeps for itself, as the file names them (relative ones to its folder): its
+        state folder (ACME keys, learned state), the subscription files, and every credential file. No path the
+        file names for a server (a TLS certificate or key) may lead into them: those files go to the server."""
+        s = self.settings
+        out = [s.outputs.state_dir, s.outputs.subscriptions_dir, s.secret.file,
+               s.outputs.operations_auth.file if s.outputs.operations_auth else None, s.leader.password_file,
+               s.leader.tls.key if s.leader.tls else None, *(srv.ssh.identity for srv in self.servers)]
+        return tuple(dict.fromkeys(p for p in out if p))
+
     def server(self, name: str) -> Server:
         return self._servers[name]
 

@@ -57,7 +57,7 @@ def test_bare_hosts_plan_apply_replan(lab, env):
     assert plan.stdout.strip().endswith("Plan: 30 to add, 3 to change, 0 to destroy."), plan.stdout
     # Credentials show as fingerprints, never as themselves (the users' uuids are derived from the lab secret).
     alice = user_credentials(Secret(SECRET.encode()), "alice")
-    assert "\"uuid\": \"sha256:" in plan.stdout and alice.uuid not in plan.stdout and alice.password not in plan.stdout
+    assert "\"uuid\": \"fp:" in plan.stdout and alice.uuid not in plan.stdout and alice.password not in plan.stdout
     apply = reconciler("apply", "-f", "c.yaml")
     assert apply.returncode == 0, apply.stdout + apply.stderr
     assert "Apply: 3 ok, 0 failed, 3 changed." in apply.stdout

@@ -6,11 +6,13 @@ listening, or ``{"error": …}``): a port that is taken says so at once.
 Port 80 is open to anyone while it runs, and the CA asks from several places at once: each connection is answered
 in a thread of its own, so a client that connects and sends nothing (or drips a byte at a time) never holds up the
 CA's requests. Each connection has ``READ_SECONDS`` for every read and ``TOTAL_SECONDS`` in all, then it is closed;
-at most ``MAX_CONNECTIONS`` are open at once, ``PER_ADDRESS`` of them from one address, and more are closed at once.
+at most ``MAX_CONNECTIONS`` are open at once, ``PER_ADDRESS`` of them from one client (an address; an IPv6 one by
+its /64, which one host often holds whole), and more are closed at once.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import socket
@@ -31,6 +33,19 @@ READ_SECONDS = 5.0
 TOTAL_SECONDS = 10.0
 #: Connections open at once (each is a thread); the CA's few requests need a handful.
 MAX_CONNECTIONS = 64
+def _client(peer: str) -> str:
+    """Whose connection it is: its address, an IPv4-mapped one as IPv4, an IPv6 one by its /64."""
+    try:
+        address = ipaddress.ip_address(peer)
+    except ValueError:
+        return peer
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((int(address) >> 64 << 64, 64)))
+    return str(address)
+
+
 #: Connections open at once from one address: one client cannot take the places the CA's requests need.
 PER_ADDRESS = 8
 
@@ -55,7 +70,7 @@ class Server(ThreadingMixIn, HTTPServer):
         HTTPServer.__init__(self, address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        peer = str(client_address[0]) if isinstance(client_address, tuple) and client_address else ""
+        peer = _client(str(client_address[0]) if isinstance(client_address, tuple) and client_address else "")
         with self.lock:
             mine = sum(1 for who, _ in self.open.values() if who == peer)
             if len(self.open) >= MAX_CONNECTIONS or mine >= PER_ADDRESS:
