@@ -23,7 +23,6 @@ confined (``safe_read.confine``, the one place that decides):
 
 from __future__ import annotations
 
-import errno
 import fnmatch
 import glob
 import os
@@ -31,7 +30,7 @@ from typing import Any
 
 from reconciler import safe_read
 from reconciler.config.diagnostics import Diagnostic, Pos, SourceMap, at, shown
-from reconciler.config.yamlread import MAX_FILE_BYTES, Budget, Problem, TopLevel, read_yaml
+from reconciler.config.yamlread import MAX_FILE_BYTES, Budget, Problem, TopLevel, decoded, file_bytes, read_yaml
 
 INCLUDABLE = ("servers", "routes", "users")
 # An included file's lists stop at their first wrong kind (before the value is read); another key is refused below,
@@ -168,25 +167,13 @@ def merge_includes(data: dict[str, Any], main_path: str, display: str, source: S
 def _confined_text(match: str, where: str, base: str) -> str:
     """The included file's text, read through ``safe_read.read_confined`` (checked again on the opened file);
     ``Problem`` as ``yamlread.read_text`` gives it when it cannot be had."""
-    try:
-        raw = safe_read.read_confined(match, base, MAX_FILE_BYTES)
-    except safe_read.OutsideRepository as exc:
-        raise Problem(Diagnostic("error", f"reaches outside the cluster's folder (the repository): {exc.strerror}",
-                                 ALLOW_HINT, file=where, code="include")) from None
-    except FileNotFoundError:
-        raise Problem(Diagnostic("error", "file not found", "check the path", file=where, code="file")) from None
-    except IsADirectoryError:
-        raise Problem(Diagnostic("error", "is a directory, not a file", file=where, code="file")) from None
-    except OSError as exc:
-        hint = "split it with includes" if exc.errno == errno.EFBIG else None
-        raise Problem(Diagnostic("error", f"cannot read: {exc.strerror}", hint, file=where, code="file")) from None
-    except ValueError as exc:  # e.g. an embedded NUL in a path
-        raise Problem(Diagnostic("error", f"cannot read: {exc}", file=where, code="file")) from None
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise Problem(Diagnostic("error", "not UTF-8 text", "save the file as UTF-8", where, line, 1, "encoding")) from None
+    def read() -> bytes:
+        try:
+            return safe_read.read_confined(match, base, MAX_FILE_BYTES)
+        except safe_read.OutsideRepository as exc:  # before file_bytes' OSError: it says why, and what to do
+            raise Problem(Diagnostic("error", f"reaches outside the cluster's folder (the repository): {exc.strerror}",
+                                     ALLOW_HINT, file=where, code="include")) from None
+    return decoded(file_bytes(read, where), where)
 
 
 def _merge_one(data: dict[str, Any], source: SourceMap, match: str, where: str, here: Pos | None, pattern: str,

@@ -194,8 +194,15 @@ def read_text(path: str, display: str, overrides: dict[str, str] | None = None, 
                                      "split it with includes", file=display, code="file"))
         budget.read(len(override.encode("utf-8", "surrogatepass")), display)
         return override
+    raw = file_bytes(lambda: read_regular_file(path, MAX_FILE_BYTES), display)
+    budget.read(len(raw), display)
+    return decoded(raw, display)
+
+
+def file_bytes(read: Callable[[], bytes], display: str) -> bytes:
+    """What ``read`` gives, or ``Problem`` saying why a file cannot be had (the one wording for every reader)."""
     try:
-        raw = read_regular_file(path, MAX_FILE_BYTES)
+        return read()
     except FileNotFoundError:
         raise Problem(Diagnostic("error", "file not found", "check the path", file=display, code="file")) from None
     except IsADirectoryError:
@@ -205,7 +212,10 @@ def read_text(path: str, display: str, overrides: dict[str, str] | None = None, 
         raise Problem(Diagnostic("error", f"cannot read: {exc.strerror}", hint, file=display, code="file")) from None
     except ValueError as exc:  # e.g. an embedded NUL in a path
         raise Problem(Diagnostic("error", f"cannot read: {exc}", file=display, code="file")) from None
-    budget.read(len(raw), display)
+
+
+def decoded(raw: bytes, display: str) -> str:
+    """A file's bytes as text (UTF-8, a BOM dropped), or ``Problem`` at the line that is not."""
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:

@@ -155,6 +155,7 @@ class Loop:
         self._device_store_key = secret.derive("device-store")  # what is kept of device fingerprints: ours alone
         self._device_day = 0  # the day of the key this interval's device fingerprints are made with
         self._reach: Snapshot | None = None  # the last answers: where users' failover orders send them
+        self._reach_before: Snapshot | None = None  # the answers before those (apps follow them for a while)
         self._refused: dict[str, int] = {}  # server → rows not believed, as last logged
         self.acme_backoff = CertificateBackoff()  # failed certificate orders wait longer each time
         for note in self.state.notes:
@@ -370,7 +371,7 @@ class Loop:
                 verdicts = self.learned.fold(cluster, reports, now, self._trust(cluster))
                 self._tell_refused()
                 snap = snapshot(cluster, self.learned, with_reality_keys(self.facts, cluster, self.secret), now, verdicts)
-                self._reach = snap
+                self._reach_before, self._reach = self._reach, snap
                 self.learned.assignments = snap.assignments  # stickiness (LB-6): the next interval starts here (immutable)
                 self.stats.record("collect", True, time.perf_counter() - started, now)
                 self.answers.publish(snap)
@@ -449,21 +450,22 @@ class Loop:
 
     def _trust(self, cluster: Cluster) -> Trust:
         """How this interval's reports are believed: each server only about the users the last answers sent to it
-        (their failover orders as the last snapshot gives them; after a start or a takeover, as the restored state
-        gives them), each user's order decided at most once per interval."""
+        (their failover orders as the last two snapshots give them, so a server that left rotation for an interval,
+        an engine's restart, still counts what its users carried; after a start or a takeover, as the restored
+        state gives them), each user's orders decided at most once per interval."""
         orders: dict[str, frozenset[str]] = {}
 
         def reach(server: str, names: list[str]) -> np.ndarray:
             if self._reach is None or self._reach.cluster is not cluster:  # a start, a takeover or a reload
                 now = time.time()
-                self._reach = snapshot(cluster, self.learned, with_reality_keys(self.facts, cluster, self.secret), now,
+                self._reach_before, self._reach = self._reach, snapshot(cluster, self.learned, with_reality_keys(self.facts, cluster, self.secret), now,
                                        self.learned.current_verdicts(cluster, now))
-            last = self._reach
+            answers = [a for a in (self._reach, self._reach_before) if a is not None]
             out = np.zeros(len(names), bool)
             for i, name in enumerate(names):
                 found = orders.get(name)
                 if found is None:
-                    found = orders[name] = failover_servers(last, name)
+                    found = orders[name] = frozenset().union(*(failover_servers(a, name) for a in answers))
                 out[i] = server in found
             return out
         return Trust(self._mark_key, reach, self._device_store_key, device_epoch=self._device_day)
