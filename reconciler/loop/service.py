@@ -458,8 +458,9 @@ class Loop:
         def reach(server: str, names: list[str]) -> np.ndarray:
             if self._reach is None or self._reach.cluster is not cluster:  # a start, a takeover or a reload
                 now = time.time()
-                self._reach_before, self._reach = self._reach, snapshot(cluster, self.learned, with_reality_keys(self.facts, cluster, self.secret), now,
-                                       self.learned.current_verdicts(cluster, now))
+                made = snapshot(cluster, self.learned, with_reality_keys(self.facts, cluster, self.secret), now,
+                                self.learned.current_verdicts(cluster, now))
+                self._reach_before, self._reach = self._reach, made
             answers = [a for a in (self._reach, self._reach_before) if a is not None]
             out = np.zeros(len(names), bool)
             for i, name in enumerate(names):
