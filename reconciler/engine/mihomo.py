@@ -140,10 +140,12 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
         "listeners": listeners,
         "proxies": [{"name": f"u-{n}", "type": "direct", "routing-mark": marks[n]} for n in names],
         # The probe credential to the probe responder and to nothing else (HEALTH-16); users' apps reach the
-        # responder (their failover checks) through their own proxy: counted.
+        # responder (their failover checks) unmarked: the app's overhead, not the user's data (and the kernel would
+        # count a marked loopback connection both ways at once).
         "rules": [f"AND,((IN-USER,{probe}),(IP-CIDR,{RESPONDER_HOST}/32,no-resolve),(DST-PORT,{RESPONDER_PORT})),DIRECT",
                   f"IN-USER,{probe},REJECT",
-                  *torrent, *(f"IN-USER,{n}{'/' + creds[n].uuid if tuic else ''},u-{n}" for n in names), "MATCH,DIRECT"],
+                  *torrent, f"AND,((IP-CIDR,{RESPONDER_HOST}/32,no-resolve),(DST-PORT,{RESPONDER_PORT})),DIRECT",
+                  *(f"IN-USER,{n}{'/' + creds[n].uuid if tuic else ''},u-{n}" for n in names), "MATCH,DIRECT"],
     }, tuple(dict.fromkeys(put))
 
 

@@ -136,17 +136,24 @@ def rendered_config(cluster: Cluster, server: Server, secret: Secret, now: float
         "inbounds": inbounds,
         "outbounds": [{"type": "direct", "tag": "direct"}] + [{"type": "direct", "tag": f"u-{n}", "routing_mark": marks[n]}
                                                            for n in names],
-        "route": {"rules": [*_probe_rules(), *torrent, *({"auth_user": [n], "outbound": f"u-{n}"} for n in names)],
+        "route": {"rules": [*_probe_rules(), *torrent, _checks_rule(),
+                            *({"auth_user": [n], "outbound": f"u-{n}"} for n in names)],
                   "final": "direct"},
         "experimental": {"clash_api": {"external_controller": CLASH_API, "secret": put[-1]}},
     }, tuple(dict.fromkeys(put))
 
 
 def _probe_rules() -> list[dict[str, object]]:
-    """The probe credential to the probe responder and to nothing else (HEALTH-16). Users reach the responder too
-    (their apps' failover checks) through their own outbound: counted, like the rest of their traffic."""
+    """The probe credential to the probe responder and to nothing else (HEALTH-16)."""
     return [{"auth_user": [PROBE_USER], "ip_cidr": [f"{RESPONDER_HOST}/32"], "port": [RESPONDER_PORT], "outbound": "direct"},
             {"auth_user": [PROBE_USER], "action": "reject"}]
+
+
+def _checks_rule() -> dict[str, object]:
+    """Users' apps reach the responder too (their failover checks), through the unmarked outbound: a check is the
+    app's own overhead, like the tunnel's, not the user's data; and the kernel sees a loopback connection in both
+    of its chains, so a marked one would count every check as upload and download at once."""
+    return {"ip_cidr": [f"{RESPONDER_HOST}/32"], "port": [RESPONDER_PORT], "outbound": "direct"}
 
 
 def render(cluster: Cluster, server: Server, secret: Secret, now: float,
