@@ -89,6 +89,41 @@ class LabState:
                                        "helpers": self.helpers}, indent=2).encode())
 
 
+def _leftovers() -> list[Host]:
+    """Lab hosts that exist on this machine but in no state file: their names are the lab's own.
+
+    A run killed before it saved its state, or a lab started from another checkout, leaves namespaces named
+    ``rlabN``, overlay mounts ``…/hosts/vpsN/merged`` and cgroups ``reconciler-lab/vpsN``. A new lab would
+    collide with every one of them, so ``down`` removes them too.
+    """
+    found: dict[int, Host] = {}
+
+    def host(i: int) -> Host:
+        return found.setdefault(i, Host(index=i, name=f"vps{i}", ip=f"{SUBNET}.{100 + i}", netns=f"{NS_PREFIX}{i}",
+                                        veth=f"rlv{i}", dir=""))
+
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/run/netns"):
+            if name.startswith(NS_PREFIX) and name[len(NS_PREFIX):].isdigit():
+                host(int(name[len(NS_PREFIX):]))
+    for h in ("systemd", "unified"):
+        with contextlib.suppress(OSError):
+            for name in os.listdir(f"/sys/fs/cgroup/{h}/reconciler-lab"):
+                if name.startswith("vps") and name[3:].isdigit():
+                    host(int(name[3:]))
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) > 2 and parts[2] == "overlay" and parts[1].endswith("/merged"):
+                hdir = Path(parts[1]).parent
+                if hdir.parent.name == "hosts" and hdir.name.startswith("vps") and hdir.name[3:].isdigit():
+                    host(int(hdir.name[3:])).dir = str(hdir)
+    for h in found.values():
+        if not h.dir:
+            h.dir = "/nonexistent/reconciler-lab"  # no mount to undo
+    return sorted(found.values(), key=lambda h: h.index)
+
+
 class Lab:
     """N sandbox hosts. Use as a context manager, or ``up()`` / ``down()``."""
 
@@ -264,6 +299,9 @@ class Lab:
         for host in self.state.hosts:
             self._stop_host(host)
         self.state.hosts = []
+        for host in _leftovers():  # hosts whose record is gone: an interrupted run, or one from another checkout
+            self.log(f"removing {host.name}, left over by an earlier lab")
+            self._stop_host(host)
         with contextlib.suppress(LabError, subprocess.SubprocessError):
             _run(["nft", "delete", "table", "bridge", BLOCK_TABLE], check=False)
         brif = Path(f"/sys/class/net/{BRIDGE}/brif")
