@@ -75,6 +75,7 @@ class LabState:
     hosts: list[Host] = field(default_factory=list)
     inotify_before: int | None = None
     helpers: list[int] = field(default_factory=list)  # PIDs of processes the lab started (origins, ...)
+    owner: list[Any] = field(default_factory=list)  # [pid, start time] of the process that brought it up
 
     @classmethod
     def load(cls, path: Path) -> LabState:
@@ -82,20 +83,16 @@ class LabState:
             return cls()
         data = json.loads(path.read_text())
         return cls(hosts=[Host(**h) for h in data.get("hosts", [])], inotify_before=data.get("inotify_before"),
-                   helpers=data.get("helpers", []))
+                   helpers=data.get("helpers", []), owner=data.get("owner") or [])
 
     def save(self, path: Path) -> None:
         write_atomic(path, json.dumps({"hosts": [asdict(h) for h in self.hosts], "inotify_before": self.inotify_before,
-                                       "helpers": self.helpers}, indent=2).encode())
+                                       "helpers": self.helpers, "owner": self.owner}, indent=2).encode())
 
 
-def _leftovers() -> list[Host]:
-    """Lab hosts that exist on this machine but in no state file: their names are the lab's own.
-
-    A run killed before it saved its state, or a lab started from another checkout, leaves namespaces named
-    ``rlabN``, overlay mounts ``…/hosts/vpsN/merged`` and cgroups ``reconciler-lab/vpsN``. A new lab would
-    collide with every one of them, so ``down`` removes them too.
-    """
+def _machine_hosts() -> list[Host]:
+    """Every lab host on this machine, whichever lab made it: its names are the lab's own (namespaces ``rlabN``,
+    overlay mounts ``…/hosts/vpsN/merged``, cgroups ``reconciler-lab/vpsN``), so no state file is needed to find it."""
     found: dict[int, Host] = {}
 
     def host(i: int) -> Host:
@@ -106,9 +103,9 @@ def _leftovers() -> list[Host]:
         for name in os.listdir("/run/netns"):
             if name.startswith(NS_PREFIX) and name[len(NS_PREFIX):].isdigit():
                 host(int(name[len(NS_PREFIX):]))
-    for h in ("systemd", "unified"):
+    for hierarchy in ("systemd", "unified"):
         with contextlib.suppress(OSError):
-            for name in os.listdir(f"/sys/fs/cgroup/{h}/reconciler-lab"):
+            for name in os.listdir(f"/sys/fs/cgroup/{hierarchy}/reconciler-lab"):
                 if name.startswith("vps") and name[3:].isdigit():
                     host(int(name[3:]))
     with contextlib.suppress(OSError):
@@ -118,10 +115,28 @@ def _leftovers() -> list[Host]:
                 hdir = Path(parts[1]).parent
                 if hdir.parent.name == "hosts" and hdir.name.startswith("vps") and hdir.name[3:].isdigit():
                     host(int(hdir.name[3:])).dir = str(hdir)
-    for h in found.values():
-        if not h.dir:
-            h.dir = "/nonexistent/reconciler-lab"  # no mount to undo
     return sorted(found.values(), key=lambda h: h.index)
+
+
+def _running(host: Host) -> bool:
+    """Whether anything runs in the host: a process in its namespace or its cgroup."""
+    if _run(["ip", "netns", "pids", host.netns], check=False).stdout.split():
+        return True
+    for hierarchy in ("systemd", "unified"):
+        root = Path(f"/sys/fs/cgroup/{hierarchy}/reconciler-lab/{host.name}")
+        with contextlib.suppress(OSError):
+            if any(procs.read_text().split() for procs in root.rglob("cgroup.procs")):
+                return True
+    return False
+
+
+def _process(pid: int) -> tuple[int, str] | None:
+    """(pid, start time) of a running process, which a reused PID does not share; None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return pid, stat.rsplit(")", 1)[-1].split()[19]
 
 
 class Lab:
@@ -194,12 +209,38 @@ class Lab:
 
     # ------------------------------------------------------------------ up / down
 
+    def _refuse_when_in_use(self) -> None:
+        """One lab at a time on a machine: every lab names its hosts, bridge and tables alike, so a second one would
+        tear into the first. A lab is in use while the process that brought it up runs (not this one)."""
+        owner = self.state.owner
+        if owner and owner[0] != os.getpid() and _process(int(owner[0])) == (int(owner[0]), str(owner[1])):
+            raise LabError(f"the lab in {self.root} is in use by process {owner[0]}: one lab at a time on a machine; "
+                           "wait for it to finish, or stop that process")
+
+    def _others(self) -> tuple[list[Host], list[Host]]:
+        """The lab hosts on this machine this lab did not record: (running, left over). Running ones belong to a lab
+        another checkout or process brought up; the others were left by a run that died before it cleaned up."""
+        mine = {h.netns for h in self.state.hosts}
+        others = [h for h in _machine_hosts() if h.netns not in mine]
+        running = [h for h in others if _running(h)]
+        return running, [h for h in others if h not in running]
+
     def up(self, count: int, timeout: float = 120.0) -> list[Host]:
+        self._refuse_when_in_use()
         if self.state.hosts:
             raise LabError(f"a lab with {plural(len(self.state.hosts), 'host')} is already up; run `reconciler lab down` first")
         if not 1 <= count <= 99:
             raise LabError("between 1 and 99 hosts")
         self.check_requirements()
+        running, left = self._others()
+        if running:
+            where = sorted({str(Path(h.dir).parent) for h in running if h.dir})
+            raise LabError(f"another lab is running on this machine ({', '.join(h.name for h in running)}"
+                           + (f", under {', '.join(where)}" if where else "") + "): one lab at a time on a machine; "
+                           "wait for it to finish, or run `reconciler lab down` in its folder")
+        self._remove(left)
+        self.state.owner = list(_process(os.getpid()) or ())
+        self.state.save(self.state_path)
         self.build_rootfs()
         self.ensure_key()
         pub = self.key.with_suffix(".pub").read_text()
@@ -287,8 +328,15 @@ class Lab:
             raise LabError(f"sshd did not come up within {timeout:.0f}s on: {', '.join(pending)} "
                            f"(console logs under {self.root / 'hosts'})")
 
+    def _remove(self, left: list[Host]) -> None:
+        for host in left:
+            self.log(f"removing {host.name}, left over by a lab that did not clean up")
+            self._stop_host(host)
+
     def down(self) -> None:
-        """Tear down everything the lab created. Safe to call twice, and after a crash."""
+        """Tear down everything the lab created, and hosts a dead lab left; never a lab another process runs.
+        Safe to call twice, and after a crash."""
+        self._refuse_when_in_use()
         for pid in self.state.helpers:
             _kill_group(pid)
         self.state.helpers = []
@@ -299,17 +347,18 @@ class Lab:
         for host in self.state.hosts:
             self._stop_host(host)
         self.state.hosts = []
-        for host in _leftovers():  # hosts whose record is gone: an interrupted run, or one from another checkout
-            self.log(f"removing {host.name}, left over by an earlier lab")
-            self._stop_host(host)
-        with contextlib.suppress(LabError, subprocess.SubprocessError):
-            _run(["nft", "delete", "table", "bridge", BLOCK_TABLE], check=False)
-        brif = Path(f"/sys/class/net/{BRIDGE}/brif")
-        if brif.exists() and not any(brif.iterdir()):
-            _run(["ip", "link", "del", BRIDGE], check=False)
-        for h in ("systemd", "unified"):
-            with contextlib.suppress(OSError):
-                os.rmdir(f"/sys/fs/cgroup/{h}/reconciler-lab")
+        self.state.owner = []
+        running, left = self._others()
+        self._remove(left)
+        if not running:  # the bridge, the blocking table and the cgroup are shared by every lab on the machine
+            with contextlib.suppress(LabError, subprocess.SubprocessError):
+                _run(["nft", "delete", "table", "bridge", BLOCK_TABLE], check=False)
+            brif = Path(f"/sys/class/net/{BRIDGE}/brif")
+            if brif.exists() and not any(brif.iterdir()):
+                _run(["ip", "link", "del", BRIDGE], check=False)
+            for h in ("systemd", "unified"):
+                with contextlib.suppress(OSError):
+                    os.rmdir(f"/sys/fs/cgroup/{h}/reconciler-lab")
         for proc in self._procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(5)
@@ -337,7 +386,8 @@ class Lab:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
                 os.kill(int(pid), signal.SIGKILL)
-        _run(["umount", "-l", str(host.merged)], check=False)
+        if host.dir:  # a leftover found by its namespace alone has no mount
+            _run(["umount", "-l", str(host.merged)], check=False)
         _run(["ip", "link", "del", host.veth], check=False)
         _run(["ip", "netns", "del", host.netns], check=False)
         for h in ("systemd", "unified"):
