@@ -11,8 +11,10 @@ import sys
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from reconciler.cli.commands import HELP
 from reconciler.cli.common import add_command, add_file, cluster_file
-from reconciler.cli.plan import KEEP, SERVER, STRICT, _observe, _warnings, color
+from reconciler.cli.observation import KEEP, SERVER, STRICT, observe_servers, route_warnings
+from reconciler.cli.output import color
 from reconciler.errors import InvalidInput
 from reconciler.model import Cluster
 from reconciler.text import printable
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
 
 
 def register(sub: Any) -> None:
-    ap = add_command(sub, "apply", "make the servers match the file (GITOPS-4)", "reconciler apply plan.json")
+    ap = add_command(sub, "apply", HELP["apply"], "reconciler apply plan.json")
     ap.add_argument("plan", nargs="?", help="a plan saved with `plan --out`; refused when stale")
     add_file(ap)
     ap.add_argument("--keep", action="append", default=[], metavar="SERVER", help=KEEP)
@@ -45,7 +47,7 @@ def _approved(cluster: Cluster, observed: list[Observed]) -> bool:
 
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         return True
-    sys.stdout.write(render_human([o.plan for o in observed], _warnings(cluster), color=color()))
+    sys.stdout.write(render_human([o.plan for o in observed], route_warnings(cluster), color=color()))
     if not any(o.plan.changes for o in observed):
         return True
     print("\nDo you want to perform these actions? Only 'yes' will be accepted.")
@@ -90,7 +92,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
             remember(state, cluster, observed, results)
         return results
 
-    cluster, state, observed, results = _observe(path, keep, args.strict_host_keys, only, then)
+    cluster, state, observed, results = observe_servers(path, keep, args.strict_host_keys, only, then)
     assert results is not None
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=2, default=str))

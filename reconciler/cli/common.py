@@ -13,14 +13,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reconciler import safe_read
-from reconciler.config import load_cluster
-from reconciler.config.diagnostics import Diagnostic
-from reconciler.credentials import Secret, load_secret
 from reconciler.errors import ConfigError, InvalidInput
-from reconciler.model import Cluster, User
+from reconciler.text import plural as plural  # the commands' one import of it
 
-if TYPE_CHECKING:  # numpy and the decision cores load only for the commands that decide
+if TYPE_CHECKING:  # the model (pydantic), numpy and the decision cores load only when a command runs: --help is fast
     from reconciler.balance import Snapshot
+    from reconciler.config.diagnostics import Diagnostic
+    from reconciler.credentials import Secret
+    from reconciler.model import Cluster, User
     from reconciler.state.folder import StateFolder
 
 DEFAULT_FILE = os.environ.get("RECONCILER_FILE", "cluster.yaml")
@@ -63,6 +63,8 @@ def print_diagnostics(diagnostics: Sequence[Diagnostic]) -> None:
 
 def load(path: str) -> Cluster:
     """The valid cluster in ``path``, or ``ConfigError`` carrying its diagnostics (warnings are validate's)."""
+    from reconciler.config import load_cluster
+
     result = load_cluster(path)
     if result.cluster is None:
         n = len(result.errors)
@@ -71,6 +73,8 @@ def load(path: str) -> Cluster:
 
 
 def secret_of(cluster: Cluster) -> Secret:
+    from reconciler.credentials import load_secret
+
     return load_secret(cluster.settings.secret.env, cluster.settings.secret.file)
 
 
@@ -108,7 +112,3 @@ def user_named(cluster: Cluster, name: str) -> User:
 
 def base_dir(path: str) -> Path:
     return Path(path).resolve().parent
-
-
-def plural(n: int, one: str, many: str | None = None) -> str:
-    return f"{n} {one if n == 1 else (many or one + 's')}"

@@ -13,11 +13,12 @@ import argparse
 import sys
 from typing import Any
 
+from reconciler.cli.commands import HELP
 from reconciler.cli.common import add_command
 
 
 def register(sub: Any) -> None:
-    c = add_command(sub, "completion", "print the shell code that completes commands and options",
+    c = add_command(sub, "completion", HELP["completion"],
                     "reconciler completion bash >> ~/.bashrc")
     c.add_argument("shell", choices=["bash", "zsh", "fish"], help="the shell to complete in")
     c.set_defaults(run=cmd_completion)

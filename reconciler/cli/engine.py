@@ -21,6 +21,7 @@ import os
 import sys
 from typing import Any
 
+from reconciler.cli.commands import HELP
 from reconciler.cli.common import add_command, add_file, cluster_file, load
 from reconciler.errors import InvalidInput, ReleaseError
 from reconciler.model import Cluster, EngineSettings
@@ -30,7 +31,7 @@ RUNS = ("it runs on this machine the release it fetches (or the binary --binary 
 
 
 def register(sub: Any) -> None:
-    e = add_command(sub, "engine", "pin engine releases the servers download", "reconciler engine pin -f cluster.yaml")
+    e = add_command(sub, "engine", HELP["engine"], "reconciler engine pin -f cluster.yaml")
     esub = e.add_subparsers(dest="engine_command", metavar="ACTION", help="what to do")
     e.set_defaults(group_parser=e)
     help_ = ("fetch each downloaded engine's release once, check its build, write its sha256 and capabilities into the "

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import argparse
 import base64
-import os
 import sys
 from typing import Any
 
+from reconciler.cli.commands import HELP
 from reconciler.cli.common import add_command, add_file, base_dir, cluster_file, fleet_snapshot, load, secret_of, user_named
 from reconciler.errors import ConfigError, InvalidInput
 
 
 def register(sub: Any) -> None:
-    sp = add_command(sub, "subscription", "print a user's subscription document (needs the master secret, GITOPS-6)",
+    sp = add_command(sub, "subscription", HELP["subscription"],
                      "reconciler subscription alice --format sing-box")
     sp.add_argument("user", help="the user's name")
     sp.add_argument("--format", choices=["links", "sing-box", "clash"], default="links", help="the document's format")
@@ -26,11 +26,11 @@ def register(sub: Any) -> None:
 
 
 def _region(path: str, db: str | None, address: str) -> str | None:
-    from reconciler.balance.geoip import open_geoip
+    from reconciler.balance.geoip import database_path, open_geoip
 
     if not db:
         raise InvalidInput("--address needs settings.steering.geoip_database (a MaxMind-format file)")
-    where = base_dir(path) / os.path.expanduser(db)
+    where = database_path(base_dir(path), db)
     try:
         region = open_geoip(str(where)).region(address)
     except (OSError, ValueError) as exc:

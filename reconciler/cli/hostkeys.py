@@ -14,12 +14,13 @@ import asyncio
 import sys
 from typing import Any
 
+from reconciler.cli.commands import HELP
 from reconciler.cli.common import add_command, add_file, cluster_file, load, print_diagnostics, state_of
 from reconciler.errors import ConnectError, InvalidInput
 
 
 def register(sub: Any) -> None:
-    h = add_command(sub, "hostkeys", "pin the servers' SSH host keys in the cluster file",
+    h = add_command(sub, "hostkeys", HELP["hostkeys"],
                     "reconciler hostkeys pin -f cluster.yaml")
     hsub = h.add_subparsers(dest="hostkeys_command", metavar="ACTION", help="what to do")
     h.set_defaults(group_parser=h)

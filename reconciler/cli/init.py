@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from reconciler.cli.commands import HELP
 from reconciler.cli.common import add_command, add_file, cluster_file
 from reconciler.config.schema import SCHEMA_PATH, schema_text
 from reconciler.errors import InvalidInput
@@ -57,7 +58,7 @@ users:
 
 
 def register(sub: Any) -> None:
-    i = add_command(sub, "init", "scaffold a minimal valid cluster file", "reconciler init -f cluster.yaml")
+    i = add_command(sub, "init", HELP["init"], "reconciler init -f cluster.yaml")
     add_file(i, positional=True)
     i.add_argument("--force", action="store_true", help="overwrite an existing file")
     i.add_argument("--engine", choices=sorted(INIT_ENGINES), default="sing-box",

@@ -10,17 +10,17 @@ from typing import Any
 
 from rich.console import Console
 
+from reconciler.cli.commands import HELP
 from reconciler.cli.common import add_allow_path, add_command, plural, print_diagnostics
-from reconciler.cli.routes import routes_table
-from reconciler.cli.validate import engine_errors, summary
-from reconciler.config import load_cluster
+from reconciler.cli.output import routes_table, summary
 from reconciler.lab import Lab, lab_cluster_yaml
 from reconciler.lab.cluster import PROTOCOLS
+from reconciler.servable import load_servable
 from reconciler.topology import RENDERERS
 
 
 def register(sub: Any) -> None:
-    lab = add_command(sub, "lab", "local sandbox servers (root): network namespaces with systemd and sshd", "reconciler lab up --hosts 3")
+    lab = add_command(sub, "lab", HELP["lab"], "reconciler lab up --hosts 3")
     labsub = lab.add_subparsers(dest="lab_command", metavar="ACTION", help="what to do")
     lab.set_defaults(group_parser=lab)
     lu = add_command(labsub, "up", "start N hosts and write a cluster file for them", "reconciler lab up --hosts 3 --write lab-cluster.yaml")
@@ -32,7 +32,7 @@ def register(sub: Any) -> None:
     ld = add_command(labsub, "down", "tear the lab down", "reconciler lab down")
     ld.set_defaults(run=cmd_lab_down)
 
-    d = add_command(sub, "demo", "show what the reconciler does with the example cluster", "reconciler demo --scenario block")
+    d = add_command(sub, "demo", HELP["demo"], "reconciler demo --scenario block")
     d.add_argument("-f", "--file", default="cluster.example.yaml", help="the cluster file to show")
     add_allow_path(d)
     d.add_argument("--out-dir", default="demo-output", help="where to write the topology pictures")
@@ -68,10 +68,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Validate the example and draw it; as root, also provision sandbox servers and run the loop against them."""
     console = Console()
     console.rule(f"reconciler demo — {args.file}")
-    result = load_cluster(args.file)
+    result = load_servable(args.file)
     # What the engine cannot serve is shown, not fatal here: the sandbox part runs its own cluster file.
-    refused = engine_errors(result.cluster, result.source) if result.cluster is not None else []
-    print_diagnostics(result.diagnostics + refused)
+    refused = [d for d in result.errors if d.code == "engine-capability"]
+    print_diagnostics(result.diagnostics)
     if result.cluster is None:
         return 1
     cluster = result.cluster

@@ -8,16 +8,16 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
+from reconciler.cli.commands import HELP
 from reconciler.cli.common import add_command, add_file, cluster_file, load, print_diagnostics
+from reconciler.cli.output import routes_table
 from reconciler.config.edit import assign, unassign
-from reconciler.model import Cluster
 from reconciler.topology import RENDERERS
 
 
 def register(sub: Any) -> None:
-    r = add_command(sub, "route", "edit route membership in place, comments kept (ROUTE-3)",
+    r = add_command(sub, "route", HELP["route"],
                     "reconciler route assign de-1-reality europe --pool central")
     rsub = r.add_subparsers(dest="route_command", metavar="ACTION", help="what to do")
     r.set_defaults(group_parser=r)
@@ -32,12 +32,12 @@ def register(sub: Any) -> None:
     add_file(ru)
     ru.set_defaults(run=cmd_route)
 
-    rl = add_command(sub, "routes", "list routes, their inbounds and warnings (ROUTE-4, ROUTE-5)", "reconciler routes -f cluster.yaml")
+    rl = add_command(sub, "routes", HELP["routes"], "reconciler routes -f cluster.yaml")
     add_file(rl)
     rl.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table", help="the output format")
     rl.set_defaults(run=cmd_routes)
 
-    t = add_command(sub, "topology", "draw servers, inbounds and routes (ROUTE-8)", "reconciler topology --format svg -o topology.svg")
+    t = add_command(sub, "topology", HELP["topology"], "reconciler topology --format svg -o topology.svg")
     add_file(t)
     t.add_argument("--format", choices=["svg", "mermaid", "dot"], default="mermaid", help="the picture's format")
     t.add_argument("-o", "--out", default="-", help="output file ('-' for stdout)")
@@ -55,24 +55,6 @@ def cmd_route(args: argparse.Namespace) -> int:
     return 0
 
 
-def routes_table(cluster: Cluster) -> Table:
-    table = Table(title="Routes (in subscription order)")
-    for column in ("#", "route", "balance", "pools / steering", "inbounds (server)"):
-        table.add_column(column)
-    for n, route in enumerate(cluster.effective_routes, 1):
-        members = cluster.members[route.id]
-        label = f"{route.flag} {route.name}" if route.flag else route.name
-        if route.implicit:
-            label += " (implicit)"
-        pools = f"{', '.join(route.pools)} / {route.steering}" if route.pools else "—"
-        inbounds = "\n".join(
-            f"{ref.inbound.name} ({ref.server.name}{', ' + ref.inbound.pool if ref.inbound.pool else ''})" for ref in members
-        ) or "[dim]empty — hidden from subscriptions[/dim]"
-        table.add_row(str(n), f"{label}\n[dim]{route.id}[/dim]", route.balance, pools, inbounds)
-    if cluster.unassigned:
-        table.add_row("", "[yellow]unassigned[/yellow]", "", "",
-                      "\n".join(f"{r.inbound.name} ({r.server.name})" for r in cluster.unassigned))
-    return table
 
 
 def cmd_routes(args: argparse.Namespace) -> int:
@@ -80,7 +62,7 @@ def cmd_routes(args: argparse.Namespace) -> int:
     if args.output == "table":
         Console().print(routes_table(cluster))
         return 0
-    from reconciler.cli.status import emit
+    from reconciler.cli.output import emit
 
     routes = [{"id": r.id, "name": r.name, "flag": r.flag, "balance": r.balance, "steering": r.steering,
                "pools": r.pools or [], "implicit": r.implicit,

@@ -9,17 +9,19 @@ import os
 import sys
 from typing import Any
 
-from reconciler.cli.common import add_allow_path, add_command, add_file, cluster_file, load, print_diagnostics, secret_of
+from reconciler.cli.commands import HELP
+from reconciler.cli.common import add_allow_path, add_command, add_file, cluster_file, print_diagnostics, secret_of
 from reconciler.config import load_cluster, load_document
 from reconciler.config.diagnostics import at
 from reconciler.errors import ConfigError
 from reconciler.model.cluster import HealthSettings
 from reconciler.model.types import parse_listen
+from reconciler.servable import servable
 from reconciler.text import PrintableFormatter
 
 
 def register(sub: Any) -> None:
-    rn = add_command(sub, "run", "the reconcile loop: collect, verdicts, outlets, drift correction (GITOPS-5)",
+    rn = add_command(sub, "run", HELP["run"],
                      "reconciler run -f cluster.yaml --listen 127.0.0.1:8080",
                      description="The reconcile loop: collect, verdicts, outlets, drift correction (GITOPS-5). With "
                                  "settings.leader.etcd, several controllers run it: one leads, the others stand by and "
@@ -34,7 +36,7 @@ def register(sub: Any) -> None:
     rn.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="how much to log")
     rn.set_defaults(run=cmd_run)
 
-    sim = add_command(sub, "simulate", "replay a health scenario through the verdict engine (HEALTH-1..13)",
+    sim = add_command(sub, "simulate", HELP["simulate"],
                       "reconciler simulate tests/scenarios/block.yaml")
     sim.add_argument("scenario", help="the scenario file (YAML)")
     sim.add_argument("--json", action="store_true", help="one JSON object per line per tick")
@@ -65,7 +67,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level)
     path = cluster_file(args)
-    cluster = load(path)
+    cluster = servable(path)  # what plan refuses is not served either
     coro = run_loop(path, cluster, secret_of(cluster), listen=args.listen, operations_listen=args.operations_listen,
                     duration=args.duration, max_ticks=args.ticks, watch=not args.no_watch)
     try:

@@ -12,6 +12,7 @@ import secrets
 import sys
 from typing import Any
 
+from reconciler.cli.commands import HELP
 from reconciler.cli.common import add_command, add_file, cluster_file
 from reconciler.credentials import MIN_SECRET_BITS, Secret
 
@@ -19,7 +20,7 @@ SECRET_BYTES = 32  # 256 bits: token_urlsafe(32) is 43 characters
 
 
 def register(sub: Any) -> None:
-    s = add_command(sub, "secret", "the master secret: make a strong one (GITOPS-6)", "reconciler secret new")
+    s = add_command(sub, "secret", HELP["secret"], "reconciler secret new")
     ssub = s.add_subparsers(dest="secret_command", metavar="ACTION", help="what to do")
     s.set_defaults(group_parser=s)
     new = add_command(ssub, "new", "print a new random master secret and where to keep it (never in git)",

@@ -10,17 +10,18 @@ Verdicts come from the state the loop keeps (the state folder), evaluated as of 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
 
+from reconciler.cli.commands import HELP
 from reconciler.cli.common import add_command, add_file, cluster_file, load, state_of, user_named, warn
+from reconciler.cli.output import emit
 from reconciler.text import plural
 
 
 def register(sub: Any) -> None:
-    st = add_command(sub, "status", "the fleet (like kubectl get), a server (like describe) or a user's entries",
+    st = add_command(sub, "status", HELP["status"],
                      "reconciler status fra-1 -o yaml")
     st.add_argument("name", nargs="?", help="a server or a user (default: the whole fleet)")
     st.add_argument("--user", dest="user_option", metavar="USER", help="a user's entries (older spelling of NAME)")
@@ -30,25 +31,6 @@ def register(sub: Any) -> None:
     st.set_defaults(run=cmd_status)
 
 
-def emit(fmt: str, data: dict[str, Any], title: str, columns: list[str], rows: list[dict[str, Any]]) -> None:
-    if fmt == "json":
-        print(json.dumps(data, indent=2, ensure_ascii=False, default=str))
-    elif fmt == "yaml":
-        from ruamel.yaml import YAML
-
-        yaml = YAML(typ="safe", pure=True)
-        yaml.default_flow_style = False
-        yaml.dump(json.loads(json.dumps(data, default=str)), sys.stdout)
-    else:
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title=title)
-        for col in columns:
-            table.add_column(col)
-        for r in rows:
-            table.add_row(*(str(r.get(c, "")) for c in columns))
-        Console(width=None if sys.stdout.isatty() else 240).print(table)  # piped: whole columns, never '…'
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ import argparse
 import time
 from typing import Any
 
+from reconciler.cli.commands import HELP
 from reconciler.cli.common import add_command, add_file, cluster_file, load, state_of, warn
 from reconciler.text import size_text
 
@@ -18,7 +19,7 @@ STATES = ("active", "over_quota", "expired", "disabled", "device_limit")
 
 
 def register(sub: Any) -> None:
-    us = add_command(sub, "users", "every user: usage this period, limit, reset, expiry, state, devices, last seen",
+    us = add_command(sub, "users", HELP["users"],
                      "reconciler users --state over_quota")
     add_file(us)
     us.add_argument("--state", choices=STATES, help="only the users in this state")
@@ -40,7 +41,7 @@ def _ago(t: float | None, now: float) -> str:
 
 def cmd_users(args: argparse.Namespace) -> int:
     from reconciler.balance import Snapshot
-    from reconciler.cli.status import emit
+    from reconciler.cli.output import emit
 
     path = cluster_file(args)
     cluster = load(path)

@@ -11,13 +11,14 @@ import argparse
 import sys
 from typing import Any
 
+from reconciler.cli.commands import HELP
 from reconciler.cli.common import add_command, add_file, cluster_file, fleet_snapshot, load, secret_of, user_named, warn
 from reconciler.errors import InvalidInput
 from reconciler.subscriptions.urls import subscription_url
 
 
 def register(sub: Any) -> None:
-    u = add_command(sub, "user", "hand out a user's subscription", "reconciler user url alice --qr")
+    u = add_command(sub, "user", HELP["user"], "reconciler user url alice --qr")
     usub = u.add_subparsers(dest="user_command", metavar="ACTION", help="what to do")
     u.set_defaults(group_parser=u)
     url = add_command(usub, "url", "print the user's subscription URL (settings.outputs.public_url)",

@@ -4,42 +4,32 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from reconciler import safe_read
+from reconciler.cli.commands import HELP
 from reconciler.cli.common import add_command, add_file, cluster_file, plural, print_diagnostics, state_of
-from reconciler.config import load_cluster
-from reconciler.config.diagnostics import Diagnostic, SourceMap, at
+from reconciler.cli.output import summary
+from reconciler.config.diagnostics import Diagnostic, at
 from reconciler.config.loader import LoadResult
 from reconciler.config.schema import SCHEMA_PATH, schema_text
-from reconciler.model import Cluster
+from reconciler.servable import load_servable
 
 
 def register(sub: Any) -> None:
-    v = add_command(sub, "validate", "check a cluster file: schema and semantics (GITOPS-2)", "reconciler validate -f cluster.yaml")
+    v = add_command(sub, "validate", HELP["validate"], "reconciler validate -f cluster.yaml")
     add_file(v, positional=True)
     v.add_argument("--json", action="store_true", help="the result as JSON (errors, warnings, summary)")
     v.set_defaults(run=cmd_validate)
 
-    s = add_command(sub, "schema", "write the JSON Schema of the cluster file (GITOPS-1)", "reconciler schema --check")
+    s = add_command(sub, "schema", HELP["schema"], "reconciler schema --check")
     s.add_argument("--out", default=str(SCHEMA_PATH), help="where to write it ('-' for stdout)")
     s.add_argument("--check", action="store_true", help="exit 1 when the file on disk is stale")
     s.set_defaults(run=cmd_schema)
 
 
 
-def summary(cluster: Cluster) -> dict[str, int]:
-    return {
-        "servers": len(cluster.servers),
-        "inbounds": len(cluster.inbounds),
-        "routes": len(cluster.effective_routes),
-        "empty_routes": sum(1 for r in cluster.effective_routes if not cluster.members[r.id]),
-        "unassigned_inbounds": len(cluster.unassigned),
-        "users": len(cluster.users),
-    }
 
 
 def host_key_warnings(result: LoadResult, file: str) -> list[Diagnostic]:
@@ -53,23 +43,12 @@ def host_key_warnings(result: LoadResult, file: str) -> list[Diagnostic]:
             for i, t in enumerate(Target.from_server(s) for s in result.cluster.servers) if known.get(t) is None]
 
 
-def engine_errors(cluster: Cluster, source: SourceMap) -> list[Diagnostic]:
-    """An error at all the engine cannot serve (``engine.capabilities``): validate, plan and apply refuse it. And a
-    warning at each engine binary in the repository, which the controller does not run to learn its features."""
-    from reconciler.engine.capabilities import not_run, of_engine, refusals  # at use: ~7 ms of every other command's start
-
-    file = source.root.file if source.root else None  # the cluster file: its folder is the repository
-    repository = safe_read.repository(os.path.dirname(os.path.abspath(file))) if file else None
-    return ([at("warning", source.value(n.path), n.message, n.hint, code="engine-not-run") for n in not_run(cluster, repository, file)]
-            + [at("error", source.key(r.path), r.message, r.hint, code="engine-capability") for r in refusals(cluster, of_engine(cluster))])
-
-
 def cmd_validate(args: argparse.Namespace) -> int:
     file = cluster_file(args)
-    result = load_cluster(file)
+    result = load_servable(file)
     cluster = result.cluster
     if cluster is not None:
-        result.diagnostics.extend(engine_errors(cluster, result.source) + host_key_warnings(result, file))
+        result.diagnostics.extend(host_key_warnings(result, file))
     if args.json:
         print(json.dumps({"file": file, "valid": result.ok, "errors": [d.as_json() for d in result.errors],
                           "warnings": [d.as_json() for d in result.warnings],
