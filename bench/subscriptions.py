@@ -47,9 +47,9 @@ sys.path.insert(0, str(ROOT))
 
 from reconciler.balance import Snapshot, rebalance  # noqa: E402
 from reconciler.credentials import Secret  # noqa: E402
-from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens  # noqa: E402
 from reconciler.loop.workers import LiveWorkers  # noqa: E402
 from reconciler.model import Cluster  # noqa: E402
+from reconciler.publish import FileOutlet, LiveAnswers, Tokens  # noqa: E402
 from reconciler.subscriptions.outbound import pin_record  # noqa: E402
 
 SECRET = Secret(b"subscriptions-bench-secret-0123456789")

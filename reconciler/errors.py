@@ -11,22 +11,32 @@ and what to do. The CLI prints ``error: <message>`` and exits with ``exit_code``
     │   ├── ConfigError               the cluster file (or a file it names) is invalid; carries diagnostics
     │   ├── EditError                 an in-place edit of the cluster file cannot be made; nothing was written
     │   ├── SecretError               the master secret is missing or weak; says where it was looked for
+    │   ├── Problem                   a file cannot be read or parsed; carries its one diagnostic
     │   └── StalePlan                 a saved plan no longer matches the file or the servers; plan again
     ├── RemoteError                   on a server, or on the way to it (``server`` names it)
     │   ├── ConnectError              temporary: cannot reach the server or the connection dropped
     │   ├── LockHeld                  temporary: another apply holds the server's lock
+    │   │   └── FenceRefused          permanent: a deposed leader's apply, refused by the server or by itself
     │   ├── HostKeyChanged            permanent: the server's host key is not the pinned one; refused
     │   ├── RemoteCommandError        permanent: a command ran and failed (command, exit code, stderr)
     │   └── CommitFailed              permanent: the server refused the new state and rolled back
     ├── ReleaseError                  an engine release could not be fetched (temporary), or is not the pinned file
     ├── ReportError                   temporary: a server's report could not be read this interval
+    ├── WorkerStartError              temporary: a live worker process could not start (also an ``OSError``)
     └── LabError                      permanent: the local sandbox could not do what was asked
 
-``is_temporary(exc)`` answers for any exception: only our temporary errors are.
+Three more are the standard library's kinds, for the code that catches those (``except ValueError``): a path outside
+the repository (``OutsideRepository``, a ``PermissionError``), bytes read back whose HMAC is not ours
+(``MacMismatch``) and a learned state this service cannot have written (``StateRefused``, both ``ValueError``).
+
+``is_temporary(exc)`` answers for any exception: our temporary errors, and the network's own (a timeout, a connection
+refused or reset). The loop's retries follow it: a temporary failure is tried again after a backoff that grows, a
+permanent one (a changed host key, a refused command) only after the longest wait (``backoff.Streaks.failed``).
 """
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -59,6 +69,14 @@ class EditError(ConfigError):
 
 class SecretError(InvalidInput):
     """The master secret is missing, unreadable or too weak; says where it was looked for."""
+
+
+class Problem(InvalidInput):
+    """A file cannot be read or parsed; ``diagnostic`` (a ``config.diagnostics.Diagnostic``) says where and why."""
+
+    def __init__(self, diagnostic: Any):
+        super().__init__(diagnostic.message)
+        self.diagnostic = diagnostic
 
 
 class StalePlan(InvalidInput):
@@ -94,6 +112,12 @@ class LockHeld(RemoteError):
     temporary = True
 
 
+class FenceRefused(LockHeld):
+    """A deposed leader's apply: refused by the server (a newer fence applied there) or by itself."""
+
+    temporary = False
+
+
 class HostKeyChanged(RemoteError):
     """The server presented a host key other than the pinned one: refused, never retried."""
 
@@ -127,10 +151,38 @@ class ReportError(ReconcilerError):
     temporary = True
 
 
+class WorkerStartError(ReconcilerError, OSError):
+    """A live worker could not start: it could not bind the port (the bind's errno), load the snapshot, or did not
+    answer in time. An ``OSError`` too, as a bind's failure is."""
+
+    temporary = True
+
+
 class LabError(ReconcilerError):
     """The lab could not do what was asked; says what and what to do."""
 
 
+# --------------------------------------------------------------------------- the standard library's kinds
+
+
+class OutsideRepository(PermissionError):
+    """A path the cluster file names resolves outside the repository and every allowed folder."""
+
+    def __init__(self, path: str, resolved: str, why: str) -> None:
+        super().__init__(errno.EACCES, why, path)
+        self.resolved = resolved
+
+
+class MacMismatch(ValueError):
+    """Bytes read back are not what this service wrote: their HMAC is missing or does not match."""
+
+
+class StateRefused(ValueError):
+    """A learned state read back is not one this service can have written: broken, too big or inconsistent."""
+
+
 def is_temporary(exc: BaseException) -> bool:
-    """Whether trying again later may succeed: true only for our temporary errors."""
-    return isinstance(exc, ReconcilerError) and exc.temporary
+    """Whether trying again later may succeed: our temporary errors, a timeout, a connection refused or reset."""
+    if isinstance(exc, ReconcilerError):
+        return exc.temporary
+    return isinstance(exc, TimeoutError | ConnectionError)

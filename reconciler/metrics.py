@@ -189,32 +189,67 @@ def _regional_and_marks(view: FleetView) -> Iterator[Metric]:
     yield mark
 
 
-def _fleet_metrics(view: FleetView) -> Iterator[Metric]:
+@dataclass
+class _Standing:
+    """What the verdicts say of every server and inbound of the cluster file, as the metrics label them (no_data,
+    in rotation, no witnesses while there are no verdicts yet). Made once per scrape, by ``_standing``."""
+
+    server_status: dict[str, str]
+    inbound_status: dict[str, str]
+    rotation: dict[str, bool]
+    witnesses: dict[str, int]
+    votes: dict[str, int]
+    unreliable: dict[str, bool]
+    censored: dict[str, bool]
+
+
+def _standing(view: FleetView) -> _Standing:
     cluster, v = view.cluster, view.verdicts
     servers = cluster.servers
     refs = cluster.inbounds
-    server_status = {s.name: "no_data" for s in servers}
-    inbound_status = {r.inbound.id: "no_data" for r in refs}
-    rotation = {r.inbound.id: True for r in refs}
-    witnesses = {r.inbound.id: 0 for r in refs}
-    votes = {r.inbound.id: 0 for r in refs}
-    unreliable = {s.name: False for s in servers}
-    censored = {s.name: False for s in servers}
-    if v is not None:
-        for name, sv in v.servers().items():
-            server_status[name] = sv.status
-        for j, t in enumerate(v.topology.inbounds):
-            if t in inbound_status:
-                inbound_status[t] = STATUS_NAMES[int(v.status[j])]
-                rotation[t] = bool(v.in_rotation[j])
-                witnesses[t] = int(v.witnesses[j])
-                votes[t] = int(v.votes[j])
-        assert v.censored is not None
-        for i, name in enumerate(v.topology.servers):
-            if name in unreliable:
-                unreliable[name] = bool(v.unreliable[i])
-                censored[name] = bool(v.censored[i])
+    out = _Standing(server_status={s.name: "no_data" for s in servers}, inbound_status={r.inbound.id: "no_data" for r in refs},
+                    rotation={r.inbound.id: True for r in refs}, witnesses={r.inbound.id: 0 for r in refs},
+                    votes={r.inbound.id: 0 for r in refs}, unreliable={s.name: False for s in servers},
+                    censored={s.name: False for s in servers})
+    if v is None:
+        return out
+    for name, sv in v.servers().items():
+        out.server_status[name] = sv.status
+    for j, t in enumerate(v.topology.inbounds):
+        if t in out.inbound_status:
+            out.inbound_status[t] = STATUS_NAMES[int(v.status[j])]
+            out.rotation[t] = bool(v.in_rotation[j])
+            out.witnesses[t] = int(v.witnesses[j])
+            out.votes[t] = int(v.votes[j])
+    assert v.censored is not None
+    for i, name in enumerate(v.topology.servers):
+        if name in out.unreliable:
+            out.unreliable[name] = bool(v.unreliable[i])
+            out.censored[name] = bool(v.censored[i])
+    return out
 
+
+def _fleet_metrics(view: FleetView) -> Iterator[Metric]:
+    """The servers, inbounds and routes: their verdicts, the evidence behind them, their traffic and capacity, and
+    the RTTs steering reads. One family after the other, each in the order a scrape has always listed them."""
+    standing = _standing(view)
+    yield from _status_metrics(view.cluster, standing)
+    yield from _witness_metrics(view.cluster, standing)
+    yield from _regional_and_marks(view)
+    yield from _evidence_metrics(view)
+    yield from _route_metrics(view.cluster, standing.rotation)
+    yield from _server_metrics(view)
+    rtt = GaugeMetricFamily("reconciler_rtt_ewma_seconds", "EWMA of probe RTTs from the witnesses of a region to an inbound (STEER-3).",
+                            labels=["region", "inbound"])
+    for (region, inbound), ms in sorted(view.rtt_ms.items()):
+        rtt.add_metric([region, inbound], ms / 1000.0)
+    yield rtt
+
+
+def _status_metrics(cluster: Cluster, standing: _Standing) -> Iterator[Metric]:
+    """Each server's and inbound's status, whether the inbound is in rotation, and the witnesses and votes behind it."""
+    servers, refs = cluster.servers, cluster.inbounds
+    server_status, inbound_status, rotation = standing.server_status, standing.inbound_status, standing.rotation
     g = GaugeMetricFamily("reconciler_server_status", "1 for the server's current status (one of five), 0 for the others.",
                           labels=["server", "country", "status"])
     for s in servers:
@@ -239,26 +274,33 @@ def _fleet_metrics(view: FleetView) -> Iterator[Metric]:
         g.add_metric([r.inbound.id, r.server.name, r.inbound.route or ""], 1.0 if rotation[r.inbound.id] else 0.0)
     yield g
     for name, help_, values in (
-        ("reconciler_inbound_witnesses", "Reliable witnesses with fresh data that probe the inbound.", witnesses),
-        ("reconciler_inbound_votes", "Witnesses whose failure streak reached the threshold against the inbound.", votes),
+        ("reconciler_inbound_witnesses", "Reliable witnesses with fresh data that probe the inbound.", standing.witnesses),
+        ("reconciler_inbound_votes", "Witnesses whose failure streak reached the threshold against the inbound.", standing.votes),
     ):
         g = GaugeMetricFamily(name, help_, labels=["inbound", "server"])
         for r in refs:
             g.add_metric([r.inbound.id, r.server.name], float(values[r.inbound.id]))
         yield g
+
+
+def _witness_metrics(cluster: Cluster, standing: _Standing) -> Iterator[Metric]:
+    """How each server was judged as a witness (HEALTH-6)."""
     g = GaugeMetricFamily("reconciler_witness_unreliable", "1 when the server's probe votes are discarded (HEALTH-6).",
                           labels=["server"])
-    for s in servers:
-        g.add_metric([s.name], 1.0 if unreliable[s.name] else 0.0)
+    for s in cluster.servers:
+        g.add_metric([s.name], 1.0 if standing.unreliable[s.name] else 0.0)
     yield g
     g = GaugeMetricFamily("reconciler_witness_censored", "1 when the server loses many others in a censor's pattern (it "
                           "still reaches its own country, or the controller reaches it); its votes count (HEALTH-6).",
                           labels=["server", "country"])
-    for s in servers:
-        g.add_metric([s.name, s.country], 1.0 if censored[s.name] else 0.0)
+    for s in cluster.servers:
+        g.add_metric([s.name, s.country], 1.0 if standing.censored[s.name] else 0.0)
     yield g
-    yield from _regional_and_marks(view)
-    # HEALTH-14: the evidence behind the verdicts. Streaks are sparse (only the failing pairs have a sample).
+
+
+def _evidence_metrics(view: FleetView) -> Iterator[Metric]:
+    """HEALTH-14: the evidence behind the verdicts. Streaks are sparse (only the failing pairs have a sample)."""
+    v, refs = view.verdicts, view.cluster.inbounds
     streak = GaugeMetricFamily("reconciler_probe_failure_streak",
                                "Consecutive failed probes of a witness against an inbound (HEALTH-5); failing pairs only.",
                                labels=["witness", "inbound"])
@@ -279,6 +321,9 @@ def _fleet_metrics(view: FleetView) -> Iterator[Metric]:
     yield streak
     yield marks
 
+
+def _route_metrics(cluster: Cluster, rotation: Mapping[str, bool]) -> Iterator[Metric]:
+    """Each route's inbounds, those of them in rotation, and whether its users get the best available."""
     active = GaugeMetricFamily("reconciler_route_active_inbounds", "Inbounds of the route in rotation (ROUTE, HEALTH-10).",
                                labels=["route"])
     members_g = GaugeMetricFamily("reconciler_route_inbounds", "Inbounds that belong to the route.", labels=["route"])
@@ -295,6 +340,10 @@ def _fleet_metrics(view: FleetView) -> Iterator[Metric]:
     yield members_g
     yield best
 
+
+def _server_metrics(view: FleetView) -> Iterator[Metric]:
+    """Each server's traffic, capacity, users, drift and last report, and how often every server reports."""
+    v, servers = view.verdicts, view.cluster.servers
     traffic = GaugeMetricFamily("reconciler_server_traffic_bytes_per_second", "Traffic through the engine over the last interval.",
                                 labels=["server"])
     cap = GaugeMetricFamily("reconciler_server_capacity_bytes_per_second",
@@ -328,12 +377,6 @@ def _fleet_metrics(view: FleetView) -> Iterator[Metric]:
         if math.isfinite(last):
             reported.add_metric([s.name], last)
     yield from (traffic, cap, known, users, assigned, drift, carried, reported, interval)
-
-    rtt = GaugeMetricFamily("reconciler_rtt_ewma_seconds", "EWMA of probe RTTs from the witnesses of a region to an inbound (STEER-3).",
-                            labels=["region", "inbound"])
-    for (region, inbound), ms in sorted(view.rtt_ms.items()):
-        rtt.add_metric([region, inbound], ms / 1000.0)
-    yield rtt
 
 
 def _user_metrics(view: FleetView) -> Iterator[Metric]:

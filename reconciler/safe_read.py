@@ -42,6 +42,8 @@ import stat
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
+from reconciler.errors import OutsideRepository as OutsideRepository  # what callers catch: raised here
+
 #: Default bound for a file the cluster names (a PEM chain is a few KB).
 MAX_NAMED_FILE_BYTES = 1024 * 1024
 
@@ -117,16 +119,10 @@ ENV = "RECONCILER_ALLOW_PATHS"
 #: The command-line option that allows one more folder (repeatable).
 OPTION = "--allow-path"
 
+OUTSIDE = f"is outside the cluster file's folder (the repository) and every folder allowed with {OPTION} or {ENV}"
 _from_command_line: tuple[str, ...] = ()  # set by the CLI for the duration of a command (``allowed``)
 
 
-class OutsideRepository(PermissionError):
-    """A path the cluster file names resolves outside the repository and every allowed folder."""
-
-    def __init__(self, path: str, resolved: str, why: str = "") -> None:
-        super().__init__(errno.EACCES, why or f"is outside the cluster file's folder (the repository) and every folder "
-                                              f"allowed with {OPTION} or {ENV}", path)
-        self.resolved = resolved
 
 
 def _real(folder: str) -> str:
@@ -182,7 +178,7 @@ def confine(path: str, folders: Sequence[str], private: Sequence[str] = ()) -> s
     ``folders`` are resolved (``roots``). ``ValueError`` for a path with a NUL character."""
     resolved = os.path.realpath(os.path.abspath(path))
     if not inside(resolved, folders):
-        raise OutsideRepository(path, resolved)
+        raise OutsideRepository(path, resolved, OUTSIDE)
     if private and inside(resolved, private):
         raise OutsideRepository(path, resolved, PRIVATE)
     return resolved

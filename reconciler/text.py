@@ -83,7 +83,7 @@ class PrintableFormatter(logging.Formatter):
     (``printable``) so no escape sequence reaches the journal's or a CI log's viewer, and a line break in a message
     is shown as ``\\n``, so no text from a server forges a log line of its own (a traceback keeps its lines)."""
 
-    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 — logging's name
+    def formatMessage(self, record: logging.LogRecord) -> str:  # logging's name
         return super().formatMessage(record).replace("\r", "\\r").replace("\n", "\\n")
 
     def format(self, record: logging.LogRecord) -> str:

@@ -23,7 +23,7 @@ from reconciler.engine import agent as agent_module
 from reconciler.engine.base import RESPONDER_PORT
 from reconciler.fleet.app_probe import app_request, dialable, probe_targets
 from reconciler.fleet.reports import _probe_entry, parse_report
-from tests.test_real_clients import MIHOMO, SECRET, SING_BOX, Processes, lab, mihomo_lab, origin  # noqa: F401,F811 — the fixtures
+from tests.test_real_clients import MIHOMO, SECRET, SING_BOX, Processes, lab, mihomo_lab, origin  # noqa: F401 — the fixtures
 
 AGENT = Path(agent_module.__file__)
 RESPONDER = AGENT.with_name("responder.py")

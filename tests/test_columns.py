@@ -168,7 +168,7 @@ def test_a_hostile_assignment_table_in_the_state_is_refused():
 
 def test_the_token_index_finds_each_users_token_and_nothing_else():
     from reconciler.credentials import Secret, user_token
-    from reconciler.loop.outlets import Tokens
+    from reconciler.publish import Tokens
 
     secret = Secret(b"token-index-test-secret-0123456789abcdef")
     c = Cluster.model_validate({"users": [{"name": f"u{i}", "rotate": i % 3} for i in range(2000)]})

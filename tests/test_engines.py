@@ -493,14 +493,15 @@ def test_a_route_that_blocks_bittorrent_on_mihomo_is_warned_about(tmp_path, cli)
 
 
 def test_failed_certificate_orders_back_off_for_an_hour_doubling_to_a_day():
-    from reconciler.apply.acme import Backoff
+    from reconciler.apply.acme import CERTIFICATE_BACKOFF
+    from reconciler.backoff import Streaks
 
-    b = Backoff()
+    b = Streaks(CERTIFICATE_BACKOFF)
     assert b.ready("x", 0)
     waits = []
     for _ in range(7):
         b.failed("x", 0)
-        waits.append(b.failures["x"][1])
+        waits.append(b.next_try["x"])
     assert waits == [3600, 7200, 14400, 28800, 57600, 86400, 86400] and not b.ready("x", 3599)
     b.succeeded("x")
     assert b.ready("x", 0)

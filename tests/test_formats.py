@@ -96,7 +96,7 @@ def test_the_live_endpoint_serves_a_refusal_with_its_status_and_the_file_outlet_
     from reconciler.credentials import user_credentials
     from reconciler.lab.demo import free_port
     from reconciler.loop.http import HttpOutlet
-    from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens
+    from reconciler.publish import FileOutlet, LiveAnswers, Tokens
 
     cluster = example()
     snap = Snapshot(cluster=cluster, now=1.8e9, public_keys=reality_keys(cluster))  # 2027-01-15: bob not yet expired

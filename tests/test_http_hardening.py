@@ -19,7 +19,7 @@ from reconciler.fleet import Learned
 from reconciler.lab.demo import free_port
 from reconciler.loop.http import HttpOutlet, none_match
 from reconciler.loop.listener import Credential, Limits
-from reconciler.loop.outlets import LiveAnswers, Tokens
+from reconciler.publish import LiveAnswers, Tokens
 from tests.test_loop import SECRET, cluster, snapshot_after
 
 

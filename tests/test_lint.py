@@ -72,3 +72,24 @@ def test_runtime_imports_are_declared():
                 if not dists & declared:
                     missing.setdefault(top, []).append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not missing, f"imported but not in [project].dependencies: {missing}"
+
+
+def test_every_error_the_reconciler_raises_on_purpose_is_defined_in_errors_py():
+    # One tree (reconciler/errors.py): a public exception class defined anywhere else is a second home. Private ones
+    # (a module's own control flow, never leaving it) and the server scripts' (they run alone, stdlib only) are not.
+    import builtins
+
+    bases = {n for n in dir(builtins) if isinstance(getattr(builtins, n), type) and issubclass(getattr(builtins, n), BaseException)}
+    errors = ROOT / "reconciler" / "errors.py"
+    defined_in_errors = {n.name for n in ast.parse(errors.read_text()).body if isinstance(n, ast.ClassDef)}
+    elsewhere = []
+    for path in (ROOT / "reconciler").rglob("*.py"):
+        if path == errors or "engine/scripts" in str(path) or path.name == "agent.py":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, ast.ClassDef) or node.name.startswith("_"):
+                continue
+            names = {ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases}
+            if names & (bases | defined_in_errors):
+                elsewhere.append(f"{path.relative_to(ROOT)}: {node.name}")
+    assert not elsewhere, elsewhere

@@ -23,10 +23,10 @@ from reconciler.credentials import user_credentials
 from reconciler.fleet.learned import Learned
 from reconciler.lab.demo import free_port
 from reconciler.loop import workers
-from reconciler.loop.outlets import FileOutlet
 from reconciler.loop.service import Loop
 from reconciler.loop.workers import CLUSTER_FILE, SNAPSHOT_FILE, LiveWorkers, worker_count
 from reconciler.model import Cluster
+from reconciler.publish import FileOutlet
 from reconciler.subscriptions import render
 from tests.test_loop import SECRET, cluster, snapshot_after
 from tests.test_loop_faults import a_report
@@ -106,7 +106,7 @@ def test_the_cached_documents_leave_the_cyclic_gcs_sight(monkeypatch):
     as they accumulate, as the snapshot is when published (the answers are the same)."""
     import gc
 
-    from reconciler.loop.outlets import LiveAnswers, Tokens
+    from reconciler.publish import LiveAnswers, Tokens
 
     c = cluster(3, users=30, protocol="shadowsocks-2022")
     snap = snapshot_after(c, Learned.fresh(c))

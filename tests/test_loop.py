@@ -26,9 +26,9 @@ from reconciler.fleet import snapshot
 from reconciler.fleet.learned import Learned
 from reconciler.fleet.reports import Counter, Probe, Report, agent_request, observation, parse_report, traffic_rate
 from reconciler.health.topology import Topology
-from reconciler.loop.outlets import FileOutlet, LiveAnswers, PublishedTable, Tokens, WriteStats
 from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
 from reconciler.model import Cluster, UserUsage
+from reconciler.publish import FileOutlet, LiveAnswers, PublishedTable, Tokens, WriteStats
 from reconciler.state.folder import StateFolder
 from reconciler.subscriptions import FORMATS
 
@@ -374,7 +374,7 @@ def test_a_usage_step_rewrites_headers_from_the_file_and_a_file_not_ours_from_th
     # Users who only crossed a usage step get their headers.json's figures replaced in place (no bodies rendered,
     # no keys derived); one whose headers.json is not what the outlet wrote is rendered whole. Either way, the
     # same bytes as an outlet comparing everyone.
-    import reconciler.loop.outlets as outlets
+    import reconciler.publish.userfiles as userfiles
 
     c = cluster(5, users=12)
     snap = snapshot_after(c, Learned.fresh(c))
@@ -387,9 +387,9 @@ def test_a_usage_step_rewrites_headers_from_the_file_and_a_file_not_ours_from_th
     (folder["u5"] / "headers.json").write_text("{}")  # no format at all: not what the outlet wrote either
     (folder["u6"] / "headers.json").write_text("[" * 100_000)  # nested past the parser's depth
     rendered, decided = [], []
-    real, real_decide = outlets.render_formats, outlets.decide
-    monkeypatch.setattr(outlets, "render_formats", lambda s, user, *a, **k: rendered.append(user) or real(s, user, *a, **k))
-    monkeypatch.setattr(outlets, "decide", lambda s, user, *a, **k: decided.append(user) or real_decide(s, user, *a, **k))
+    real, real_decide = userfiles.render_formats, userfiles.decide
+    monkeypatch.setattr(userfiles, "render_formats", lambda s, user, *a, **k: rendered.append(user) or real(s, user, *a, **k))
+    monkeypatch.setattr(userfiles, "decide", lambda s, user, *a, **k: decided.append(user) or real_decide(s, user, *a, **k))
     usage = {u: UserUsage(up=250_000_000, down=7) for u in folder}
     changed = dataclasses.replace(snap, usage=usage)
     stats = out.write(changed)
@@ -457,7 +457,7 @@ def test_headers_are_restamped_in_place_exactly_as_a_json_round_trip_would_or_no
 
 
 def test_a_pass_that_fails_midway_and_a_folder_removed_behind_the_outlets_back_are_repaired(tmp_path, monkeypatch):
-    import reconciler.loop.outlets as outlets
+    import reconciler.publish.userfiles as userfiles
 
     data = cluster(5, users=60).model_dump(mode="json", exclude_none=True)
     data["users"][2] |= {"device_limit": 1, "on_device_limit": "refuse"}
@@ -468,7 +468,7 @@ def test_a_pass_that_fails_midway_and_a_folder_removed_behind_the_outlets_back_a
     out.write(snap)
     # u2 is refused (too many devices) and the disk fills up right after its files were written.
     refused = dataclasses.replace(snap, usage={"u2": UserUsage(devices=3), "u9": UserUsage(up=300_000_000)})
-    real, rewrite, calls = outlets._write_user, outlets._restamp_userinfo, []
+    real, rewrite, calls = userfiles._write_user, userfiles._restamp_userinfo, []
 
     def recording(*args, **kw):
         calls.append(args[4])
@@ -478,12 +478,12 @@ def test_a_pass_that_fails_midway_and_a_folder_removed_behind_the_outlets_back_a
         calls.append(user.name)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(outlets, "_write_user", recording)
-    monkeypatch.setattr(outlets, "_restamp_userinfo", full_disk)
+    monkeypatch.setattr(userfiles, "_write_user", recording)
+    monkeypatch.setattr(userfiles, "_restamp_userinfo", full_disk)
     with pytest.raises(OSError):
         out.write(refused)
-    monkeypatch.setattr(outlets, "_write_user", real)
-    monkeypatch.setattr(outlets, "_restamp_userinfo", rewrite)
+    monkeypatch.setattr(userfiles, "_write_user", real)
+    monkeypatch.setattr(userfiles, "_restamp_userinfo", rewrite)
     assert calls == ["u2", "u9"]
     # u2 is back under its limit, and only its usage step moved since the last pass that ended well: its refusal
     # body must not stay beside new headers. The next pass compares everyone.
@@ -512,7 +512,8 @@ def test_a_pass_that_fails_midway_and_a_folder_removed_behind_the_outlets_back_a
 
 def test_a_big_write_in_worker_processes_gives_the_same_files(tmp_path, monkeypatch):
     # The workers read the snapshot from a file in the state folder (0600, without the secret), removed after.
-    import reconciler.loop.outlets as outlets
+    import reconciler.publish.files as files
+    from reconciler.publish.parallel import SpillMac
 
     c = cluster(5, users=300)
     learned = Learned.fresh(c)
@@ -522,19 +523,19 @@ def test_a_big_write_in_worker_processes_gives_the_same_files(tmp_path, monkeypa
     monkeypatch.setattr(FileOutlet, "PARALLEL_MIN", 10)
     two = FileOutlet(tmp_path / "b", tmp_path / "sb", SECRET, workers=2)
     spilled = []
-    real = outlets._write_users
+    real = files.write_users
 
     def looking(*args, **kw):  # this process's slice runs while the workers have the file
         spilled.extend((p, p.stat().st_mode & 0o777, p.read_bytes()) for p in (tmp_path / "sb").glob(".outlet-snapshot.*"))
         return real(*args, **kw)
 
-    monkeypatch.setattr(outlets, "_write_users", looking)
+    monkeypatch.setattr(files, "write_users", looking)
     stats = two.write(snap)
     assert stats.written == 300
     assert len(spilled) == 1 and spilled[0][1] == 0o600 and SECRET.value not in spilled[0][2]
     assert not list((tmp_path / "sb").glob(".outlet-snapshot.*"))
     # A file that is not the one the pass wrote (its HMAC differs) is never unpickled by a worker.
-    monkeypatch.setattr(outlets._SpillMac, "hexdigest", lambda self: "0" * 64)
+    monkeypatch.setattr(SpillMac, "hexdigest", lambda self: "0" * 64)
     three = FileOutlet(tmp_path / "c", tmp_path / "sc", SECRET, workers=2)
     with pytest.raises(RuntimeError, match="is not the one this pass wrote"):
         three.write(snap)

@@ -13,7 +13,7 @@ import sys
 import textwrap
 
 from reconciler.fleet import Learned
-from reconciler.loop.outlets import MANIFEST, FileOutlet
+from reconciler.publish import MANIFEST, FileOutlet
 from tests.test_loop import SECRET, cluster, snapshot_after
 
 NAMES = ("links.txt", "sing-box.json", "clash.yaml", "headers.json")
@@ -31,7 +31,7 @@ def test_a_full_disk_never_publishes_a_cut_file_and_the_next_write_completes(tmp
         from pathlib import Path
         sys.path.insert(0, {str(os.getcwd())!r})
         from reconciler.fleet import Learned
-        from reconciler.loop.outlets import FileOutlet
+        from reconciler.publish import FileOutlet
         from tests.test_loop import SECRET, cluster, snapshot_after
         c = cluster(3, users=5)
         snap = snapshot_after(c, Learned.fresh(c))

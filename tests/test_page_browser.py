@@ -27,8 +27,8 @@ from reconciler.config import load_cluster
 from reconciler.credentials import Secret, user_token
 from reconciler.lab.demo import free_port
 from reconciler.loop.http import HttpOutlet
-from reconciler.loop.outlets import LiveAnswers, Tokens
 from reconciler.model import UserUsage
+from reconciler.publish import LiveAnswers, Tokens
 from reconciler.subscriptions.page import catalog
 from reconciler.subscriptions.urls import subscription_url
 from tests.conftest import EXAMPLE, ROOT

@@ -137,7 +137,7 @@ def fetch_through(proxy_port: int, url: str) -> bytes:
 @pytest.fixture(scope="module")
 def origin():
     class Page(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 — the name http.server calls
+        def do_GET(self) -> None:  # the name http.server calls
             self.send_response(200)
             self.send_header("Content-Length", str(len(PAYLOAD)))
             self.end_headers()

@@ -16,9 +16,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from reconciler.backoff import Streaks
 from reconciler.credentials import Secret, user_credentials
 from reconciler.lab.demo import free_port
-from reconciler.loop.service import Backoff
+from reconciler.loop.service import SERVER_BACKOFF
 
 SECRET = "run-test-secret-0123456789abcdef"
 
@@ -61,7 +62,7 @@ def test_run_pulls_git_reloads_serves_and_stops_on_sigterm(tmp_path):
     git(work, "commit", "-q", "-m", "first")
     git(work, "push", "-q", "origin", "HEAD")
     git(tmp_path, "clone", "-q", str(origin), str(clone))
-    log = open(tmp_path / "run.log", "wb")  # noqa: SIM115
+    log = open(tmp_path / "run.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "reconciler", "run", "-f", str(clone / "cluster.yaml"), "--no-watch",
                              "--duration", "120"], env={**os.environ, "RECONCILER_SECRET": SECRET}, stdout=log,
                             stderr=subprocess.STDOUT)
@@ -94,8 +95,8 @@ def test_run_pulls_git_reloads_serves_and_stops_on_sigterm(tmp_path):
 
 
 def test_backoff_doubles_to_a_cap_and_resets():
-    b = Backoff()
-    waits = [b.failed("s", tick) for tick in range(8)]
+    b = Streaks(SERVER_BACKOFF)
+    waits = [b.failed("s", tick + 1) for tick in range(8)]  # the loop counts from the next interval
     assert waits == [0, 2, 4, 8, 16, 16, 16, 16]
-    assert not b.due("s", 7) and b.due("s", 7 + 1 + 16)
-    assert b.succeeded("s") and b.due("s", 0) and not b.succeeded("s")
+    assert not b.ready("s", 7) and b.ready("s", 7 + 1 + 16)
+    assert b.succeeded("s") and b.ready("s", 0) and not b.succeeded("s")

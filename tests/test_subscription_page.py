@@ -22,8 +22,8 @@ from reconciler.balance.snapshot import Snapshot
 from reconciler.credentials import Secret, user_credentials, user_token
 from reconciler.lab.demo import free_port
 from reconciler.loop.http import HttpOutlet
-from reconciler.loop.outlets import LiveAnswers, Tokens
 from reconciler.model import Cluster, UserUsage
+from reconciler.publish import LiveAnswers, Tokens
 from reconciler.subscriptions.document import refusal_reason
 from reconciler.subscriptions.page import LANGUAGES, catalog, choose_language, render_page, wants_page
 from reconciler.subscriptions.urls import request_base, subscription_url

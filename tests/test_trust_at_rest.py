@@ -629,8 +629,7 @@ def test_a_manifest_past_its_cap_is_a_said_full_rewrite_not_a_crash(tmp_path, mo
     # Attack: the outlet's manifest (subscription-files.json) grown past anything the loop writes: it was read
     # whole into memory at start-up. Here the cap is lowered to 64 KiB and a real manifest padded past it.
     from reconciler.fleet import Learned
-    from reconciler.loop import outlets
-    from reconciler.loop.outlets import MANIFEST, FileOutlet
+    from reconciler.publish import MANIFEST, FileOutlet, files
     from tests.test_loop import snapshot_after
 
     c = cluster(3, users=6)
@@ -638,7 +637,7 @@ def test_a_manifest_past_its_cap_is_a_said_full_rewrite_not_a_crash(tmp_path, mo
     assert FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET).write(snap).written == 6
     manifest = tmp_path / "state" / MANIFEST
     good = manifest.read_bytes()
-    monkeypatch.setattr(outlets, "MAX_MANIFEST_BYTES", 64 * 1024, raising=False)
+    monkeypatch.setattr(files, "MAX_MANIFEST_BYTES", 64 * 1024, raising=False)
     manifest.write_bytes(good + b" " * (256 * 1024))  # still a valid manifest, every entry right
     outlet = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET)
     assert outlet.published == {} and outlet.digest == ""  # as if absent
@@ -653,7 +652,8 @@ def test_a_manifest_past_its_cap_is_a_said_full_rewrite_not_a_crash(tmp_path, mo
 def test_the_manifest_cap_holds_a_million_users_with_room_to_spare(tmp_path):
     # The cap measured against what the loop writes: a million users with the longest names (63 characters) and
     # sizes of 19 digits must fit with half as much again to spare.
-    from reconciler.loop.outlets import MANIFEST, MAX_MANIFEST_BYTES, FileOutlet, Published, PublishedTable
+    from reconciler.publish import MANIFEST, FileOutlet, Published, PublishedTable
+    from reconciler.publish.manifest import MAX_MANIFEST_BYTES
 
     outlet = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET)
     users = {f"{i:06d}".ljust(63, "x"): Published("A" * 32, "f" * 32, 10 ** 18 + i) for i in range(2000)}

@@ -215,7 +215,7 @@ class _Hook(http.server.ThreadingHTTPServer):
         hook = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 — the name http.server calls
+            def do_POST(self) -> None:  # the name http.server calls
                 hook.bodies.append(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
                 self.send_response(status)
                 if location:

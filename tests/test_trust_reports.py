@@ -213,7 +213,7 @@ def _agent_fingerprint(agent: object, key: str, user: str, address: str) -> str:
                        "uploadTotal": 0, "downloadTotal": 0}).encode()
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 — the stdlib's name
+        def do_GET(self) -> None:  # the stdlib's name
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()

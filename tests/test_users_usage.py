@@ -24,9 +24,10 @@ from reconciler.credentials import Secret, user_credentials
 from reconciler.engine.adapters import desired
 from reconciler.engine.base import MARK_BASE, mark_key, usage_marks
 from reconciler.fleet import parse_report
+from reconciler.fleet.counters import HEADER_BYTES, owner_id
 from reconciler.fleet.events import user_events
 from reconciler.fleet.reports import KIND_OF, CounterRows
-from reconciler.fleet.usage import HEADER_BYTES, Ledger, owner_id
+from reconciler.fleet.usage import Ledger
 from reconciler.model import Cluster, UserUsage
 from reconciler.model.cluster import Reset
 from reconciler.plan.actions import withheld_text
@@ -542,7 +543,7 @@ def test_the_loop_applies_within_the_interval_a_user_crosses_the_limit(tmp_path)
 def test_the_files_follow_usage_in_steps_and_the_refusal_at_once(tmp_path):
     # At a million users, rewriting every active user's files at every interval of traffic would be the disk's
     # whole work: the files' userinfo moves in 100 MB steps (1% of a small limit); a refusal is written at once.
-    from reconciler.loop.outlets import FileOutlet
+    from reconciler.publish import FileOutlet
 
     c = cluster([{"name": "alice"}, {"name": "carol", "data_limit": "1GB"}])
     outlet = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET)

@@ -21,10 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ruamel.yaml import YAML
 
+from reconciler import gcpause
 from reconciler.config import yamlread
 from reconciler.config.diagnostics import SourceMap
 from reconciler.config.loader import load_cluster
-from reconciler.config.yamlread import MAX_DEPTH, MAX_NODES, RUAMEL_BYTES, Budget, Problem, parse_yaml
+from reconciler.config.yamlread import MAX_DEPTH, MAX_NODES, RUAMEL_BYTES, Budget, parse_yaml
+from reconciler.errors import Problem
 from tests.conftest import example_text
 
 pytestmark = pytest.mark.skipif(yamlread._C_LOADER is None, reason="PyYAML without libyaml")
@@ -280,10 +282,10 @@ def test_the_collector_is_paused_only_while_parsing_and_restored():
     for t in threads:
         t.join()
     assert not errors and gc.isenabled()  # overlapping loads in threads: on again after the last
-    with yamlread.gc_paused():
-        yamlread.gc_paused.forked()  # as in a child forked while a thread was loading
-        assert gc.isenabled() and yamlread.gc_paused.holders == 0
-    assert gc.isenabled() and yamlread.gc_paused.holders == 0
+    with gcpause.paused():
+        gcpause.paused.forked()  # as in a child forked while a thread was loading
+        assert gc.isenabled() and gcpause.paused.holders == 0
+    assert gc.isenabled() and gcpause.paused.holders == 0
 
 
 def test_the_reload_budget_grows_with_the_yaml_it_may_read(tmp_path):

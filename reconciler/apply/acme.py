@@ -8,7 +8,7 @@ validated); the chain and key kept in the state folder (``acme/``, mode 0600, ne
 them to the server like any certificate, and the engine reloads them: no restart, no gap.
 
 One inbound's failure is that inbound's (its server keeps the certificate it has: the last one, or until the first
-arrives the one derived from the secret); the others go on. The loop waits longer after each failure (``Backoff``).
+arrives the one derived from the secret); the others go on. The loop waits longer after each failure (``CERTIFICATE_BACKOFF``).
 The account key is made once and kept beside the certificates; a kept pair whose key is not the certificate's is
 ordered again.
 """
@@ -22,13 +22,14 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
+from reconciler.backoff import Backoff, Streaks
 from reconciler.engine import remote
 from reconciler.engine.adapters import acme_dir
 from reconciler.engine.base import acme_paths
@@ -102,26 +103,14 @@ def due(cluster: Cluster, base_dir: str, now: float) -> list[Wanted]:
     return found
 
 
-@dataclass
-class Backoff:
-    """Failed orders per inbound, so the loop asks the CA again only after a while (1 h, doubling to a day):
-    a CA limits failed validations (Let's Encrypt: 5 an hour per name)."""
+#: Failed orders per inbound: the loop asks the CA again only after a while (1 h, doubling to a day), as a CA
+#: limits failed validations (Let's Encrypt: 5 an hour per name).
+CERTIFICATE_BACKOFF = Backoff(first=3600.0, cap=86400.0)
 
-    failures: dict[str, tuple[int, float]] = field(default_factory=dict)  # inbound → (failures, next try)
-
-    def ready(self, inbound: str, now: float) -> bool:
-        return self.failures.get(inbound, (0, 0.0))[1] <= now
-
-    def failed(self, inbound: str, now: float) -> None:
-        n = self.failures.get(inbound, (0, 0.0))[0] + 1
-        self.failures[inbound] = (n, now + min(3600.0 * 2 ** (n - 1), 86400.0))
-
-    def succeeded(self, inbound: str) -> None:
-        self.failures.pop(inbound, None)
 
 
 async def ensure_certificates(cluster: Cluster, runner: Runner, base_dir: str, now: float | None = None,
-                              say: Callable[[str], None] = log.info, backoff: Backoff | None = None) -> dict[str, str]:
+                              say: Callable[[str], None] = log.info, backoff: Streaks[str] | None = None) -> dict[str, str]:
     """Order every certificate that is due (and, with ``backoff``, not failing lately); returns inbound → why it
     could not be had (empty: all good)."""
     now = time.time() if now is None else now

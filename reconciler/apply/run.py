@@ -25,23 +25,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import os
 import posixpath
-import threading
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from reconciler.apply.engine import stage_engine
 from reconciler.credentials import Redactor
-from reconciler.engine import release, remote
+from reconciler.engine import remote
 from reconciler.engine.base import USAGE_NFT, USAGE_TABLE
-from reconciler.engine.capabilities import local_version
-from reconciler.errors import CommitFailed, LockHeld, ReleaseError, RemoteCommandError, RemoteError
+from reconciler.errors import CommitFailed, LockHeld, RemoteCommandError, RemoteError
 from reconciler.plan import lock
-from reconciler.plan.actions import SUPPORTED_ARCH, Action
-from reconciler.plan.facts import parse_version
+from reconciler.plan.actions import Action
 from reconciler.plan.observe import Observed
 from reconciler.ssh import Result, Runner
 from reconciler.ssh.runner import answer
@@ -52,7 +48,6 @@ log = logging.getLogger("reconciler.apply")
 # The actions the commit carries out; a plan with none of them (only harden or remove-file) needs no commit.
 COMMIT_KINDS = frozenset({"install-engine", "write-file", "restart", "reload", "start"})
 SERVICE_KINDS = ("restart", "reload", "start")
-ENGINE_UPLOAD_SECONDS = lock.LONGEST_STEP_SECONDS
 DEFER_LOCK = True  # a plan that installs the engine takes the lock in the engine step's session (lock.Deferred)
 
 
@@ -156,7 +151,7 @@ async def _apply_one(o: Observed, runner: Runner, progress: Callable[[str, str],
     except RemoteError as exc:
         result.ok = False
         result.message = f"{exc} (the server finishes or rolls back a started commit on its own; run apply again)"
-    except Exception as exc:  # noqa: BLE001 — whatever it is, it is this server's failed result, not the others'
+    except Exception as exc:  # whatever it is, it is this server's failed result, not the others'
         log.exception("apply %s: unexpected error", o.plan.server)
         result.ok = False
         result.message = (f"unexpected error: {type(exc).__name__}: {exc} — a bug in reconciler (rerun with "
@@ -231,7 +226,7 @@ async def _commit(runner: Runner, o: Observed, phase: Callable[[str], None], res
     files: list[dict[str, Any]] = []
     if _of(o, "install-engine"):
         phase("install engine")
-        staged_moves, files = await _stage_engine(runner, o)
+        staged_moves, files = await stage_engine(runner, o)
         moves += staged_moves
         binary_new = moves[0][0]
     phase("configure")
@@ -307,171 +302,26 @@ async def _harden(runner: Runner, o: Observed, timeout: float) -> None:
     raise CommitFailed("firewall: no answer from the server within the timeout", o.plan.server)
 
 
-# Servers downloading the same release in one apply (one event loop): the first asks its binary's version, the
-# others leave it (``version_later``) and take that answer when their binary has the same sha256 — the same
-# bytes report the same version, as with the controller's own run of an uploaded engine. On 20 busy lab hosts,
-# starting the 44 MB binary cost ~100 ms of CPU on each of them.
-_ASKED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Future[tuple[str, str] | None]]] = (
-    weakref.WeakKeyDictionary())
 
 
-def _version_asker(pin: str) -> tuple[asyncio.Future[tuple[str, str] | None], bool]:
-    """(the future answer for this release's binary, whether this server asks it)."""
-    loop = asyncio.get_running_loop()
-    asked = _ASKED.setdefault(loop, {})
-    fut = asked.get(pin)
-    if fut is None or (fut.done() and fut.result() is None):  # none yet, or the asker failed: this one asks
-        fut = asked[pin] = loop.create_future()
-        return fut, True
-    return fut, False
 
 
-async def _stage_engine(runner: Runner, o: Observed) -> tuple[list[list[str]], list[dict[str, Any]]]:
-    """The engine binary, checked (sha256, version) and staged under a temporary name with its sidecars; the
-    commit moves them into place. Returns those moves, the binary first, and the sidecar the commit writes
-    (the version another server's identical binary reported).
-
-    ``install: download``: the server fetches the release itself (a VPS's link is faster than the operator's
-    uplink) and refuses a file whose sha256 differs from the pin for its architecture, installing nothing.
-    When the server cannot fetch it (no route out, a missing file) or unpack it (a zstd release, no libzstd
-    there), the controller fetches it once, checks the same pin, and uploads the binary: the fallback.
-    ``install: upload``: the controller's binary, compressed (zstd where the server has libzstd, else gzip)."""
-    d = o.desired
-    assert d is not None and o.facts is not None
-    engine, b = d.engine, d.binary
-    tmp = f"{engine.binary}.reconciler-new"
-    req: dict[str, Any] = {"tmp": tmp, "version_args": list(engine.version_args), "name": engine.process}
-    sidecar: list[dict[str, Any]] = []
-    local = b.local_path
-    if b.url and not local:
-        arch = SUPPORTED_ARCH.get(o.facts.arch, o.facts.arch)
-        pin = b.pin_for(arch)
-        if not pin:
-            raise RemoteCommandError(o.plan.server, "install engine", None,
-                                     f"no sha256 pinned for {arch} releases of {engine.name} {b.version}: run "
-                                     "`reconciler engine pin` (it downloads once, checks the build and writes the pins)")
-        url = release.release_url(b.url, arch)
-        asked, asking = _version_asker(pin)
-        answered: dict[str, Any] = {}
-        try:
-            res = await runner.script(o.target, remote.ENGINE, {**req, "mode": "download", "url": url, "sha256": pin,
-                                                                "version_later": not asking, "library": o.facts.zstd},
-                                      timeout=ENGINE_UPLOAD_SECONDS)
-            answered = answer(res, o.target, remote.ENGINE, {"ok": bool})
-        finally:
-            if asking and not asked.done():  # always answered, so that no other server waits for it
-                said = answered.get("version") if answered.get("ok") else None
-                asked.set_result((str(answered.get("sha256", "")).strip(), said) if isinstance(said, str) else None)
-        staged = answered
-        if staged["ok"] and staged.get("version") is None:  # left to the asker: same sha256, same version
-            known = await asyncio.shield(asked)
-            if known is not None and known[0] == str(staged.get("sha256", "")).strip():
-                staged["version"] = known[1]
-                sidecar = [{"path": f"{tmp}.version", "data": base64.b64encode(known[1].encode()).decode(), "mode": 0o644}]
-            else:  # the asker failed, or its binary differs: this server runs its own
-                res = await runner.script(o.target, remote.ENGINE, {**req, "mode": "version"})
-                staged = answer(res, o.target, remote.ENGINE, {"ok": bool})
-        if not staged["ok"] and staged.get("kind") in ("fetch", "codec"):  # codec: a zstd release, no libzstd there
-            could_not = "fetch" if staged["kind"] == "fetch" else "unpack"
-            log.warning("%s cannot %s %s itself (%s): the controller fetches it and uploads it", o.plan.server,
-                        could_not, url, str(staged.get("error"))[:200])
-            try:
-                local = await asyncio.to_thread(release.fetch_binary, url, pin, engine.process)
-            except ReleaseError as exc:
-                raise RemoteCommandError(o.plan.server, "install engine", None,
-                                         f"the server could not {could_not} {url} ({str(staged.get('error'))[:200]}), "
-                                         f"nor could the controller: {exc}") from None
-        elif not staged["ok"]:
-            raise RemoteCommandError(o.plan.server, "install engine", None, str(staged.get("error"))[:600])
-    if local:
-        # Shipped compressed (a Go binary shrinks to a third) and unpacked as it streams in: zstd where the
-        # server has libzstd (it inflates in ~40% of zlib's time), else gzip. The codec's checksum and SSH's MAC
-        # vouch for the bytes; the sha256 was taken here, once, from the source.
-        # The same bytes report the same version: no 44 MB binary to start on every server.
-        version = await asyncio.to_thread(_local_version, local, engine.version_args)
-        for codec in ("zstd", "gzip") if o.facts.zstd else ("gzip",):
-            data, digest = await asyncio.to_thread(packed_engine, local, codec)  # tens of MB: never on the event loop
-            res = await runner.script(o.target, remote.ENGINE, {**req, "mode": "upload", "sha256": digest,
-                                                                "version": version, "codec": codec,
-                                                                "library": o.facts.zstd},
-                                      input=data, timeout=ENGINE_UPLOAD_SECONDS)
-            staged = answer(res, o.target, remote.ENGINE, {"ok": bool})
-            if staged["ok"] or staged.get("kind") != "codec":
-                break
-            log.warning("%s: %s; the engine is sent as gzip", o.plan.server, str(staged.get("error"))[:200])
-        if not staged["ok"]:
-            raise RemoteCommandError(o.plan.server, "install engine", None, str(staged.get("error"))[:600])
-    elif not b.url:
-        raise RemoteCommandError(o.plan.server, "install engine", None,
-                                 "no engine binary: set settings.engine.binary, or install: download with a url")
-    digest, version = str(staged.get("sha256", "")).strip(), str(staged.get("version", ""))
-    problem = None
-    if b.local_path and b.sha256 and digest != b.sha256:
-        problem = f"the binary's sha256 {digest} differs from the pinned {b.sha256}"
-    elif parse_version(version) != b.version:
-        problem = f"the binary reports {version.splitlines()[:1]}, not version {b.version}"
-    if problem:
-        await runner.script(o.target, remote.FILES, {"op": "remove", "paths": [tmp, f"{tmp}.sha256", f"{tmp}.version"]})
-        raise RemoteCommandError(o.plan.server, "install engine", None, problem)
-    bin_ = engine.binary
-    return [[tmp, bin_], [f"{tmp}.sha256", f"{bin_}.sha256"], [f"{tmp}.version", f"{bin_}.version"]], sidecar
 
 
-_PACKED: dict[str, tuple[bytes, str]] = {}
-_PACKING = threading.Lock()  # servers stage in threads: one packs, the others wait for its bytes
-def _local_version(path: str, args: tuple[str, ...]) -> str | None:
-    """``<binary> version`` (or ``-v``) as run here, once per file version (``engine.capabilities.local_version``);
-    None when it does not run here (another architecture or OS), may not (one in the repository: ``executable_allowed``)
-    or is no engine's: then each server runs it."""
-    out = local_version(path, args)
-    return out if out is not None and parse_version(out) else None
 
 
-PACK_LEVELS = {"gzip": 6, "zstd": 9}  # gzip 6 inflates ~35% faster than 1; zstd 9: 14.3 of 44.6 MB in ~1 s (19: 12.7 in 28 s)
 
 
-def packed_engine(path: str, codec: str = "gzip") -> tuple[bytes, str]:
-    """(compressed bytes, sha256 of the original) of a local file: compressed once per file version and codec
-    (cached on disk across runs, the three newest kept) and held once in memory for every server of this run."""
-    with _PACKING:
-        return _pack(path, codec)
 
 
-def _pack(path: str, codec: str) -> tuple[bytes, str]:
-    import glob
-    import gzip
-    import hashlib
-    import shutil
 
-    import zstandard
 
-    level = PACK_LEVELS[codec]
-    st = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:{codec}{level}".encode()).hexdigest()[:16]
-    if key in _PACKED:
-        return _PACKED[key]
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "reconciler")
-    os.makedirs(cache, exist_ok=True)
-    suffix = "gz" if codec == "gzip" else "zst"
-    out = os.path.join(cache, f"engine-{key}.{suffix}")
-    sha = hashlib.sha256()
-    with open(path, "rb") as src:
-        for block in iter(lambda: src.read(1 << 20), b""):
-            sha.update(block)
-    if not os.path.exists(out):
-        tmp = out + f".{os.getpid()}.tmp"
-        with open(path, "rb") as src, open(tmp, "wb") as raw:
-            if codec == "gzip":
-                with gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=level) as dst:
-                    shutil.copyfileobj(src, dst, 1 << 20)
-            else:  # the size in the frame header, and a checksum of the content
-                zstandard.ZstdCompressor(level=level, write_checksum=True).copy_stream(src, raw, size=st.st_size)
-        os.replace(tmp, out)
-        for old in sorted(glob.glob(os.path.join(cache, f"engine-*.{suffix}")), key=os.path.getmtime)[:-3]:
-            os.remove(old)
-    with open(out, "rb") as fh:
-        _PACKED[key] = (fh.read(), sha.hexdigest())
-    return _PACKED[key]
+
+
+
+
+
+
 
 
 def _removal_paths(o: Observed) -> list[str]:

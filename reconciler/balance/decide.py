@@ -62,7 +62,7 @@ import numpy as np
 
 from reconciler.balance.assignments import NONE, Assignments
 from reconciler.balance.hashing import exponentials, key64, scores
-from reconciler.balance.snapshot import Snapshot
+from reconciler.balance.snapshot import Slot, Snapshot
 from reconciler.balance.steer import choose_pool, healthy_pools
 from reconciler.model import Cluster, InboundRef, Route
 from reconciler.model.roster import ACTIVE
@@ -72,9 +72,22 @@ PAIR_PENALTY = 0.5
 ADDRESS_STEERED = ("geo", "dynamic")  # steering modes where a live request's address can choose the pool
 
 
+POOL_SEPARATOR = "@"  # never in an id (the model's ID pattern): a key with it is a place in a pool
+
+
 def pool_key(route_id: str, pool: str) -> str:
     """The assignment key of a user's place in ``pool`` of a route (an ``@`` never appears in an id)."""
-    return f"{route_id}@{pool}"
+    return f"{route_id}{POOL_SEPARATOR}{pool}"
+
+
+def is_pool_key(key: str) -> bool:
+    """Whether an assignment key is a user's place in a pool (``pool_key``) rather than on a whole route."""
+    return POOL_SEPARATOR in key
+
+
+def route_of_key(key: str) -> str:
+    """The route an assignment key belongs to, whether it is a route id or a ``pool_key``."""
+    return key.split(POOL_SEPARATOR, 1)[0]
 
 
 def held_by_server(cluster: Cluster, assignments: Mapping[tuple[str, str], str]) -> dict[str, int]:
@@ -83,11 +96,11 @@ def held_by_server(cluster: Cluster, assignments: Mapping[tuple[str, str], str])
     per_inbound: dict[str, int] = {}
     if isinstance(assignments, Assignments):
         for (key, inbound), n in assignments.counts().items():
-            if "@" not in key:
+            if not is_pool_key(key):
                 per_inbound[inbound] = per_inbound.get(inbound, 0) + n
     else:
         for (_, route), inbound in assignments.items():
-            if "@" not in route:
+            if not is_pool_key(route):
                 per_inbound[inbound] = per_inbound.get(inbound, 0) + 1
     out: dict[str, int] = {}
     for ref in cluster.inbounds:
@@ -252,29 +265,30 @@ def decide(snapshot: Snapshot, user_name: str, region: str | None = None) -> lis
     ukey = key64(user.name)
     entries: list[Entry] = []
     memo = snapshot.memo
+    members_of, healthy_of, candidates_of, candidate_ids_of = memo[_MEMBERS], memo[_HEALTHY], memo[_CANDIDATES], memo[_CANDIDATE_IDS]
     for route in cluster.effective_routes:
-        members = memo.members.get(route.id)
+        members = members_of.get(route.id)
         if members is None:
-            members = memo.members[route.id] = _usable_members(snapshot, route)
+            members = members_of[route.id] = _usable_members(snapshot, route)
         if not members:
             continue
         pool: str | None = None
         pool_why = ""
         if route.pools:
-            healthy = memo.healthy.get((route.id, rkey))
+            healthy = healthy_of.get((route.id, rkey))
             if healthy is None:
-                healthy = memo.healthy[(route.id, rkey)] = healthy_pools(snapshot, route, rkey)
+                healthy = healthy_of[(route.id, rkey)] = healthy_pools(snapshot, route, rkey)
             pool, pool_why = choose_pool(snapshot, route, ukey, region, healthy)
-        cands = memo.candidates.get((route.id, pool, rkey))
+        cands = candidates_of.get((route.id, pool, rkey))
         if cands is None:
-            cands = memo.candidates[(route.id, pool, rkey)] = _candidates(snapshot, members, pool, rkey)
-            memo.candidate_ids[(route.id, pool, rkey)] = {r.inbound.id: r for r in cands}
+            cands = candidates_of[(route.id, pool, rkey)] = _candidates(snapshot, members, pool, rkey)
+            candidate_ids_of[(route.id, pool, rkey)] = {r.inbound.id: r for r in cands}
         if not cands:
             ref = snapshot.best_available(members)
             why = "best available: every inbound of this route is out of rotation (HEALTH-11)"
             entries.append(_entry(snapshot, route, ref, pool, why, rkey))
             continue
-        by_id = memo.candidate_ids[(route.id, pool, rkey)]
+        by_id = candidate_ids_of[(route.id, pool, rkey)]
         prev = snapshot.assignments.get((user.name, route.id))
         kept = by_id.get(prev) if prev is not None else None
         if kept is None and pool is not None:  # the address chose another pool than the record: its placement there
@@ -308,7 +322,7 @@ def _backups(snapshot: Snapshot, route: Route, members: tuple[InboundRef, ...], 
     limit = snapshot.cluster.settings.outputs.failover.members - 1
     if limit <= 0:
         return ()
-    memo = snapshot.memo.failover
+    memo = snapshot.memo[_FAILOVER]
     found = memo.get((route.id, pool, rkey))
     if found is None:
         rest = tuple(r for r in members if r not in cands and snapshot.in_rotation(r.inbound.id, rkey))
@@ -335,12 +349,29 @@ def _order_weights(snapshot: Snapshot, route: Route,
 
 
 Placement = tuple[Weights, np.ndarray, np.ndarray]  # weights, candidate keys, deficits
+FailoverSet = tuple[tuple[InboundRef, ...], np.ndarray, np.ndarray]  # inbounds, their keys, their target shares
+CandidateKey = tuple[str, str | None, str | None]  # (route id, pool, rotation region: ``Snapshot.rotation_region``)
+
+# What decisions on one snapshot share, computed once (``SnapshotMemo``): a route's usable members, its pools' health
+# per rotation region, the candidates of a (route, pool, region) and the same by inbound id (a kept assignment is
+# found in one lookup: a thousand servers' route is not scanned), the weights, keys and deficits for placing a new
+# user on a candidate set, the ordering weights of a user's failover members (candidates, then the route's others in
+# rotation), the users assigned per (route, inbound), and their demand (what an unmeasured user weighs, None: nobody
+# measured; the Mbps assigned per (route, inbound)).
+_MEMBERS: Slot[dict[str, tuple[InboundRef, ...]]] = Slot("route members", dict)
+_HEALTHY: Slot[dict[tuple[str, str | None], dict[str, bool]]] = Slot("healthy pools", dict)
+_CANDIDATES: Slot[dict[CandidateKey, tuple[InboundRef, ...]]] = Slot("candidates", dict)
+_CANDIDATE_IDS: Slot[dict[CandidateKey, dict[str, InboundRef]]] = Slot("candidates by id", dict)
+_PLACEMENTS: Slot[dict[tuple[str, tuple[str, ...]], Placement]] = Slot("placements", dict)
+_FAILOVER: Slot[dict[CandidateKey, tuple[FailoverSet, FailoverSet]]] = Slot("failover weights", dict)
+_ASSIGNMENT_COUNTS: Slot[list[dict[tuple[str, str], int]]] = Slot("assignment counts", list)
+_ASSIGNMENT_DEMAND: Slot[list[tuple[float | None, dict[tuple[str, str], float]]]] = Slot("assignment demand", list)
 
 
 def _placement(snapshot: Snapshot, route: Route, cands: tuple[InboundRef, ...]) -> Placement:
     """Weights, candidate keys and deficits for placing a new user; once per snapshot and candidate set."""
     ids = tuple(r.inbound.id for r in cands)
-    placements = snapshot.memo.placements
+    placements = snapshot.memo[_PLACEMENTS]
     found = placements.get((route.id, ids))
     if found is None:
         held = _held(snapshot, route.id, ids)
@@ -365,17 +396,17 @@ def _held(snapshot: Snapshot, route_id: str, inbound_ids: tuple[str, ...]) -> np
 
 def _assignment_counts(snapshot: Snapshot) -> dict[tuple[str, str], int]:
     """(route, inbound) → users assigned in the snapshot; computed once per snapshot."""
-    counts = snapshot.memo.assignment_counts
-    if counts is None:
-        counts = snapshot.memo.assignment_counts = snapshot.held.counts()
-    return counts
+    once = snapshot.memo[_ASSIGNMENT_COUNTS]
+    if not once:
+        once.append(snapshot.held.counts())
+    return once[0]
 
 
 def _assignment_demand(snapshot: Snapshot) -> tuple[float | None, dict[tuple[str, str], float]]:
     """What an unmeasured user weighs (None: nobody measured) and the Mbps assigned per (route, inbound);
     computed once per snapshot, with the weights ``rebalance`` gives the same users."""
-    found = snapshot.memo.assignment_demand
-    if found is None:
+    once = snapshot.memo[_ASSIGNMENT_DEMAND]
+    if not once:
         usage, roster = snapshot.usage, snapshot.cluster.roster
         counted = np.ones(len(roster), bool) if isinstance(usage, UsageView) and usage.names == roster.names else \
             np.fromiter((n in usage for n in roster.names), bool, len(roster))
@@ -390,8 +421,8 @@ def _assignment_demand(snapshot: Snapshot) -> tuple[float | None, dict[tuple[str
                 on = col >= 0
                 sums = np.bincount(col[on], weights=weight[on], minlength=len(held.inbounds))
                 assigned.update({(key, held.inbounds[t]): float(sums[t]) for t in np.flatnonzero(sums).tolist()})
-        found = snapshot.memo.assignment_demand = (fill, assigned)
-    return found
+        once.append((fill, assigned))
+    return once[0]
 
 
 def _fill(snapshot: Snapshot, measured: np.ndarray) -> float | None:

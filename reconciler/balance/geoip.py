@@ -10,7 +10,10 @@ then uses the user record's region, else failover order.
 from __future__ import annotations
 
 import ipaddress
+import os
+from collections.abc import Callable
 from functools import lru_cache
+from pathlib import Path
 
 import maxminddb
 
@@ -48,3 +51,20 @@ class GeoIP:
 def open_geoip(path: str) -> GeoIP:
     """One reader per database file for the process (memory-mapped, shared by all requests)."""
     return GeoIP(path)
+
+
+def database_path(base_dir: str | Path, setting: str) -> Path:
+    """Where ``settings.steering.geoip_database`` points: ``~`` expanded, relative to the cluster file's folder."""
+    return Path(base_dir) / os.path.expanduser(setting)
+
+
+def region_lookup(base_dir: str | Path, setting: str | None, warn: Callable[[str], None]) -> Callable[[str], str | None] | None:
+    """The region of an address per the database ``setting`` names; None without one, or (``warn`` told why) when
+    it cannot be read: live requests then use the users' regions. The one place the loop and its workers open it."""
+    if not setting:
+        return None
+    try:
+        return open_geoip(str(database_path(base_dir, setting))).region
+    except (OSError, ValueError) as exc:
+        warn(f"cannot read the GeoIP database {setting}: {exc}; live requests use the users' regions")
+        return None

@@ -8,10 +8,10 @@ from the same snapshot with the same pure function, so they always agree.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import Any, Generic, TypeVar, cast
 
 import numpy as np
 
@@ -21,8 +21,7 @@ from reconciler.health.verdicts import Verdicts
 from reconciler.model import Cluster, InboundRef, User, UserUsage
 from reconciler.model.roster import STANDINGS, Standing
 
-if TYPE_CHECKING:
-    from reconciler.balance.decide import Placement
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,17 @@ class RTTProfile:
     fresh: bool = True
 
 
-FailoverSet = tuple[tuple[InboundRef, ...], np.ndarray, np.ndarray]  # inbounds, their keys, their target shares
+class Slot(Generic[T]):
+    """A consumer's place in a snapshot's memo: it names what it keeps and makes it empty (``make``). The consumer
+    defines its slots beside its code; the memo knows none of them."""
+
+    __slots__ = ("make", "name")
+
+    def __init__(self, name: str, make: Callable[[], T]):
+        self.name, self.make = name, make
+
+    def __repr__(self) -> str:
+        return f"Slot({self.name!r})"
 
 
 class SnapshotMemo:
@@ -51,37 +60,21 @@ class SnapshotMemo:
 
     A snapshot is immutable, so anything derived from it stays true for its lifetime; this object is the
     one mutable part, owned by the snapshot (a new snapshot, also one made by ``dataclasses.replace``,
-    starts empty) and never compared or shown. Each consumer has its own named slot:
-
-    - ``members``, ``healthy``, ``candidates``, ``placements``, ``assignment_counts``, ``assignment_demand`` —
-      ``balance.decide``: a route's usable members, its pools' health, the candidates of a (route, pool), the
-      weights, keys and deficits for placing a new user on a candidate set, the users assigned per (route,
-      inbound), and their demand (what an unmeasured user weighs, and the Mbps assigned per (route, inbound)),
-      and ``failover``: the ordering weights of a user's failover members;
-    - ``header_bases``, ``header_json_heads``, ``document_templates`` — ``subscriptions.document``: the
-      user-independent headers of a format, their JSON encoding, and a document per (format, entries)
-      with stand-ins for the user's credentials.
+    starts empty) and never compared or shown. Each consumer keeps what it derives in its own ``Slot``
+    (``balance.decide`` its members, candidates and placements; ``subscriptions.document`` its headers and
+    templates): ``memo[slot]`` is that slot's container for this snapshot, made empty on first use.
     """
 
-    __slots__ = ("assignment_counts", "assignment_demand", "candidate_ids", "candidates", "document_templates", "failover",
-                 "header_bases", "header_json_heads", "healthy", "members", "placements")
+    __slots__ = ("_slots",)
 
     def __init__(self) -> None:
-        self.members: dict[str, tuple[InboundRef, ...]] = {}  # route id → usable members
-        # (route id, rotation region) → pool → healthy; the region is ``Snapshot.rotation_region``'s key
-        self.healthy: dict[tuple[str, str | None], dict[str, bool]] = {}
-        self.candidates: dict[tuple[str, str | None, str | None], tuple[InboundRef, ...]] = {}  # (route, pool, region)
-        # the same by inbound id: a kept assignment is found in one lookup (a thousand servers' route: not a scan)
-        self.candidate_ids: dict[tuple[str, str | None, str | None], dict[str, InboundRef]] = {}
-        self.placements: dict[tuple[str, tuple[str, ...]], Placement] = {}  # (route id, candidate ids)
-        # (route, pool, region) → (refs, keys, shares) of the candidates, then of the route's other inbounds in rotation
-        self.failover: dict[tuple[str, str | None, str | None], tuple[FailoverSet, FailoverSet]] = {}
-        self.assignment_counts: dict[tuple[str, str], int] | None = None  # (route id, inbound id) → users
-        # (what an unmeasured user weighs in Mbps, None: nobody measured; (route id, inbound id) → Mbps assigned)
-        self.assignment_demand: tuple[float | None, dict[tuple[str, str], float]] | None = None
-        self.header_bases: dict[str, dict[str, str]] = {}  # format → headers
-        self.header_json_heads: dict[str, str] = {}  # format → JSON text
-        self.document_templates: dict[tuple[str, tuple[tuple[str, ...], ...]], bytes] = {}  # (format, entries and backups)
+        self._slots: dict[Slot[Any], Any] = {}
+
+    def __getitem__(self, slot: Slot[T]) -> T:
+        found = self._slots.get(slot)
+        if found is None:
+            found = self._slots[slot] = slot.make()
+        return cast(T, found)
 
 
 @dataclass(frozen=True)

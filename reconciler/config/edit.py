@@ -26,8 +26,8 @@ from ruamel.yaml import YAML
 
 from reconciler.config.diagnostics import Diagnostic
 from reconciler.config.loader import LoadResult, load_cluster
-from reconciler.config.yamlread import Budget, Problem, parse_yaml, read_text
-from reconciler.errors import EditError
+from reconciler.config.yamlread import Budget, parse_yaml, read_text
+from reconciler.errors import EditError, Problem
 from reconciler.model import Cluster, InboundRef
 from reconciler.model.types import Name
 from reconciler.state.files import write_atomic

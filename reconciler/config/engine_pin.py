@@ -18,8 +18,8 @@ from ruamel.yaml import YAML
 
 from reconciler.config.edit import _atomic_write, _set_key
 from reconciler.config.loader import load_cluster
-from reconciler.config.yamlread import Problem, read_text
-from reconciler.errors import EditError
+from reconciler.config.yamlread import read_text
+from reconciler.errors import EditError, Problem
 
 
 def pin_engine(path: str, name: str, sha256: dict[str, str] | str, capabilities: tuple[str, ...] | None) -> None:

@@ -21,8 +21,8 @@ from ruamel.yaml import YAML
 from reconciler.config.diagnostics import Diagnostic
 from reconciler.config.edit import _atomic_write, _set_key
 from reconciler.config.loader import load_cluster
-from reconciler.config.yamlread import Problem, read_text
-from reconciler.errors import EditError
+from reconciler.config.yamlread import read_text
+from reconciler.errors import EditError, Problem
 from reconciler.model.types import host_key_blob
 
 

@@ -30,7 +30,8 @@ from typing import Any
 
 from reconciler import safe_read
 from reconciler.config.diagnostics import Diagnostic, Pos, SourceMap, at, shown
-from reconciler.config.yamlread import MAX_FILE_BYTES, Budget, Problem, TopLevel, decoded, file_bytes, read_yaml
+from reconciler.config.yamlread import MAX_FILE_BYTES, Budget, TopLevel, decoded, file_bytes, read_yaml
+from reconciler.errors import Problem
 
 INCLUDABLE = ("servers", "routes", "users")
 # An included file's lists stop at their first wrong kind (before the value is read); another key is refused below,

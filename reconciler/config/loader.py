@@ -21,10 +21,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
+from reconciler import gcpause
 from reconciler.config import includes, yamlread
-from reconciler.config.diagnostics import Diagnostic, Path, SourceMap, at, shown, unknown_key, wrong_kind
+from reconciler.config.diagnostics import Diagnostic, Path, Pos, SourceMap, at, shown, unknown_key, wrong_kind
 from reconciler.config.semantic import check
-from reconciler.config.yamlread import Budget, Problem, TopLevel, read_yaml
+from reconciler.config.yamlread import Budget, TopLevel, read_yaml
+from reconciler.errors import Problem
 from reconciler.model import Cluster
 
 if TYPE_CHECKING:
@@ -147,12 +149,14 @@ def _describe(value: Any) -> str:
 def _pydantic_diagnostic(err: ErrorDetails, data: Any, source: SourceMap, root: type[BaseModel] = Cluster) -> Diagnostic:
     loc = tuple(err["loc"])
     path = _data_path(loc, data)
-    kind = err["type"]
-    value = err.get("input")
     ctx = err.get("ctx") or {}
-    field_name = next((p for p in reversed(path) if isinstance(p, str)), "value")
-    value_text = shown(value) if isinstance(value, (str, int, float)) and not isinstance(value, bool) else _describe(value)
+    found = _key_diagnostic(err["type"], loc, path, ctx, source, root)
+    return found if found is not None else _value_diagnostic(err, loc, path, ctx, source)
 
+
+def _key_diagnostic(kind: str, loc: tuple[Any, ...], path: Path, ctx: dict[str, Any], source: SourceMap,
+                    root: type[BaseModel]) -> Diagnostic | None:
+    """An error of the mapping's keys (unknown, missing, an inbound's protocol), at the key; None for an error of a value."""
     if kind == "extra_forbidden":
         return unknown_key(source.key(path), loc[-1], _allowed_keys(loc, root))
     if kind == "missing":
@@ -167,12 +171,22 @@ def _pydantic_diagnostic(err: ErrorDetails, data: Any, source: SourceMap, root: 
     if kind == "union_tag_not_found":
         return at("error", source.key(path), "inbound has no `protocol`",
                   "add `protocol:` with one of vless-reality, vless-tls, trojan, shadowsocks-2022, hysteria2, tuic", "protocol")
+    return None
+
+
+def _value_diagnostic(err: ErrorDetails, loc: tuple[Any, ...], path: Path, ctx: dict[str, Any], source: SourceMap) -> Diagnostic:
+    """An error of a value the type allows but the field does not (a choice, a bound, a form, a length, a validator's
+    verdict), at the value; a value of the wrong type is ``_type_diagnostic``'s."""
+    kind = err["type"]
+    value = err.get("input")
+    field_name = next((p for p in reversed(path) if isinstance(p, str)), "value")
+    value_text = shown(value) if isinstance(value, (str, int, float)) and not isinstance(value, bool) else _describe(value)
     pos = source.value(path)
     if kind == "literal_error":
         expected = ctx.get("expected", "")
         options = [o.strip().strip("'") for o in str(expected).replace(" or ", ", ").split(",")]
         close = difflib.get_close_matches(str(value), options, n=1, cutoff=0.5)
-        hint = f"did you mean {close[0]!r}?" if close else f"use one of: {expected}"
+        hint: str | None = f"did you mean {close[0]!r}?" if close else f"use one of: {expected}"
         if "[key]" in loc:
             return at("error", source.key(path + (value,)) if (path + (value,)) in source.keys else pos,
                       f"{field_name}: {value_text} is not a known key here", hint, "value")
@@ -188,13 +202,28 @@ def _pydantic_diagnostic(err: ErrorDetails, data: Any, source: SourceMap, root: 
             return at("error", pos, f"{field_name}: {value_text} is not a valid identifier",
                       "use lower-case letters, digits, '.', '_' and '-' (e.g. fra-1)", "pattern")
         return at("error", pos, f"{field_name}: {value_text} has the wrong form", f"it must match {ctx.get('pattern')}", "pattern")
+    if kind == "finite_number":
+        return at("error", pos, f"{field_name}: {value_text} is not a finite number", "write a number such as 1.5", "range")
+    if kind in ("string_too_short",):
+        return at("error", pos, f"{field_name}: must not be empty", None, "value")
+    if kind in ("string_too_long",):
+        return at("error", pos, f"{field_name}: is too long (at most {ctx.get('max_length')} characters)", None, "value")
+    if kind == "value_error":
+        message = str(err.get("msg", "")).removeprefix("Value error, ")
+        return at("error", pos, f"{field_name}: {message}" if field_name != "value" else message, None, "value")
+    return _type_diagnostic(err, pos, field_name, value_text)
+
+
+def _type_diagnostic(err: ErrorDetails, pos: Pos | None, field_name: str, value_text: str) -> Diagnostic:
+    """An error of a value of the wrong type (text, number, true/false, list, mapping, date) at ``pos``, or any other
+    error pydantic reports there, in its own words."""
+    kind = err["type"]
+    value = err.get("input")
     if kind in ("string_type",):
         return at("error", pos, f"{field_name}: expected text, got {_describe(value)}",
                   "put the value in quotes", "type")
     if kind in ("int_type", "int_parsing", "int_from_float"):
         return at("error", pos, f"{field_name}: expected a whole number, got {value_text}", None, "type")
-    if kind == "finite_number":
-        return at("error", pos, f"{field_name}: {value_text} is not a finite number", "write a number such as 1.5", "range")
     if kind in ("float_type", "float_parsing"):
         return at("error", pos, f"{field_name}: expected a number, got {value_text}", None, "type")
     if kind in ("bool_type", "bool_parsing"):
@@ -203,15 +232,8 @@ def _pydantic_diagnostic(err: ErrorDetails, data: Any, source: SourceMap, root: 
         return wrong_kind(pos, field_name, "list", _describe(value))
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         return wrong_kind(pos, field_name, "mapping", _describe(value))
-    if kind in ("string_too_short",):
-        return at("error", pos, f"{field_name}: must not be empty", None, "value")
-    if kind in ("string_too_long",):
-        return at("error", pos, f"{field_name}: is too long (at most {ctx.get('max_length')} characters)", None, "value")
     if kind in ("date_from_datetime_parsing", "date_parsing", "datetime_parsing", "date_type", "datetime_type"):
         return at("error", pos, f"{field_name}: {value_text} is not a date", "write dates as YYYY-MM-DD", "type")
-    if kind == "value_error":
-        message = str(err.get("msg", "")).removeprefix("Value error, ")
-        return at("error", pos, f"{field_name}: {message}" if field_name != "value" else message, None, "value")
     return at("error", pos, f"{field_name}: {err.get('msg')}", None, kind)
 
 
@@ -329,7 +351,7 @@ def _load_into(result: LoadResult, path: str, display: str, overrides: dict[str,
     if _not_records(result, data, source):
         return
     try:
-        with yamlread.gc_paused():  # millions of users: the collector would walk them again and again
+        with gcpause.paused():  # millions of users: the collector would walk them again and again
             cluster = Cluster.model_validate(data)
     except ValidationError as exc:
         count = exc.error_count()

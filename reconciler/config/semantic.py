@@ -118,7 +118,7 @@ def _host_keys(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
             continue
         try:
             asyncssh.import_public_key(server.ssh.host_key)
-        except Exception:  # asyncssh parses hostile bytes here: any failure means "not a usable key"
+        except Exception:  # noqa: BLE001 — asyncssh parses hostile bytes here: any failure means "not a usable key"
             yield at("error", source.value(("servers", si, "ssh", "host_key")),
                      f"host_key of server {server.name!r} is not a usable SSH public key (the key data is damaged)",
                      "copy the line from `ssh-keyscan -t ed25519 HOST` or the server's /etc/ssh/ssh_host_*_key.pub", "host-key")
@@ -126,16 +126,26 @@ def _host_keys(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
 
 def _errors(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
     yield from _host_keys(cluster, source)
+    yield from _retired_active(cluster, source)
+    yield from _duplicates([s.name for s in cluster.servers], "server name", "servers", "name", source)
+    yield from _duplicates([r.id for r in cluster.routes], "route id", "routes", "id", source)
+    yield from _duplicates([u.name for u in cluster.users], "user name", "users", "name", source)
+    yield from _duplicate_inbound_ids(cluster, source)
+    yield from _shared_ports(cluster, source)
+    yield from _inbound_references(cluster, source)
+    yield from _route_pools(cluster, source)
+
+
+def _retired_active(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
     names = {s.name for s in cluster.servers}
     for i, name in enumerate(cluster.retired):
         if name in names:
             yield at("error", source.value(("retired", i)), f"server {name!r} is both in `servers` and `retired`",
                      "remove it from `retired` to keep serving it, or from `servers` to retire it", "retired-active")
-    yield from _duplicates([s.name for s in cluster.servers], "server name", "servers", "name", source)
-    yield from _duplicates([r.id for r in cluster.routes], "route id", "routes", "id", source)
-    yield from _duplicates([u.name for u in cluster.users], "user name", "users", "name", source)
 
-    # Inbound ids are unique across the whole file, not only per server.
+
+def _duplicate_inbound_ids(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
+    """Inbound ids are unique across the whole file, not only per server."""
     seen: dict[str, tuple[int, int]] = {}
     for si, server in enumerate(cluster.servers):
         for ii, inbound in enumerate(server.inbounds):
@@ -147,7 +157,9 @@ def _errors(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
             else:
                 seen[inbound.id] = (si, ii)
 
-    # Two listeners on one server cannot share a port on the same transport.
+
+def _shared_ports(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
+    """Two listeners on one server cannot share a port on the same transport."""
     for si, server in enumerate(cluster.servers):
         taken: dict[tuple[int, str], int] = {}
         for ii, inbound in enumerate(server.inbounds):
@@ -162,6 +174,9 @@ def _errors(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
                     break
                 taken[key] = ii
 
+
+def _inbound_references(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
+    """Each inbound's route must exist, and its pool must be one of that route's (given exactly when the route has pools)."""
     routes = {r.id: r for r in cluster.routes}
     route_ids = list(routes)
     for si, server in enumerate(cluster.servers):
@@ -192,6 +207,9 @@ def _errors(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
                          f"inbound {inbound.id!r} is in route {route.id!r}, which has pools, but names no pool",
                          f"add `pool:` with one of: {', '.join(route.pools)}", "reference")
 
+
+def _route_pools(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
+    """A route's pools are listed once, and its fallback_pool and geo map name only those."""
     for ri, route in enumerate(cluster.routes):
         path = ("routes", ri)
         pools = route.pools or []
@@ -211,30 +229,42 @@ def _errors(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
 
 
 def _warnings(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
-    def inbound_pos(inbound_id: str) -> tuple[str | int, ...]:
-        for si, server in enumerate(cluster.servers):
-            for ii, inbound in enumerate(server.inbounds):
-                if inbound.id == inbound_id:
-                    return ("servers", si, "inbounds", ii)
-        return ()
+    yield from _unserved(cluster, source)
+    yield from _insecure_tls(cluster, source)
+    yield from _unpinned_engines(cluster, source)
+    yield from _torrent_heuristics(cluster, source)
+    yield from _route_warnings(cluster, source)
 
+
+def _inbound_pos(cluster: Cluster, inbound_id: str) -> tuple[str | int, ...]:
+    for si, server in enumerate(cluster.servers):
+        for ii, inbound in enumerate(server.inbounds):
+            if inbound.id == inbound_id:
+                return ("servers", si, "inbounds", ii)
+    return ()
+
+
+def _unserved(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
+    """No servers, no routes (the implicit one), inbounds in no route: what clients cannot see yet."""
     if not cluster.servers:
         yield at("warning", source.root, "no servers declared", "add servers under `servers:`", "empty")
 
     implicit = [r for r in cluster.effective_routes if r.implicit]
     if implicit:
         first = cluster.members[implicit[0].id][0].inbound
-        yield at("warning", source.key(inbound_pos(first.id)),
+        yield at("warning", source.key(_inbound_pos(cluster, first.id)),
                  f"no routes declared: route 'default' holds the first inbound {first.id!r} (ROUTE-6)",
                  "declare `routes:` to choose which inbounds clients see", "implicit-route")
 
     if cluster.unassigned:
         names = ", ".join(ref.inbound.id for ref in cluster.unassigned)
         n = len(cluster.unassigned)
-        yield at("warning", source.key(inbound_pos(cluster.unassigned[0].inbound.id)),
+        yield at("warning", source.key(_inbound_pos(cluster, cluster.unassigned[0].inbound.id)),
                  f"{plural(n, 'inbound')} {verb(n, 'is', 'are')} not in any route — clients cannot see them yet: {names}",
                  "set `route:` on them, or run `reconciler route assign INBOUND ROUTE`", "unassigned")
 
+
+def _insecure_tls(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
     for si, server in enumerate(cluster.servers):  # issue 14: no unverified TLS entry that nobody was told of
         for ii, inbound in enumerate(server.inbounds):
             tls = getattr(inbound, "tls", None)
@@ -245,6 +275,8 @@ def _warnings(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
                          "remove `insecure: true`: a self-signed certificate is pinned where a format can pin (sing-box, "
                          "Mihomo, Hysteria2 links), or give a certificate", "insecure")
 
+
+def _unpinned_engines(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
     used = {cluster.engine_of(s).name for s in cluster.servers}
     for name in sorted(used):  # issue 14: a downloaded engine is pinned, or apply refuses to install it
         eng = cluster.settings.engine_named(name)
@@ -255,6 +287,8 @@ def _warnings(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
                      "run `reconciler engine pin` (it fetches the release once, checks its build and writes the pins)",
                      "engine-unpinned")
 
+
+def _torrent_heuristics(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
     for ri, route in enumerate(cluster.routes):
         mihomo = sorted({ref.server.name for ref in cluster.members[route.id]
                          if route.block_torrent and cluster.engine_of(ref.server).name == "mihomo"})
@@ -265,6 +299,9 @@ def _warnings(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
                      "it: only its well-known ports and tracker names are refused there, which a client can evade",
                      "serve this route from sing-box servers, which sniff BitTorrent and refuse it", "torrent-heuristic")
 
+
+def _route_warnings(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
+    """A route nobody is in, pools too small to be healthy, steering that has nothing to steer."""
     for ri, route in enumerate(cluster.routes):
         members = cluster.members[route.id]
         if not members:

@@ -40,7 +40,7 @@ they always meant here, and libyaml's empty values are placed where ruamel place
 
 Memory: a node's start mark is the ``Pos`` the source map keeps, the converter lets each
 item's nodes go once converted, and the cyclic collector waits while a file is composed
-and converted (``gc_paused``). A million users (39 MB) load, validated, in 2.2 GB at the
+and converted (``reconciler.gcpause``). A million users (39 MB) load, validated, in 2.2 GB at the
 peak.
 
 Limits, and why: a cluster of a million users is about 38 MB of YAML and 10 million
@@ -57,14 +57,11 @@ from __future__ import annotations
 
 import datetime as dt
 import errno
-import gc
 import math
 import os
 import re
 import sys
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -75,7 +72,9 @@ from ruamel.yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from ruamel.yaml.resolver import VersionedResolver
 from ruamel.yaml.tag import Tag
 
+from reconciler import gcpause
 from reconciler.config.diagnostics import Diagnostic, Path, Pos, SourceMap, at, unknown_key, wrong_kind
+from reconciler.errors import Problem
 from reconciler.safe_read import read_regular_file
 
 try:  # libyaml's event parser, through PyYAML (no type stubs are installed for it: its objects are Any here)
@@ -122,14 +121,6 @@ _BOOLS = {"true": True, "false": False}
 _SEQ, _MAP, _MERGE = _TAG + "seq", _TAG + "map", _TAG + "merge"
 #: The core tags a scalar may carry → the kind ``_Converter.scalar`` makes of it; any other tag is refused.
 _KIND = {_TAG + kind: kind for kind in ("str", "null", "bool", "int", "float", "timestamp")}
-
-
-class Problem(Exception):
-    """A file cannot be read or parsed; ``diagnostic`` says where and why."""
-
-    def __init__(self, diagnostic: Diagnostic):
-        super().__init__(diagnostic.message)
-        self.diagnostic = diagnostic
 
 
 class _TooLarge(Exception):
@@ -273,7 +264,7 @@ def parse_yaml(text: str, display: str, budget: Budget, *, parser: str | None = 
     ``parser``: ``"ruamel"`` or ``"libyaml"`` for the events; by default the size of the text decides
     (``compose_yaml``). ``top``: as for ``compose_yaml``.
     """
-    with gc_paused():
+    with gcpause.paused():  # composing a million users makes ~20 million objects that all live on
         node = compose_yaml(text, display, budget, parser=parser, top=top)
         source = SourceMap(root=Pos(display, 1, 1))
         if node is None:
@@ -323,49 +314,6 @@ def compose_yaml(text: str, display: str, budget: Budget, *, parser: str | None 
                                  "write %YAML 1.2, or leave the directive out", display, line, 1, "yaml")) from None
 
 
-class _GCPause:
-    """The cyclic collector off while a file is composed and converted, for every thread at once (it is global).
-
-    Composing a million users makes some twenty million objects that all live on; the
-    collector would walk all of them again and again as they pile up (measured: 10 s of
-    a 15 s load of 100 000 users, superlinear). Nothing made here is cyclic garbage
-    except an alias cycle, refused and freed at the next collection. Loads in several
-    threads nest: the collector comes back when the last one is done, as it was before.
-    Validating what a load made suffers the same (a million users: 14 s with the
-    collector, 2.4 s without): ``with gc_paused():`` around it is the cure there too.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.holders = 0
-        self.was_enabled = False
-
-    @contextmanager
-    def __call__(self) -> Iterator[None]:
-        with self.lock:
-            if self.holders == 0:
-                self.was_enabled = gc.isenabled()
-                gc.disable()
-            self.holders += 1
-        try:
-            yield
-        finally:
-            with self.lock:
-                if self.holders:  # (0 in a child forked during this load: ``forked`` ended the pause)
-                    self.holders -= 1
-                    if self.holders == 0 and self.was_enabled:
-                        gc.enable()
-
-    def forked(self) -> None:
-        """In a child forked while a thread loaded: that load is not the child's, so neither is its pause."""
-        self.lock = threading.Lock()
-        if self.holders and self.was_enabled:
-            gc.enable()
-        self.holders = 0
-
-
-gc_paused = _GCPause()
-os.register_at_fork(after_in_child=gc_paused.forked)
 
 
 def _error(exc: Exception, text: str, display: str) -> Diagnostic:
@@ -553,27 +501,26 @@ def _compose(events: Iterable[Any], display: str, budget: Budget, text: str | No
     ``top``: each key of a top-level mapping is checked as soon as it is composed, each of
     its values as soon as it starts (``_top_key``, ``_top_value``): what the schema cannot
     hold stops the file there, before anything under it is composed.
+
+    The loop here makes what there are millions of (a plain scalar; an item, key or value
+    put in its place) without a call; what comes once per construct (a list or mapping
+    starting, an alias, a tag or an anchor, libyaml's empty values, the stream's framing)
+    is ``_Document``'s.
     """
     kinds = _KINDS
     new_scalar = ScalarNode.__new__
-    seq_tag, map_tag, str_tag = _tag(_SEQ), _tag(_MAP), _tag(_TAG + "str")
-    resolve = _resolver(None)
-    empties = _Marks(text) if text is not None else None
-    anchors: dict[Any, Node] = {}
-    parents: list[Any] = []  # the collections being composed, innermost last
-    keys: list[Any] = []  # for each of them: the key waiting for its value (a mapping's), else None
-    key_end: Any = None  # where the last key of a flow mapping ended (libyaml's mark)
+    events = iter(events)
+    doc = _Document(display, top, _Marks(text) if text is not None else None)
+    empties, str_tag = doc.empties, doc.str_tag
+    parents, keys = doc.parents, doc.keys
+    key_end: Any = None  # where the last key ended (libyaml's mark: an empty value of a flow mapping is placed by it)
     waiting: Any = None  # an empty block mapping value: ruamel places it where the next token ends
-    root: Node | None = None
-    checked: Any = None  # the top-level mapping, when ``top`` says what it may hold
-    records: Any = None  # the list of records being composed (``top.records``) ...
-    wrong: Any = None  # ... and its items that are not mappings (``_NotRecords``)
     root_mark = None
     last_line = 0
-    documents = 0
     left = budget.nodes
     node: Any
     try:
+        resolve = doc.begin(events)
         for event in events:
             kind = kinds[event.__class__]
             if waiting is not None:
@@ -581,18 +528,12 @@ def _compose(events: Iterable[Any], display: str, budget: Budget, text: str | No
                 waiting = None
             if kind <= _ALIAS:
                 left -= 1
-                if left < 0:
-                    mark = event.start_mark
-                    raise _TooLarge(Pos(display, mark.line + 1, mark.column + 1))
                 if kind == _ALIAS:
-                    node = anchors.get(event.anchor)
-                    if node is None:
-                        raise _Refused(None, None, f"found undefined alias {event.anchor!r}", event.start_mark)
+                    node = doc.alias(event, left)
                 else:
                     mark = event.start_mark
-                    if len(parents) >= MAX_DEPTH:
-                        raise _Refused(None, None, f"maximum depth of data structure exceeded ({len(parents) + 1}), "
-                                                   "if necessary increase YAML().max_depth", mark)
+                    if left < 0 or len(parents) > MAX_DEPTH:  # (``parents`` holds the document's own list too)
+                        raise doc.refused(left, mark)
                     if root_mark is None:
                         root_mark = mark
                     line = mark.line + 1
@@ -600,87 +541,145 @@ def _compose(events: Iterable[Any], display: str, budget: Budget, text: str | No
                         line = last_line
                     else:
                         last_line = line
-                    tag = event.tag
-                    anchor = event.anchor
-                    if kind == _SCALAR:
-                        value = event.value
-                        if tag is None or tag == "!":  # ruamel resolves a value tagged `!` as if plain, an empty one too
-                            ctag = resolve(value) if event.implicit[0] or tag else str_tag
-                        else:
-                            ctag = _tag(tag)
-                        node = new_scalar(ScalarNode)  # the slots ScalarNode.__init__ sets, without its checks
-                        if empties is not None and tag is not None and anchor is not None:
-                            pos = empties.tag_then_anchor(mark, display)
-                        elif value or empties is None or tag is not None or anchor is not None or event.style:
-                            pos = Pos(display, line, mark.column + 1)
-                        else:  # an empty node, from libyaml
-                            parent = parents[-1] if parents else None
-                            if parent.__class__ is not MappingNode:
-                                pos = empties.at(mark, display)
-                            elif parent.flow_style:
-                                pos = empties.in_flow_mapping(mark, key_end if keys[-1] is not None else None, display)
-                            else:
-                                pos = empties.at(mark, display)
-                                if keys[-1] is not None and empties.after_indicator(mark):
-                                    waiting = node
-                        node.ctag, node.value, node.start_mark, node.end_mark = ctag, value, pos, None
-                        node.comment, node.anchor, node.style = None, anchor, event.style
-                        if anchor is not None:  # a later anchor of the same name replaces it, as in ruamel
-                            anchors[anchor] = node
-                    else:
-                        ctag = (seq_tag if kind == _SEQUENCE else map_tag) if tag is None or tag == "!" else _tag(tag)
-                        if empties is not None and tag is not None and anchor is not None:
-                            pos = empties.tag_then_anchor(mark, display)
-                        else:
-                            pos = Pos(display, line, mark.column + 1)
-                        node = (SequenceNode if kind == _SEQUENCE else MappingNode)(
-                            ctag, [], pos, None, flow_style=event.flow_style, anchor=anchor)
-                        if top is not None and parents and parents[-1] is checked and keys[-1] is not None:
-                            if _top_value(keys[-1], kind == _SEQUENCE, pos, top):
-                                records, wrong = node, _NotRecords(keys[-1].value)
-                        if top is not None and not parents and kind == _MAPPING:
-                            checked = node
-                        if anchor is not None:
-                            anchors[anchor] = node
-                        parents.append(node)
-                        keys.append(None)
+                    if kind != _SCALAR:
+                        doc.collection(event, kind, mark, line)
                         continue
+                    tag, anchor, value = event.tag, event.anchor, event.value
+                    node = new_scalar(ScalarNode)  # the slots ScalarNode.__init__ sets, without its checks
+                    if tag is None and anchor is None and (value or empties is None or event.style):
+                        ctag = resolve(value) if event.implicit[0] else str_tag  # plain, or quoted: text
+                        pos = Pos(display, line, mark.column + 1)
+                    else:  # a tag, an anchor, or an empty value from libyaml
+                        ctag, pos, waiting = doc.scalar(node, event, line, key_end)
+                    node.ctag, node.value, node.start_mark, node.end_mark = ctag, value, pos, None
+                    node.comment, node.anchor, node.style = None, anchor, event.style
             elif kind == _END:
                 node = parents.pop()
                 keys.pop()
-            elif kind == _DOCUMENT:
-                if documents:
-                    raise _Refused("expected a single document in the stream", root_mark,
-                                   "but found another document", event.start_mark)
-                documents += 1
-                anchors = {}
-                resolve = _resolver(event.version)
-                continue
-            else:
-                continue
-            # ``node`` is complete: it is the root, an item, a key, or the value of the waiting key.
-            if not parents:
-                root = node
-                continue
+            else:  # the document's end
+                break
+            # ``node`` is complete: it is the root (the item of the document's list), an item, a key, or the value of
+            # the waiting key.
             parent = parents[-1]
             if parent.__class__ is SequenceNode:
-                if parent is records and node.__class__ is not MappingNode:
-                    wrong.add(node, len(parent.value))
+                if parent is doc.records and node.__class__ is not MappingNode:
+                    doc.wrong.add(node, len(parent.value))
                 parent.value.append(node)
+            elif keys[-1] is None:
+                keys[-1] = node
+                key_end = event.end_mark  # read only for the key that waits for its value, in a flow mapping
+                if parent is doc.mapping and top is not None:
+                    _top_key(node, top, display, budget)
             else:
-                key = keys[-1]
-                if key is None:
-                    keys[-1] = node
-                    if parent is checked and top is not None:
-                        _top_key(node, top, display, budget)
-                    if empties is not None and parent.flow_style:
-                        key_end = event.end_mark
-                else:
-                    parent.value.append((key, node))
-                    keys[-1] = None
+                parent.value.append((keys[-1], node))
+                keys[-1] = None
+        root = doc.end(events, root_mark)
     finally:
         budget.nodes = left
     return root
+
+
+class _Document:
+    """The document ``_compose`` composes: its state, and what its loop does once per construct.
+
+    ``parents`` starts with a list of the document's own, whose one item is its root: every
+    node composed has a parent.
+    """
+
+    __slots__ = ("display", "top", "empties", "resolve", "seq_tag", "map_tag", "str_tag", "anchors", "parents", "keys",
+                 "mapping", "records", "wrong")
+
+    def __init__(self, display: str, top: TopLevel | None, empties: _Marks | None):
+        self.display = display
+        self.top = top
+        self.empties = empties
+        self.seq_tag, self.map_tag, self.str_tag = _tag(_SEQ), _tag(_MAP), _tag(_TAG + "str")
+        self.resolve = _resolver(None)
+        self.anchors: dict[Any, Node] = {}
+        self.parents: list[Any] = [SequenceNode(self.seq_tag, [], None, None)]  # the collections being composed, innermost last
+        self.keys: list[Any] = [None]  # for each of them: the key waiting for its value (a mapping's), else None
+        self.mapping: Any = None  # the top-level mapping, when ``top`` says what it may hold
+        self.records: Any = None  # the list of records being composed (``top.records``) ...
+        self.wrong: Any = None  # ... and its items that are not mappings (``_NotRecords``)
+
+    def begin(self, events: Iterator[Any]) -> Callable[[str], Tag]:
+        """Read the stream up to the document's start: the resolver of plain scalars for its ``%YAML`` version."""
+        for event in events:
+            if _KINDS[event.__class__] == _DOCUMENT:
+                self.resolve = _resolver(event.version)
+                break
+        return self.resolve
+
+    def end(self, events: Iterator[Any], root_mark: Any) -> Node | None:
+        """Read the stream after the document, refusing a second one (as ``get_single_node`` does, ``root_mark`` the
+        first one's start): the root node, None for a stream without a document."""
+        for event in events:
+            if _KINDS[event.__class__] == _DOCUMENT:
+                raise _Refused("expected a single document in the stream", root_mark,
+                               "but found another document", event.start_mark)
+        document = self.parents[0].value
+        return document[0] if document else None
+
+    def refused(self, left: int, mark: Any) -> Exception:
+        """Why a node starting at ``mark`` is refused: the budget ran out (``left`` below 0), else it nests too deep (its
+        depth, counted as ruamel counts it, is the number of ``parents``: they hold the document's list too)."""
+        if left < 0:
+            return _TooLarge(Pos(self.display, mark.line + 1, mark.column + 1))
+        return _Refused(None, None, f"maximum depth of data structure exceeded ({len(self.parents)}), "
+                                    "if necessary increase YAML().max_depth", mark)
+
+    def alias(self, event: Any, left: int) -> Node:
+        """The node an alias names, the alias paid (``left``): the node itself, its expansion is ``_Converter``'s to pay."""
+        if left < 0:
+            raise self.refused(left, event.start_mark)
+        node = self.anchors.get(event.anchor)
+        if node is None:
+            raise _Refused(None, None, f"found undefined alias {event.anchor!r}", event.start_mark)
+        return node
+
+    def collection(self, event: Any, kind: int, mark: Any, line: int) -> None:
+        """A list or mapping starts (at ``mark``, on ``line``): its node is the innermost parent until its end. As the value
+        of a top-level key, ``top`` checks its kind before any item of it is composed."""
+        tag, anchor, empties = event.tag, event.anchor, self.empties
+        ctag = (self.seq_tag if kind == _SEQUENCE else self.map_tag) if tag is None or tag == "!" else _tag(tag)
+        if empties is not None and tag is not None and anchor is not None:
+            pos = empties.tag_then_anchor(mark, self.display)
+        else:
+            pos = Pos(self.display, line, mark.column + 1)
+        node = (SequenceNode if kind == _SEQUENCE else MappingNode)(ctag, [], pos, None, flow_style=event.flow_style, anchor=anchor)
+        top, parent, key = self.top, self.parents[-1], self.keys[-1]
+        if top is not None and parent is self.mapping and key is not None:
+            if _top_value(key, kind == _SEQUENCE, pos, top):
+                self.records, self.wrong = node, _NotRecords(key.value)
+        if top is not None and len(self.parents) == 1 and kind == _MAPPING:
+            self.mapping = node
+        if anchor is not None:
+            self.anchors[anchor] = node
+        self.parents.append(node)
+        self.keys.append(None)
+
+    def scalar(self, node: ScalarNode, event: Any, line: int, key_end: Any) -> tuple[Tag, Pos, ScalarNode | None]:
+        """The tag and position of a scalar with a tag or an anchor, or of an empty one from libyaml (``_compose`` makes
+        the others), and ``node`` when its position waits for the next event (an empty block mapping value); an anchor
+        names ``node`` (a later anchor of the same name replaces it, as in ruamel)."""
+        tag, anchor, value, mark, display, empties = event.tag, event.anchor, event.value, event.start_mark, self.display, self.empties
+        if tag is None or tag == "!":  # ruamel resolves a value tagged `!` as if plain, an empty one too
+            ctag = self.resolve(value) if event.implicit[0] or tag else self.str_tag
+        else:
+            ctag = _tag(tag)
+        if anchor is not None:
+            self.anchors[anchor] = node
+        if empties is not None and tag is not None and anchor is not None:
+            return ctag, empties.tag_then_anchor(mark, display), None
+        if value or empties is None or tag is not None or anchor is not None or event.style:
+            return ctag, Pos(display, line, mark.column + 1), None
+        parent, key = self.parents[-1], self.keys[-1]  # an empty node, from libyaml
+        if parent.__class__ is not MappingNode:
+            return ctag, empties.at(mark, display), None
+        if parent.flow_style:
+            return ctag, empties.in_flow_mapping(mark, key_end if key is not None else None, display), None
+        pos = empties.at(mark, display)
+        return ctag, pos, node if key is not None and empties.after_indicator(mark) else None
 
 
 def _top_key(node: Node, top: TopLevel, display: str, budget: Budget) -> None:

@@ -2,7 +2,8 @@
 """The collection agent: one run per report interval on every server (HEALTH-1, HEALTH-4).
 
 Python 3 standard library only: it is installed on the servers as a managed
-file (``/usr/local/lib/reconciler/agent.py``) and never imports the reconciler.
+file (``/usr/local/lib/reconciler/agent.py``) and never imports the reconciler: its one import of it, the
+scripts' shared prelude, is spliced in when the file is installed (``engine.scripts.spliced``).
 The controller runs it over SSH with a JSON request on stdin and reads one JSON
 object from stdout:
 
@@ -52,6 +53,8 @@ import time
 import urllib.request
 from typing import Any, Dict, List, Optional, Set, Tuple  # typing's generics: the servers' Python may predate list[...]
 
+from reconciler.engine.scripts.prelude import listening_ports  # spliced in when installed
+
 AGENT_VERSION = 4  # 2: usage packed; 3: app probes; 4: device fingerprints as HMACs
 
 
@@ -64,18 +67,7 @@ def service_state(unit: str) -> str:
 
 
 def listening(wanted: List[Tuple[int, str]]) -> Dict[str, bool]:
-    try:
-        out = subprocess.run(["ss", "-Hlntu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {f"{p}/{t}": False for p, t in wanted}
-    have = set()
-    for line in out.splitlines():
-        parts = line.split()
-        if len(parts) >= 5 and ":" in parts[4]:
-            try:
-                have.add((int(parts[4].rsplit(":", 1)[1]), parts[0]))
-            except ValueError:
-                pass
+    have = listening_ports("/")
     return {f"{p}/{t}": (p, t) in have for p, t in wanted}
 
 
@@ -261,6 +253,86 @@ def _socks_connect(host: str, port: int) -> bytes:
         return b"\x05\x01\x00\x04" + socket.inet_pton(socket.AF_INET6, host) + port.to_bytes(2, "big")
 
 
+async def _socks_open(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str, port: int,
+                      deadline: float) -> Optional[Dict[str, Any]]:
+    """The SOCKS 5 greeting and CONNECT through the local client: None once the session is open, else the probe's
+    answer. A stall or a reset raises (the caller words it as the proxy session's)."""
+    writer.write(b"\x05\x01\x00")
+    try:
+        greeting = await asyncio.wait_for(reader.readexactly(2), 2)
+    except (asyncio.TimeoutError, EOFError, OSError):
+        greeting = b""
+    if greeting != b"\x05\x00":
+        return {"local": "the probe client did not answer the SOCKS greeting"}
+    writer.write(_socks_connect(host, port))
+    head = await asyncio.wait_for(reader.readexactly(4), max(0.1, deadline - time.perf_counter()))
+    if head[0] != 5:
+        return {"local": "the probe client answered something that is not SOCKS 5"}
+    if head[3] == 3:  # a name: its length, then the name and the port
+        rest = (await asyncio.wait_for(reader.readexactly(1), max(0.1, deadline - time.perf_counter())))[0] + 2
+    else:
+        rest = {1: 6, 4: 18}.get(head[3], 0)
+    if rest:
+        await asyncio.wait_for(reader.readexactly(rest), max(0.1, deadline - time.perf_counter()))
+    if head[1] != 0:
+        return {"ok": False, "bytes": 0, "error": "the proxy session was refused (SOCKS reply %d)" % head[1]}
+    return None
+
+
+class _Answer:
+    """What has come back of the responder's answer so far: the byte count (an error reports it), the first 16
+    bytes (the status line) and the last 4 (the blank line that ends the padding)."""
+
+    def __init__(self) -> None:
+        self.got = 0
+        self.first = b""
+        self.tail = b""
+
+    def add(self, data: bytes) -> None:
+        self.got += len(data)
+        if len(self.first) < 16:
+            self.first = (self.first + data)[:16]
+        self.tail = (self.tail + data)[-4:]
+
+    def complete(self, want: int) -> bool:
+        return self.got >= want and self.tail == b"\r\n\r\n"
+
+
+async def _read_answer(reader: asyncio.StreamReader, answer: _Answer, want: int, deadline: float) -> None:
+    """Reads into ``answer`` until the server closes or the padded answer is complete; past the deadline it raises
+    asyncio.TimeoutError (``answer`` keeps what came)."""
+    while True:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            raise asyncio.TimeoutError
+        data = await asyncio.wait_for(reader.read(65536), left)
+        if not data:
+            break
+        answer.add(data)
+        if answer.complete(want):
+            break
+
+
+def _answer_verdict(answer: _Answer, want: int, ms: float) -> Dict[str, Any]:
+    got = answer.got
+    if answer.first.startswith(b"HTTP/1.1 503"):  # the target's responder is full: nothing is known of the path
+        return {"local": "the target's responder was busy"}
+    if answer.complete(want):
+        if not answer.first.startswith(b"HTTP/1.1 204"):
+            return {"ok": False, "bytes": got, "ms": ms, "error": "an answer that is not the responder's"}
+        return {"ok": True, "bytes": got, "ms": ms}
+    return {"ok": False, "bytes": got, "ms": ms,
+            "error": "closed after %d bytes" % got if got else "closed before any byte came back"}
+
+
+def _stall_error(got: int, stage: str, timeout: float) -> str:
+    if got:
+        return "stalled after %d bytes" % got
+    if stage == "the answer":
+        return "no answer within %gs" % timeout
+    return "%s did not open within %gs" % (stage, timeout)
+
+
 async def app_probe(local_port: int, app: Dict[str, Any]) -> Dict[str, Any]:
     """One session through the local client to the target's responder: its padded answer, to the end."""
     want, timeout = int(app["bytes"]), float(app["timeout"])
@@ -271,59 +343,20 @@ async def app_probe(local_port: int, app: Dict[str, Any]) -> Dict[str, Any]:
         reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", local_port), 2)
     except (OSError, asyncio.TimeoutError) as e:
         return {"local": ("the probe client is not listening: %s" % e)[:200]}
-    got = 0
-    tail = b""
-    first = b""
+    answer = _Answer()
     stage = "the proxy session"
     try:
-        writer.write(b"\x05\x01\x00")
-        try:
-            greeting = await asyncio.wait_for(reader.readexactly(2), 2)
-        except (asyncio.TimeoutError, EOFError, OSError):
-            greeting = b""
-        if greeting != b"\x05\x00":
-            return {"local": "the probe client did not answer the SOCKS greeting"}
-        writer.write(_socks_connect(host, port))
-        head = await asyncio.wait_for(reader.readexactly(4), max(0.1, deadline - time.perf_counter()))
-        if head[0] != 5:
-            return {"local": "the probe client answered something that is not SOCKS 5"}
-        if head[3] == 3:  # a name: its length, then the name and the port
-            rest = (await asyncio.wait_for(reader.readexactly(1), max(0.1, deadline - time.perf_counter())))[0] + 2
-        else:
-            rest = {1: 6, 4: 18}.get(head[3], 0)
-        if rest:
-            await asyncio.wait_for(reader.readexactly(rest), max(0.1, deadline - time.perf_counter()))
-        if head[1] != 0:
-            return {"ok": False, "bytes": 0, "error": "the proxy session was refused (SOCKS reply %d)" % head[1]}
+        failed = await _socks_open(reader, writer, host, port, deadline)
+        if failed is not None:
+            return failed
         stage = "the answer"
         writer.write(("GET %s HTTP/1.1\r\nHost: probe\r\nConnection: close\r\n\r\n" % app["path"]).encode())
-        while True:
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                raise asyncio.TimeoutError
-            data = await asyncio.wait_for(reader.read(65536), left)
-            if not data:
-                break
-            got += len(data)
-            if len(first) < 16:
-                first = (first + data)[:16]
-            tail = (tail + data)[-4:]
-            if got >= want and tail == b"\r\n\r\n":
-                break
-        ms = round((time.perf_counter() - start) * 1000, 1)
-        if first.startswith(b"HTTP/1.1 503"):  # the target's responder is full: nothing is known of the path
-            return {"local": "the target's responder was busy"}
-        if got >= want and tail == b"\r\n\r\n":
-            if not first.startswith(b"HTTP/1.1 204"):
-                return {"ok": False, "bytes": got, "ms": ms, "error": "an answer that is not the responder's"}
-            return {"ok": True, "bytes": got, "ms": ms}
-        return {"ok": False, "bytes": got, "ms": ms,
-                "error": "closed after %d bytes" % got if got else "closed before any byte came back"}
+        await _read_answer(reader, answer, want, deadline)
+        return _answer_verdict(answer, want, round((time.perf_counter() - start) * 1000, 1))
     except asyncio.TimeoutError:
-        return {"ok": False, "bytes": got, "error": ("stalled after %d bytes" % got) if got else
-                ("no answer within %gs" % timeout if stage == "the answer" else "%s did not open within %gs" % (stage, timeout))}
+        return {"ok": False, "bytes": answer.got, "error": _stall_error(answer.got, stage, timeout)}
     except (OSError, EOFError, asyncio.IncompleteReadError) as e:
-        return {"ok": False, "bytes": got, "error": ("%s after %d bytes: %s" % (type(e).__name__, got, e))[:200]}
+        return {"ok": False, "bytes": answer.got, "error": ("%s after %d bytes: %s" % (type(e).__name__, answer.got, e))[:200]}
     finally:
         writer.close()
 

@@ -25,13 +25,14 @@ import numpy as np
 
 from reconciler.certificates import derived_certificate
 from reconciler.credentials import Redactor, Secret
+from reconciler.engine.scripts import spliced
 from reconciler.model import Cluster, Server, User, UserUsage
 from reconciler.model.roster import ACTIVE, STANDINGS
 from reconciler.safe_read import private_paths, read_confined, read_regular_file
 from reconciler.text import size_text
 
 AGENT = "/usr/local/lib/reconciler/agent.py"
-AGENT_SOURCE = (Path(__file__).with_name("agent.py")).read_bytes()
+AGENT_SOURCE = spliced((Path(__file__).with_name("agent.py")).read_text(encoding="utf-8")).encode()  # as installed
 # The probe responder (HEALTH-16): on the server's loopback; a probe or an app's health check fetches its padded
 # answer through an inbound (``reconciler/engine/responder.py``). Its unit is pulled in by the engine's.
 RESPONDER = "/usr/local/lib/reconciler/responder.py"

@@ -29,6 +29,7 @@ from reconciler.engine.scripts import engine as script
 from reconciler.engine.scripts.facts import zstd_library
 from reconciler.errors import ReleaseError
 from reconciler.model import EngineSettings
+from reconciler.state.files import put_in_place
 
 ARCHES = ("amd64", "arm64")
 LOCAL_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(os.uname().machine, "")
@@ -97,8 +98,7 @@ def fetch_binary(url: str, pin: str, name: str, fetched: str | None = None) -> s
                 raise ReleaseError(f"{url}: {exc}") from None
             except OSError as exc:
                 raise ReleaseError(f"{url}: cannot unpack it in {cache_dir()}: {exc}", temporary=True) from None
-            os.chmod(unpacked, stat.S_IRWXU)
-            os.replace(unpacked, out)
+            put_in_place(unpacked, out, stat.S_IRWXU)
         finally:
             for leftover in (path, unpacked):
                 if os.path.exists(leftover):

@@ -14,15 +14,8 @@ text (importlib.resources), once, and sent to the server's ``python3 -I -S`` by 
 
 from __future__ import annotations
 
-from importlib import resources
-
+from reconciler.engine.scripts import source
 from reconciler.ssh.runner import Script
-
-
-def source(name: str) -> str:
-    """The text of ``reconciler/engine/scripts/<name>.py``."""
-    return resources.files("reconciler.engine.scripts").joinpath(f"{name}.py").read_text(encoding="utf-8")
-
 
 FACTS = Script("facts", source("facts"))
 COMMIT = Script("commit", source("commit"), stdin=True, survive=True)

@@ -53,10 +53,7 @@ def user_events(cluster: Cluster, usage: Mapping[str, UserUsage], now: float, sa
             events.append(event)
 
     roster = cluster.roster
-    due = roster.notices(now, usage, settings.warn_quota, settings.warn_expiry).any()
-    for key in said:  # a device-limit breach that may have ended
-        if key.startswith("device_limit:") and (i := roster.index.get(key.split(":", 1)[1])) is not None:
-            due[i] = roster.enabled[i]
+    due = _due(cluster, usage, now, said)
     for i in np.flatnonzero(due).tolist():  # only users with something to say (a million otherwise, every interval)
         user = cluster.users[i]
         used = usage.get(user.name)
@@ -90,10 +87,26 @@ def user_events(cluster: Cluster, usage: Mapping[str, UserUsage], now: float, sa
                                                                             "limit": user.device_limit}))
             elif said.get(key) == "over":
                 said[key] = "under"
-    known = roster.index
+    _forget_departed(said, roster.index)
+    return events
+
+
+def _due(cluster: Cluster, usage: Mapping[str, UserUsage], now: float, said: dict[str, str]) -> np.ndarray:
+    """Which users (the cluster's order) may have something to say: a notice (quota, expiry, devices), or a
+    device-limit breach already said that may have ended."""
+    settings = cluster.settings.users
+    roster = cluster.roster
+    due = roster.notices(now, usage, settings.warn_quota, settings.warn_expiry).any()
+    for key in said:  # a device-limit breach that may have ended
+        if key.startswith("device_limit:") and (i := roster.index.get(key.split(":", 1)[1])) is not None:
+            due[i] = roster.enabled[i]
+    return due
+
+
+def _forget_departed(said: dict[str, str], known: Mapping[str, int]) -> None:
+    """Drop what was said about users that left the file (the fleet's own keys stay)."""
     for key in [k for k in said if k.split(":", 1)[-1] not in known and not k.startswith("fleet")]:
         del said[key]  # users that left the file
-    return events
 
 
 BLOCKED_ADVICE = ("the server's address is likely blocked: move it to a new IP (or a new server) and update `host:` in "

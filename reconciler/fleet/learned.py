@@ -35,6 +35,7 @@ import zstandard
 from reconciler.balance import RTTProfile, ServerLoad
 from reconciler.balance.assignments import Assignments
 from reconciler.balance.capacity import CapacityEstimator
+from reconciler.errors import StateRefused
 from reconciler.fleet.reports import Counter, Report, observation, traffic_rate
 from reconciler.fleet.usage import Ledger, Trust
 from reconciler.health.engine import HealthEngine, HealthState
@@ -303,8 +304,6 @@ MAX_MESH_CELLS = 1 << 25  # servers × inbounds, servers × servers of the fleet
 READ_STEP = 1 << 20  # inflated and read in steps of this many bytes
 
 
-class StateRefused(ValueError):
-    """A learned state read back is not one this service can have written: broken, too big or inconsistent."""
 
 
 def _npz(arrays: dict[str, Any]) -> bytes:

@@ -466,7 +466,6 @@ def observation(topology: Topology, cluster: Cluster, reports: dict[str, Report 
     present = np.zeros((n, m), dtype=bool)
     ok = np.zeros((n, m), dtype=bool)
     rtt = np.full((n, m), np.nan)
-    by_id = {ref.inbound.id: ref for ref in cluster.inbounds}
     for name, rep in reports.items():
         w = server_index.get(name)
         if w is None or rep is None:
@@ -482,7 +481,7 @@ def observation(topology: Topology, cluster: Cluster, reports: dict[str, Report 
             if probe.ok and probe.rtt_ms is not None:
                 rtt[w, t] = probe.rtt_ms
     for t_id, t in inbound_index.items():
-        ref = by_id.get(t_id)
+        ref = cluster.inbound(t_id)
         rep = reports.get(topology.servers[topology.inbound_server[t]])
         if ref is None or rep is None:
             continue

@@ -30,7 +30,6 @@ cumulative, so the next fold after a restart counts everything since the counter
 from __future__ import annotations
 
 import functools
-import hashlib
 import hmac
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -38,23 +37,25 @@ from typing import Any
 
 import numpy as np
 
-from reconciler.balance.assignments import Assignments
-from reconciler.balance.hashing import key64, name_keys
-from reconciler.engine.base import user_marks
-from reconciler.fleet.reports import KIND_OF, KINDS, Report, UsageCounters
+from reconciler.fleet.attribution import RouteServers, count_routes, routes_on_servers, served_by
+from reconciler.fleet.counters import (
+    DELTA_CAP,
+    SIDE_SHIFT,
+    CounterTable,
+    RowOrder,
+    UserIndex,
+    counted,
+    old_key,
+    owner_id,
+    read_counters,
+    user_index,
+)
+from reconciler.fleet.reports import Report, UsageCounters
 from reconciler.model import Cluster
 from reconciler.model.roster import Roster
 from reconciler.model.usage import BYTES_CAP, UsageView, saturated_sum
 
-# Bytes of headers per counted packet: IPv4 20 / IPv6 40, plus TCP 20 with the timestamp option Linux uses (12),
-# or UDP 8. Other transports (ICMP errors about a user's connection) carry no payload of the user's.
-HEADER_BYTES = {("ipv4", "tcp"): 52, ("ipv6", "tcp"): 72, ("ipv4", "udp"): 28, ("ipv6", "udp"): 48}
-HEADERS = np.array([-1] + [HEADER_BYTES[k] for k in KINDS[1:] if k is not None], dtype=np.int64)  # by kind
 DEMAND_HALF_LIFE = 900.0  # seconds: how fast a user's measured demand follows a change (balancing reads it)
-SIDE_SHIFT, KIND_SHIFT = 35, 32  # a counter's key: side (0 tx, 1 rx) << 35 | kind << 32 | mark
-# Bytes or packets one counter can add in one interval (a terabyte: 133 Gbit/s for a minute); more is a broken or
-# hostile counter, counted as this at most. So sums of a report's rows (at most 2**21) stay far inside 64 bits.
-DELTA_CAP = 1 << 40
 TOTAL_CAP = BYTES_CAP  # a user's bytes saturate here (the state keeps them as 64-bit integers)
 # What one server's row may add per second of the interval: its learned capacity (Mbps) times this headroom, and at
 # least LINK_FLOOR_MBPS (a server whose peak is not learned yet), at most LINK_CEILING_MBPS (a learned figure is the
@@ -171,145 +172,20 @@ class Books:
         return out
 
 
-def owner_id(name: str) -> int:
-    """A user's identity in the counters: the balancer's key of the name, in 63 bits (int64), never 0 (nobody's)."""
-    return (key64(name) >> 1) or 1
 
 
-@dataclass(frozen=True)
-class UserIndex:
-    """One cluster's users as arrays (built once per set of names): who owns which mark."""
-
-    names: tuple[str, ...]  # the cluster's order
-    sorted_marks: np.ndarray  # int64, ascending
-    mark_user: np.ndarray  # int64: the index (into names) of each sorted mark's user
-    owners: np.ndarray  # int64: owner_id per user (names' order)
 
 
-@functools.lru_cache(maxsize=4)
-def user_index(names: tuple[str, ...], key: bytes) -> UserIndex:
-    marks = user_marks(names, key)  # not marks_for's cache: the loop keeps only these arrays (a million-entry dict less)
-    by_user = np.fromiter((marks[n] for n in names), np.int64, len(names))
-    order = np.argsort(by_user, kind="stable")
-    owners = (name_keys(names) >> np.uint64(1)).astype(np.int64)
-    return UserIndex(names, by_user[order], order.astype(np.int64), np.where(owners == 0, 1, owners))
 
 
-@dataclass(frozen=True)
-class CounterTable:
-    """One server's counters when last read, sorted by key (side << 35 | kind << 32 | mark), with the owner each
-    mark had then (``owner_id``; 0: nobody), cumulative packets and bytes."""
-
-    keys: np.ndarray
-    owners: np.ndarray
-    packets: np.ndarray
-    nbytes: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    @classmethod
-    def empty(cls) -> CounterTable:
-        z = np.zeros(0, np.int64)
-        return cls(z, z, z, z)
-
-    def with_owners(self, owner: int) -> CounterTable:
-        """The same counters as if every mark had belonged to ``owner`` (tests: a mark that changed hands)."""
-        return CounterTable(self.keys, np.full(len(self.keys), owner, np.int64), self.packets, self.nbytes)
 
 
-@dataclass(frozen=True)
-class RowOrder:
-    """How one server's last report became its table: which of its rows were kept, in key order, and whose each
-    is. A server reports the same rows in the same order interval after interval (its users' counters), so the next
-    report with the same keys, under the same users, is matched without sorting or a search in a million marks
-    (that search was a fifth of a million users' interval). Kept in memory only, never trusted across reports:
-    the keys' digest must match, and the index be the same object."""
-
-    index: UserIndex
-    digest: bytes  # blake2b of the report's keys, in its own order
-    order: np.ndarray  # int32: the kept rows' positions in the report, in key order
-    user: np.ndarray  # int32: each kept row's user (-1: nobody's)
-    keys: np.ndarray  # the table's keys and owners (shared with the table made from them: no copy)
-    owners: np.ndarray
 
 
-def read_counters(usage: UsageCounters, index: UserIndex,
-                  known: RowOrder | None = None) -> tuple[CounterTable, np.ndarray, RowOrder | None]:
-    """A report's counters as a table (one row per key: a key reported twice keeps its last row), the index of
-    each row's user (-1: a mark nobody owns), and how they were matched (``known``: the last report's, reused
-    when this one has the same keys in the same order)."""
-    tx, rx = usage.tx, usage.rx
-    n = len(tx) + len(rx)
-    if not n:
-        return CounterTable.empty(), np.zeros(0, np.int64), None
-    side = np.zeros(n, np.int64)
-    side[len(tx):] = 1
-    raw = (side << SIDE_SHIFT) | (np.concatenate([tx.kinds, rx.kinds]) << KIND_SHIFT) | np.concatenate([tx.marks, rx.marks])
-    digest = hashlib.blake2b(raw.tobytes(), digest_size=16).digest()
-    packets, nbytes = np.concatenate([tx.packets, rx.packets]), np.concatenate([tx.nbytes, rx.nbytes])
-    if known is not None and known.index is index and known.digest == digest:
-        order = known.order
-        return (CounterTable(known.keys, known.owners, packets[order], nbytes[order]), known.user.astype(np.int64),
-                known)
-    order = np.argsort(raw, kind="stable")
-    keys = raw[order]
-    last = np.ones(n, bool)
-    last[:-1] = keys[1:] != keys[:-1]
-    order, keys = order[last], keys[last]
-    user = np.full(len(keys), -1, np.int64)
-    owners = np.zeros(len(keys), np.int64)
-    if len(index.names):
-        mark = keys & 0xFFFFFFFF
-        at = np.minimum(np.searchsorted(index.sorted_marks, mark), len(index.names) - 1)
-        found = index.sorted_marks[at] == mark
-        user[found] = index.mark_user[at[found]]
-        owners[found] = index.owners[user[found]]
-    return (CounterTable(keys, owners, packets[order], nbytes[order]), user,
-            RowOrder(index, digest, order.astype(np.int32), user.astype(np.int32), keys, owners))
 
 
-def counted(before: CounterTable | None, after: CounterTable, user: np.ndarray, cap: int = DELTA_CAP) -> np.ndarray:
-    """The payload bytes each row of ``after`` adds since ``before`` (None: a first contact, a baseline: nothing).
-
-    A key seen before under the same owner adds its growth (a counter that went back is a new baseline: nothing);
-    a new key adds all it holds (the kernel made it since the last read); a key whose mark changed hands, or
-    nobody's, adds nothing. No row adds more than ``cap`` bytes or packets."""
-    if before is None or not len(after):
-        return np.zeros(len(after), np.int64)
-    packets, nbytes = after.packets, after.nbytes
-    if len(before) and (before.keys is after.keys or (len(before) == len(after)
-                                                      and np.array_equal(before.keys, after.keys))):
-        same = before.owners == after.owners  # the same keys as last time (the common case): row for row
-        dp, db = packets - before.packets, nbytes - before.nbytes
-        grew = same & (dp >= 0) & (db >= 0)
-        packets, nbytes = np.where(grew, dp, 0), np.where(grew, db, 0)
-        mine = (user >= 0) & same
-    elif len(before):
-        at = np.searchsorted(before.keys, after.keys)
-        atc = np.minimum(at, len(before) - 1)
-        found = (at < len(before)) & (before.keys[atc] == after.keys)
-        same = found & (before.owners[atc] == after.owners)
-        dp, db = packets - before.packets[atc], nbytes - before.nbytes[atc]
-        grew = same & (dp >= 0) & (db >= 0)
-        packets, nbytes = np.where(grew, dp, np.where(found, 0, packets)), np.where(grew, db, np.where(found, 0, nbytes))
-        mine = (user >= 0) & (~found | same)
-    else:
-        mine = user >= 0
-    header = HEADERS[(after.keys >> KIND_SHIFT) & 0x7]
-    got = np.minimum(nbytes, cap) - header * np.minimum(packets, cap)
-    return np.where(mine & (header >= 0) & (got > 0), got, 0)
 
 
-def _served(routes: RouteServers, server: int) -> Callable[[np.ndarray], np.ndarray]:
-    """Whether each of the given users (indices; -1: nobody) is assigned to ``server`` on some route."""
-    def check(users: np.ndarray) -> np.ndarray:
-        ok = np.zeros(len(users), bool)
-        safe = np.maximum(users, 0)
-        for _key, where in routes:
-            ok |= where[safe] == server
-        return ok & (users >= 0)
-    return check
 
 
 @dataclass
@@ -356,73 +232,105 @@ class Ledger:
         roster = self.align(cluster)
         index = user_index(roster.names, trust.mark_key if trust is not None else b"")
         n = len(roster)
-        routes = _routes_on_servers(cluster, assignments or {}, roster)
+        routes = routes_on_servers(cluster, assignments or {}, roster)
         server_at = {s.name: i for i, s in enumerate(cluster.servers)}
         up, down = np.zeros(n, np.int64), np.zeros(n, np.int64)
         open_on: dict[str, list[str]] = {}
-        books = self.books
         self.refused = {}
         for gone in [s for s in self._orders if s not in server_at]:  # left the file: its memo goes with it
             del self._orders[gone]
+        # Per server, arrays of its rows: the helpers below run once per server and interval, never per user.
         for server, rep in reports.items():
             if rep is None:
                 continue
             believe = self._believer(server, server_at.get(server, -1), routes, roster, trust)
-            claimed = [u for u in rep.users if u in roster.index]
-            for user in _believed_names(claimed, roster, believe):
-                open_on.setdefault(user, []).append(server)
-            device_users = [u for u, fps in rep.devices.items() if fps and u in roster.index]
-            day = f"d{trust.device_epoch}:" if trust is not None else ""
-            for user in _believed_names(device_users, roster, believe):
-                devices = books.devices.setdefault(user, {})
-                for fp in rep.devices[user]:
-                    devices[day + _device_id(trust, fp)] = now
+            self._note_clients(server, rep, roster, believe, trust, now, open_on)
             if rep.usage is None:
                 self.unavailable[server] = rep.usage_error
                 continue
             self.unavailable.pop(server, None)
-            before = self.counters.get(server)
-            if before is not None and self.epochs.get(server) != rep.usage.epoch:
-                before = None  # a reboot, or the table made again: a new baseline, never a whole counter added
-            self.epochs[server] = rep.usage.epoch
-            after, row_user, order = read_counters(rep.usage, index, self._orders.get(server))
-            if order is None:
-                self._orders.pop(server, None)
-            else:
-                self._orders[server] = order
-            last = self.read_at.get(server)
-            self.read_at[server] = rep.received
-            cap = DELTA_CAP
-            if trust is not None:
-                seconds = rep.received - last if last is not None else cluster.settings.health.report_interval
-                cap = link_bytes(float(trust.capacity_mbps.get(server, float("nan"))), seconds)
-            got = counted(before, after, row_user, cap)
-            self.counters[server] = after
+            after, row_user, got, cap = self._read(cluster, server, rep.received, rep.usage, index, trust)
             if not got.any():
                 continue
             side = after.keys >> SIDE_SHIFT
             if trust is not None:
-                claim = np.flatnonzero(got > 0)
-                ok = believe(row_user[claim])
-                if not ok.all():
-                    no = claim[~ok]
-                    self.refused[server] = (len(np.unique(row_user[no])), int(got[no].sum()))
-                    got[no] = 0
-                    row_user = row_user.copy()
-                    row_user[no] = -1
-                for s in (0, 1):  # and all of the server's rows together: no more than its link either
-                    total = int(got[side == s].sum())
-                    if total > cap:
-                        got[side == s] = got[side == s] * (cap / total)
+                row_user = self._limit(server, got, row_user, side, believe, cap)
             sums = self.by_server.setdefault(server, [0, 0])
             for s in (0, 1):
                 sums[s] += int(got[side == s].sum())
-            _count_routes(self.by_route, routes, server_at.get(server, -1), row_user, side, got)
+            count_routes(self.by_route, routes, server_at.get(server, -1), row_user, side, got)
             counts = got > 0  # only rows of known users count (counted): their index is >= 0
             for s, per_user in ((0, up), (1, down)):
                 np.add.at(per_user, row_user[counts & (side == s)], got[counts & (side == s)])
+        start, nxt, window = self._close_books(cluster, roster, now, up, down, open_on)
+        self.last_fold = now
+        self._view = (cluster, now, self._usage(roster, start, nxt, now, window))  # what view() would build
+        return Counted(roster.names, np.flatnonzero((up > 0) | (down > 0)), up, down)
+
+    def _note_clients(self, server: str, rep: Report, roster: Roster, believe: Callable[[np.ndarray], np.ndarray],
+                      trust: Trust | None, now: float, open_on: dict[str, list[str]]) -> None:
+        """The users ``server`` says are connected (into ``open_on``) and the devices it saw them on (into the
+        books), of those it is believed about."""
+        claimed = [u for u in rep.users if u in roster.index]
+        for user in _believed_names(claimed, roster, believe):
+            open_on.setdefault(user, []).append(server)
+        device_users = [u for u, fps in rep.devices.items() if fps and u in roster.index]
+        day = f"d{trust.device_epoch}:" if trust is not None else ""
+        for user in _believed_names(device_users, roster, believe):
+            devices = self.books.devices.setdefault(user, {})
+            for fp in rep.devices[user]:
+                devices[day + _device_id(trust, fp)] = now
+
+    def _read(self, cluster: Cluster, server: str, received: float, usage: UsageCounters, index: UserIndex,
+              trust: Trust | None) -> tuple[CounterTable, np.ndarray, np.ndarray, int]:
+        """Read ``server``'s counters against its last read (kept for the next): the table, each row's user, the
+        bytes each row adds, and the most one row may add since the last read (``cap``)."""
+        before = self.counters.get(server)
+        if before is not None and self.epochs.get(server) != usage.epoch:
+            before = None  # a reboot, or the table made again: a new baseline, never a whole counter added
+        self.epochs[server] = usage.epoch
+        after, row_user, order = read_counters(usage, index, self._orders.get(server))
+        if order is None:
+            self._orders.pop(server, None)
+        else:
+            self._orders[server] = order
+        last = self.read_at.get(server)
+        self.read_at[server] = received
+        cap = DELTA_CAP
+        if trust is not None:
+            seconds = received - last if last is not None else cluster.settings.health.report_interval
+            cap = link_bytes(float(trust.capacity_mbps.get(server, float("nan"))), seconds)
+        got = counted(before, after, row_user, cap)
+        self.counters[server] = after
+        return after, row_user, got, cap
+
+    def _limit(self, server: str, got: np.ndarray, row_user: np.ndarray, side: np.ndarray,
+               believe: Callable[[np.ndarray], np.ndarray], cap: int) -> np.ndarray:
+        """Believe ``server`` only about its own users and its link: ``got`` loses (in place) the rows of users it
+        may not report on (noted in ``refused``) and is scaled down to ``cap`` per direction. Returns the rows'
+        users with the refused rows' made nobody's (a copy when any was refused)."""
+        claim = np.flatnonzero(got > 0)
+        ok = believe(row_user[claim])
+        if not ok.all():
+            no = claim[~ok]
+            self.refused[server] = (len(np.unique(row_user[no])), int(got[no].sum()))
+            got[no] = 0
+            row_user = row_user.copy()
+            row_user[no] = -1
+        for s in (0, 1):  # and all of the server's rows together: no more than its link either
+            total = int(got[side == s].sum())
+            if total > cap:
+                got[side == s] = got[side == s] * (cap / total)
+        return row_user
+
+    def _close_books(self, cluster: Cluster, roster: Roster, now: float, up: np.ndarray, down: np.ndarray,
+                     open_on: dict[str, list[str]]) -> tuple[np.ndarray, np.ndarray, float]:
+        """Add the interval's bytes to the cluster's users' books (a new period starts from zero), follow their
+        demand, and note where they are connected, when they were last seen and which devices are still recent.
+        Returns the users' periods [start, next) and the device window."""
+        books = self.books
         start, nxt = roster.bounds(now)
-        mine = slice(0, n)  # the cluster's users' books (those who left the file follow them, untouched)
+        mine = slice(0, len(roster))  # the cluster's users' books (those who left the file follow them, untouched)
         new_period = books.period_start[mine] != start
         books.period_start[mine] = start
         books.up[mine][new_period] = 0
@@ -441,9 +349,7 @@ class Ledger:
         window = cluster.settings.users.device_window
         books.devices = {u: kept for u, fps in books.devices.items()
                          if (kept := {fp: t for fp, t in fps.items() if now - t <= window})}
-        self.last_fold = now
-        self._view = (cluster, now, self._usage(roster, start, nxt, now, window))  # what view() would build
-        return Counted(roster.names, np.flatnonzero((up > 0) | (down > 0)), up, down)
+        return start, nxt, window
 
     @staticmethod
     def _believer(server: str, at: int, routes: RouteServers, roster: Roster,
@@ -453,7 +359,7 @@ class Ledger:
         without ``trust``."""
         if trust is None:
             return lambda users: users >= 0
-        assigned = _served(routes, at)
+        assigned = served_by(routes, at)
         budget = [REACH_BUDGET]
 
         def believe(users: np.ndarray) -> np.ndarray:
@@ -566,7 +472,7 @@ class Ledger:
             return cls()
         counters = {}
         for server, entries in dict(raw["counters"]).items():
-            rows = sorted(((_old_key(str(k)), owner_id(str(v[0])) if v[0] else 0, int(v[1]), int(v[2]))
+            rows = sorted(((old_key(str(k)), owner_id(str(v[0])) if v[0] else 0, int(v[1]), int(v[2]))
                            for k, v in dict(entries).items()), key=lambda r: r[0])
             rows = [r for i, r in enumerate(rows) if i + 1 == len(rows) or rows[i + 1][0] != r[0]]
             counters[str(server)] = CounterTable(*(np.array([r[i] for r in rows], np.int64) for i in range(4))) \
@@ -616,47 +522,16 @@ def _believed_names(names: list[str], roster: Roster, believe: Callable[[np.ndar
     return [u for u, y in zip(names, ok.tolist(), strict=True) if y]
 
 
-def _old_key(text: str) -> int:
-    side, mark, family, transport = text.split(":", 3)
-    return (int(side) << SIDE_SHIFT) | (KIND_OF.get((family, transport), 0) << KIND_SHIFT) | (int(mark) & 0xFFFFFFFF)
 
 
 # Per route key (in the assignments' order): the server index each user is assigned to on it (-1: none).
-RouteServers = list[tuple[str, np.ndarray]]
 
 
-def _routes_on_servers(cluster: Cluster, assignments: Mapping[tuple[str, str], str], roster: Roster) -> RouteServers:
-    """Which route each user's bytes on each server count for (metrics per route): the route whose inbound the
-    user is assigned on that server (the first such route in the assignments' order)."""
-    if not assignments:
-        return []
-    server_of = _server_of_inbound(cluster)
-    held = Assignments.of(assignments, roster.names, cluster.inbound_ids, roster.index)  # one lookup per route key
-    to_server = np.array([server_of[t] for t in held.inbounds] + [-1], np.int64)  # [-1]: nobody's
-    return [(key, to_server[col]) for key, col in held.columns.items()]
 
 
-def _server_of_inbound(cluster: Cluster) -> dict[str, int]:
-    at = {s.name: i for i, s in enumerate(cluster.servers)}
-    return {r.inbound.id: at[r.server.name] for r in cluster.inbounds}
 
 
-def _count_routes(by_route: dict[str, list[int]], routes: RouteServers, server: int, user: np.ndarray,
-                  side: np.ndarray, got: np.ndarray) -> None:
-    claimed = np.zeros(len(user), bool)
-    safe = np.maximum(user, 0)
-    for key, where in routes if server >= 0 else ():
-        mine = (user >= 0) & ~claimed & (where[safe] == server)
-        if mine.any():
-            claimed |= mine
-            _add_route(by_route, key.split("@", 1)[0], side[mine], got[mine])
-    _add_route(by_route, "", side[~claimed], got[~claimed])
 
 
-def _add_route(by_route: dict[str, list[int]], route: str, side: np.ndarray, got: np.ndarray) -> None:
-    if got.any():
-        sums = by_route.setdefault(route, [0, 0])
-        for s in (0, 1):
-            sums[s] += int(got[side == s].sum())
 
 

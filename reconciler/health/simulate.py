@@ -290,14 +290,7 @@ class World:
                 continue
             # Exactly one kind is set (Event._one_kind): test each for None, so every branch is typed.
             if ev.block is not None:
-                block = ev.block
-                dests = [block.to] if isinstance(block.to, str) else block.to
-                cols = np.isin(self.server_of, [self.index[d] for d in dests])
-                if isinstance(block.from_, list):
-                    sources = _mask(self.index, block.from_, n)
-                else:  # "*": everyone but the destinations
-                    sources = ~np.isin(np.arange(n), [self.index[d] for d in dests])
-                fail |= sources[:, None] & cols[None, :]
+                fail |= self._blocked(ev.block)
             elif ev.down is not None:
                 service_ok[self.index[ev.down]] = False
                 reachable[self.index[ev.down]] = False
@@ -316,10 +309,7 @@ class World:
             elif ev.reports_missing is not None:
                 reported &= rng.random(n) >= ev.reports_missing.p
             elif ev.flap is not None:
-                if ((tick - ev.at) // ev.flap.period) % 2 == 0:
-                    if ev.flap.kind == "down":
-                        service_ok[self.index[ev.flap.server]] = False
-                    reachable[self.index[ev.flap.server]] = False
+                self._flap(ev.flap, tick - ev.at, service_ok, reachable)
         fail |= ~reachable[self.server_of][None, :]
         return Observation(
             now=tick * self.interval,
@@ -329,6 +319,25 @@ class World:
             probe_present=self._present(tick, reported),
             probe_ok=~fail,
         )
+
+    def _blocked(self, block: Block) -> np.ndarray:
+        """The (witness, inbound) pairs a block makes fail: from its sources to the destinations' inbounds."""
+        n = self.topology.n
+        dests = [block.to] if isinstance(block.to, str) else block.to
+        cols = np.isin(self.server_of, [self.index[d] for d in dests])
+        if isinstance(block.from_, list):
+            sources = _mask(self.index, block.from_, n)
+        else:  # "*": everyone but the destinations
+            sources = ~np.isin(np.arange(n), [self.index[d] for d in dests])
+        return sources[:, None] & cols[None, :]
+
+    def _flap(self, flap: Flap, since: int, service_ok: np.ndarray, reachable: np.ndarray) -> None:
+        """A flap ``since`` ticks after it began: in its first ``period`` ticks, and every other ``period`` after,
+        the server is unreachable (and, with ``kind: down``, its service down); fine in between."""
+        if (since // flap.period) % 2 == 0:
+            if flap.kind == "down":
+                service_ok[self.index[flap.server]] = False
+            reachable[self.index[flap.server]] = False
 
     def _present(self, tick: int, reported: np.ndarray) -> np.ndarray:
         n, m = self.topology.n, self.topology.m

@@ -45,7 +45,7 @@ class LoopProcess:
         self.operations_listen = operations_listen or f"127.0.0.1:{free_port()}"
         self.base = f"http://{listen}"
         self.operations = f"http://{self.operations_listen}"
-        out = open(log_path, "ab") if log_path else None  # noqa: SIM115 — closed in stop()
+        out = open(log_path, "ab") if log_path else None  # closed in stop()
         self._out = out
         self.proc = subprocess.Popen([sys.executable, "-m", "reconciler", "run", "-f", str(cluster_file), "--listen", listen,
                                       "--operations-listen", self.operations_listen, "--duration", str(duration)], stdin=subprocess.DEVNULL,

@@ -44,8 +44,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from reconciler.loop.client_address import Network, client_address
 from reconciler.loop.listener import Credential, Handler, Limits, Listener
-from reconciler.loop.outlets import LiveAnswers
 from reconciler.metrics import FleetView
+from reconciler.publish import LiveAnswers
 from reconciler.subscriptions import FORMATS, choose_format
 from reconciler.subscriptions.page import choose_language, page_headers, render_page, wants_page
 from reconciler.subscriptions.urls import request_base

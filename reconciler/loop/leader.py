@@ -366,7 +366,7 @@ class Election:
         if self.on_change is not None:
             try:
                 self.on_change(leading)
-            except Exception:  # noqa: BLE001 — the loop's reaction failing must not stop the election
+            except Exception:  # the loop's reaction failing must not stop the election
                 log.exception("reacting to the leadership change failed")
 
     def _ok(self) -> None:

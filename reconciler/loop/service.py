@@ -31,25 +31,24 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from reconciler.apply.acme import Backoff as CertificateBackoff
-from reconciler.apply.acme import ensure_certificates
+from reconciler import gcpause
+from reconciler.apply.acme import CERTIFICATE_BACKOFF, ensure_certificates
 from reconciler.apply.run import apply_all
 from reconciler.apply.session import Progress, pool_for, remember
+from reconciler.backoff import Backoff, Streaks
 from reconciler.balance import Snapshot
 from reconciler.balance.decide import failover_servers, held_by_server
-from reconciler.config import load_cluster
 from reconciler.config.yamlread import load_seconds
 from reconciler.credentials import DEVICE_KEY_PERIOD, Secret, clash_api_secret, device_fingerprint_key
 from reconciler.engine.base import AGENT, mark_key
 from reconciler.engine.capabilities import of_engine
-from reconciler.errors import LockHeld, RemoteError, ReportError, SecretError
+from reconciler.errors import LockHeld, RemoteError, ReportError, SecretError, is_temporary
 from reconciler.fleet import snapshot
 from reconciler.fleet.app_probe import AppTarget, probe_targets
 from reconciler.fleet.events import degraded_reason, fleet_event, user_events, verdict_events
@@ -58,18 +57,18 @@ from reconciler.fleet.reality import with_reality_keys
 from reconciler.fleet.reports import AppProbing, Report, agent_request, asked_probes, parse_report
 from reconciler.fleet.usage import Trust
 from reconciler.health.verdicts import Verdicts
-from reconciler.loop import gcpause
 from reconciler.loop.client_address import networks
 from reconciler.loop.http import HttpOutlet, status_document
 from reconciler.loop.listener import load_credential
-from reconciler.loop.outlets import FileOutlet, LiveAnswers, Tokens, cluster_digest
 from reconciler.loop.workers import LiveWorkers, worker_count
 from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
 from reconciler.model import Cluster, Server
 from reconciler.model.roster import ACTIVE, STANDINGS
 from reconciler.model.types import parse_listen
 from reconciler.plan.lock import Fence
-from reconciler.plan.observe import observe
+from reconciler.plan.observe import Observed, observe
+from reconciler.publish import FileOutlet, LiveAnswers, Tokens, cluster_digest
+from reconciler.servable import load_servable
 from reconciler.ssh import Target
 from reconciler.state.folder import StateFolder
 from reconciler.text import size_text, url_for_log, without_url_secrets
@@ -82,7 +81,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("reconciler.loop")
 T = TypeVar("T")
-MAX_BACKOFF_TICKS = 16
+#: A server that did not report is asked again next interval, then after 2, 4 … at most 16 intervals more.
+SERVER_BACKOFF = Backoff(first=2, cap=16, free=1)
+#: A supervised task that failed starts again after 1 s, doubling to a minute.
+TASK_BACKOFF = Backoff(first=1.0, cap=60.0)
 # A learned state this big is written to the state folder at most every BIG_STATE_EVERY seconds after intervals
 # (and always at a stop). A million users' state is ~40 MB: written every minute it cost 1 CPU-s of each interval
 # and ~55 GB of disk writes a day. The users' usage is not lost by saving late: the kernel's counters are
@@ -95,29 +97,6 @@ MAX_BACKOFF_TICKS = 16
 BIG_STATE_BYTES = 16 << 20
 BIG_STATE_EVERY = 300.0
 LOAD_BUDGET = 30  # seconds a reload may take, and 2 s more a MB of YAML it reads (load_seconds; loading is bounded, this bounds the wait)
-
-
-@dataclass
-class Backoff:
-    """Per-server: after failures, skip 1, 2, 4 … (at most 16) intervals before trying again."""
-
-    failures: dict[str, int] = field(default_factory=dict)
-    next_try: dict[str, int] = field(default_factory=dict)
-
-    def due(self, server: str, tick: int) -> bool:
-        return tick >= self.next_try.get(server, 0)
-
-    def failed(self, server: str, tick: int) -> int:
-        n = self.failures.get(server, 0) + 1
-        self.failures[server] = n
-        wait = min(MAX_BACKOFF_TICKS, 2 ** (n - 1)) if n > 1 else 0
-        self.next_try[server] = tick + 1 + wait
-        return wait
-
-    def succeeded(self, server: str) -> bool:
-        had = self.failures.pop(server, 0) > 0
-        self.next_try.pop(server, None)
-        return had
 
 
 class Loop:
@@ -137,7 +116,7 @@ class Loop:
         self.stop = asyncio.Event()
         self.plan_now = asyncio.Event()
         self.stats = LoopStats()
-        self.backoff = Backoff()
+        self.backoff: Streaks[str] = Streaks(SERVER_BACKOFF)  # per server, counted in intervals
         self.tokens = Tokens(secret)
         self.answers = LiveAnswers(secret, self.tokens)
         self.files = FileOutlet(self._out_dir(cluster), self.state.path, secret)
@@ -157,7 +136,7 @@ class Loop:
         self._reach: Snapshot | None = None  # the last answers: where users' failover orders send them
         self._reach_before: Snapshot | None = None  # the answers before those (apps follow them for a while)
         self._refused: dict[str, int] = {}  # server → rows not believed, as last logged
-        self.acme_backoff = CertificateBackoff()  # failed certificate orders wait longer each time
+        self.acme_backoff: Streaks[str] = Streaks(CERTIFICATE_BACKOFF)  # failed orders wait longer each time
         for note in self.state.notes:
             log.warning("%s", note)
         self.state.notes.clear()
@@ -189,17 +168,9 @@ class Loop:
         return Path(self.base_dir) / os.path.expanduser(cluster.settings.outputs.subscriptions_dir)
 
     def _region_lookup(self) -> Callable[[str], str | None] | None:
-        db = self.cluster.settings.steering.geoip_database
-        if not db:
-            return None
-        from reconciler.balance.geoip import open_geoip
+        from reconciler.balance.geoip import region_lookup
 
-        try:
-            geo = open_geoip(str(Path(self.base_dir) / os.path.expanduser(db)))
-        except (OSError, ValueError) as exc:
-            log.error("cannot read the GeoIP database %s: %s; live requests use the users' regions", db, exc)
-            return None
-        return geo.region
+        return region_lookup(self.base_dir, self.cluster.settings.steering.geoip_database, log.error)
 
     def _healthy(self) -> tuple[bool, str]:
         interval = self.cluster.settings.health.report_interval
@@ -221,6 +192,24 @@ class Loop:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        await self._repair_files()
+        if not await self._listen():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            return 1
+        self.pool = pool_for(self.state)
+        try:
+            self._start_tasks()
+            await self.stop.wait()
+        finally:
+            await self._shut_down()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+        log.info("stopped after %d interval(s); learned state saved", self._tick_index)
+        return 0
+
+    async def _repair_files(self) -> None:
+        """What an interrupted run left: temporary files removed, users' files cut short written again."""
         removed = self.files.clean_temporaries()
         if removed:
             log.info("removed %d temporary file(s) an interrupted run left behind", removed)
@@ -230,13 +219,17 @@ class Loop:
         if repaired:
             log.warning("%d user(s)' subscription files were missing or cut short (a full disk, a crash?): "
                         "they are written again now", repaired)
+
+    async def _listen(self) -> bool:
+        """Listen for subscriptions and the operations pages (in worker processes when settings ask); False (logged)
+        when an address is not one or cannot be bound."""
         try:
             host, port = parse_listen(self.listen)
             operations = parse_listen(self.operations_listen)
             credential = load_credential(self.cluster.settings.outputs.operations_auth)
         except (ValueError, SecretError) as exc:
             log.error("%s", exc)
-            return 1
+            return False
         host, operations = host or "127.0.0.1", (operations[0] or "127.0.0.1", operations[1])
         workers = worker_count(self.cluster.settings.outputs.workers)
         if workers > 1 and operations == (host, port):
@@ -254,43 +247,41 @@ class Loop:
                 self.live = None
             log.error("cannot listen on %s or %s: %s (set settings.outputs.listen and operations_listen, or --listen "
                       "and --operations-listen)", self.listen, self.operations_listen, exc.strerror)
-            return 1
+            return False
         if credential is None and not ipaddress.ip_address(_resolved(operations[0])).is_loopback:
             log.warning("the operations pages on %s name servers and addresses and have no credential: set "
                         "settings.outputs.operations_auth", self.operations_listen)
         log.info("listening on http://%s (subscriptions /sub/<token>, /healthz) and http://%s (operations: /metrics, "
                  "/status.json, status page /, /healthz)", self.listen, self.operations_listen)
-        self.pool = pool_for(self.state)
-        try:
-            self._tasks = [self._supervise("tick", self._ticker), self._supervise("plan", self._planner)]
-            if self.watch_enabled:
-                self._tasks.append(self._supervise("watch", self._watcher))
-            if self.cluster.settings.git_pull_interval:
-                self._tasks.append(self._supervise("git", self._git_puller))
-            if self.election is not None:  # issue 17: lead or stand by
-                self._tasks.append(self._supervise("leader", self._elect))
-            if self.duration is not None:
-                self._tasks.append(asyncio.create_task(self._deadline(self.duration), name="deadline"))
-            await self.stop.wait()
-        finally:
-            tasks = [*self._tasks, *self._posts]
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-            await self._leader_stop()  # issue 17: the last state published, the lease given back
-            await asyncio.to_thread(self._save)
-            with contextlib.suppress(OSError):  # the files' record: else the next start compares every user
-                await asyncio.to_thread(self.files.close)
-            await self.http.stop()
-            if self.live is not None:
-                await self.live.stop()
-            await self.pool.close()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
-        log.info("stopped after %d interval(s); learned state saved", self._tick_index)
-        return 0
+        return True
+
+    def _start_tasks(self) -> None:
+        self._tasks = [self._supervise("tick", self._ticker), self._supervise("plan", self._planner)]
+        if self.watch_enabled:
+            self._tasks.append(self._supervise("watch", self._watcher))
+        if self.cluster.settings.git_pull_interval:
+            self._tasks.append(self._supervise("git", self._git_puller))
+        if self.election is not None:  # lead or stand by
+            self._tasks.append(self._supervise("leader", self._elect))
+        if self.duration is not None:
+            self._tasks.append(asyncio.create_task(self._deadline(self.duration), name="deadline"))
+
+    async def _shut_down(self) -> None:
+        """Every task stopped, the last state published and saved, the files' record written, listeners closed."""
+        tasks = [*self._tasks, *self._posts]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self._leader_stop()  # the last state published, the lease given back
+        await asyncio.to_thread(self._save)
+        with contextlib.suppress(OSError):  # the files' record: else the next start compares every user
+            await asyncio.to_thread(self.files.close)
+        await self.http.stop()
+        if self.live is not None:
+            await self.live.stop()
+        await self.pool.close()
 
     def _on_signal(self, sig: int) -> None:
         log.info("%s: stopping after the current step", signal.Signals(sig).name)
@@ -313,7 +304,7 @@ class Loop:
             self._saved = (self._clock(), len(data))
         except OSError as exc:
             log.error("cannot save the learned state: %s", exc)
-        except Exception:  # noqa: BLE001 — every exit path saves; a bug here is logged, never the end of shutdown
+        except Exception:  # every exit path saves; a bug here is logged, never the end of shutdown
             log.exception("cannot save the learned state")
 
     def _supervise(self, name: str, body: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
@@ -322,18 +313,18 @@ class Loop:
         the task has run a clean round again (``_recovered``), and the task restarts after a backoff."""
 
         async def supervised() -> None:
-            delay = 1.0
+            failures = 0
             while not self.stop.is_set():
                 try:
                     await body()
                     return
-                except Exception:  # noqa: BLE001 — supervised: logged, counted, restarted
-                    log.exception("the %s task failed; restarting it in %.0fs", name, delay)
+                except Exception:  # supervised: logged, counted, restarted
+                    failures += 1
+                    log.exception("the %s task failed; restarting it in %.0fs", name, TASK_BACKOFF.wait(failures))
                     self.stats.task_failed(name)
                     self._failed[name] = time.time()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stop.wait(), delay)
-                delay = min(delay * 2, 60.0)
+                    await asyncio.wait_for(self.stop.wait(), TASK_BACKOFF.wait(failures))
 
         return asyncio.create_task(supervised(), name=name)
 
@@ -380,7 +371,7 @@ class Loop:
                 self.view = self._fleet_view(cluster, verdicts, snap)
                 self._report_changes(verdicts)
                 self._enforce(snap)
-        except Exception as exc:  # noqa: BLE001 — a bug in one interval must not end the loop; it is logged with its traceback
+        except Exception as exc:  # a bug in one interval must not end the loop; it is logged with its traceback
             log.exception("interval %d failed", self._tick_index)
             self.stats.record("collect", False, time.perf_counter() - started, time.time())
             self._interval_error = f"interval {self._tick_index} failed: {type(exc).__name__}: {exc}"[:300]
@@ -394,7 +385,7 @@ class Loop:
                 log.info("subscriptions: %d user(s) rewritten, %d unchanged, %d removed (%.2fs)",
                          stats.written, stats.unchanged, stats.removed, stats.seconds)
             self.stats.record("outlets", True, time.perf_counter() - out_start, time.time())
-        except Exception as exc:  # noqa: BLE001 — the files stay as they were (each write is atomic); next interval tries again
+        except Exception as exc:  # the files stay as they were (each write is atomic); next interval tries again
             self._interval_error = f"cannot write subscription files: {type(exc).__name__}: {exc}"[:300]
             if isinstance(exc, OSError):
                 log.error("cannot write subscription files to %s: %s", self.files.directory, exc)
@@ -419,7 +410,7 @@ class Loop:
 
         async def one(server: Server) -> tuple[str, Report | None]:
             name = server.name
-            if not self.backoff.due(name, self._tick_index):
+            if not self.backoff.ready(name, self._tick_index):
                 return name, None
             req = agent_request(cluster, name, clash_api_secret(self.secret, name), probe_timeout, device_key,
                                 interval=self._tick_index, app=app)
@@ -432,8 +423,8 @@ class Loop:
                     raise ReportError(f"the agent exited {res.code}{hint}: {res.stderr.strip()[-300:]}")
                 with gcpause.paused():
                     report = parse_report(name, res.stdout, time.time(), asked_probes(req))
-            except Exception as exc:  # noqa: BLE001 — one server's failure, whatever it is, is that server's no_data
-                wait = self.backoff.failed(name, self._tick_index)
+            except Exception as exc:  # one server's failure, whatever it is, is that server's no_data
+                wait = int(self.backoff.failed(name, self._tick_index + 1, is_temporary(exc)))  # from the next interval
                 self.stats.server_error(name)
                 expected = isinstance(exc, RemoteError | ReportError | OSError | TimeoutError)
                 log.log(logging.WARNING if expected else logging.ERROR, "%s: no report this interval: %s%s", name,
@@ -596,31 +587,15 @@ class Loop:
             self.plan_now.clear()
 
     async def plan_and_heal(self) -> None:
-        if self.election is not None:  # issue 17: only the leader plans and applies; a new one first takes over the state
+        if self.election is not None:  # only the leader plans and applies; a new one first takes over the state
             if not self.election.is_leader:
                 return
             await self._complete_takeover()
         async with self._busy:
             cluster = self.cluster
-            started = time.perf_counter()
-            try:
-                if cluster.settings.self_heal:  # ACME certificates due for renewal are renewed before the plan
-                    failed = await ensure_certificates(cluster, self.pool, self.base_dir, backoff=self.acme_backoff)
-                    for inbound, why in failed.items():
-                        log.warning("no certificate for inbound %s: %s", inbound, why)
-                # GITOPS-7: a server that left the file is removed like in `apply` (`retired:` keeps one)
-                managed = await asyncio.to_thread(self.state.managed) if cluster.settings.self_heal else {}
-                usage = self.learned.ledger.view(cluster, time.time())  # over-quota users stay out
-                observed = await observe(cluster, self.secret, self.pool, self.base_dir, True, managed, usage=usage)
-            except Exception:  # noqa: BLE001 — logged with traceback; the next plan tries again
-                log.exception("plan failed")
-                self.stats.record("plan", False, time.perf_counter() - started, time.time())
+            observed = await self._observe_all(cluster)
+            if observed is None:
                 return
-            errors = [o.plan for o in observed if o.plan.error or o.plan.problems]
-            for p in errors:
-                log.warning("plan: %s: %s", p.server, p.error or "; ".join(p.problems))
-            self.stats.record("plan", not errors, time.perf_counter() - started, time.time())
-            self.drift = {o.plan.server: len(o.plan.actions) for o in observed}
             pending = [o for o in observed if o.plan.changes and not (o.plan.error or o.plan.problems)]
             if not pending:
                 return
@@ -629,42 +604,68 @@ class Loop:
                 log.warning("drift: %s; self_heal is off — run `reconciler plan` and `reconciler apply`", what)
                 return
             log.info("applying: %s", what)
-            started = time.perf_counter()
-            progress = Progress([o.plan.server for o in pending], log=lambda line: log.info("apply %s", line))
-            try:
-                with self.state.lock("run (self-heal)"):  # not while an `apply` from this folder runs
-                    # issue 17: the leader's fence goes with it; stepping down cancels what is left of it
-                    self._applying: asyncio.Future[list[ServerResult]] | None = asyncio.ensure_future(
-                        apply_all(pending, self.pool, progress, fence=self._fence()))
-                    try:
-                        results = await self._applying  # adds generated public keys to `pending`
-                    finally:
-                        self._applying = None
-                    await asyncio.to_thread(remember, self.state, cluster, pending, results)
-            except LockHeld as exc:
-                log.warning("self-heal waits for the next plan: %s", exc)
-                return
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    raise  # the loop stops
-                log.warning("apply stopped: this controller is no longer the leader (servers finish or roll back a "
-                            "started commit on their own)")
-                self.stats.record("apply", False, time.perf_counter() - started, time.time())
-                return
-            except Exception:  # noqa: BLE001
-                log.exception("apply failed")
-                self.stats.record("apply", False, time.perf_counter() - started, time.time())
-                return
-            finally:
-                progress.close()
-            for r in results:
-                (log.info if r.ok else log.error)("apply %s: %s", r.server, r.message)
-            ok = all(r.ok for r in results)
-            self.stats.record("apply", ok, time.perf_counter() - started, time.time())
-            for r in results:
-                if r.ok:
-                    self.drift[r.server] = 0
+            await self._heal(cluster, pending)
+
+    async def _observe_all(self, cluster: Cluster) -> list[Observed] | None:
+        """Every server observed and planned (due ACME certificates ordered first); None (logged) when it failed."""
+        started = time.perf_counter()
+        try:
+            if cluster.settings.self_heal:  # ACME certificates due for renewal are renewed before the plan
+                failed = await ensure_certificates(cluster, self.pool, self.base_dir, backoff=self.acme_backoff)
+                for inbound, why in failed.items():
+                    log.warning("no certificate for inbound %s: %s", inbound, why)
+            # GITOPS-7: a server that left the file is removed like in `apply` (`retired:` keeps one)
+            managed = await asyncio.to_thread(self.state.managed) if cluster.settings.self_heal else {}
+            usage = self.learned.ledger.view(cluster, time.time())  # over-quota users stay out
+            observed = await observe(cluster, self.secret, self.pool, self.base_dir, True, managed, usage=usage)
+        except Exception:  # logged with traceback; the next plan tries again
+            log.exception("plan failed")
+            self.stats.record("plan", False, time.perf_counter() - started, time.time())
+            return None
+        errors = [o.plan for o in observed if o.plan.error or o.plan.problems]
+        for p in errors:
+            log.warning("plan: %s: %s", p.server, p.error or "; ".join(p.problems))
+        self.stats.record("plan", not errors, time.perf_counter() - started, time.time())
+        self.drift = {o.plan.server: len(o.plan.actions) for o in observed}
+        return observed
+
+    async def _heal(self, cluster: Cluster, pending: list[Observed]) -> None:
+        """Apply what drifted, under the state folder's lock and the leader's fence; results recorded and told."""
+        started = time.perf_counter()
+        progress = Progress([o.plan.server for o in pending], log=lambda line: log.info("apply %s", line))
+        try:
+            with self.state.lock("run (self-heal)"):  # not while an `apply` from this folder runs
+                # the leader's fence goes with it; stepping down cancels what is left of it
+                self._applying: asyncio.Future[list[ServerResult]] | None = asyncio.ensure_future(
+                    apply_all(pending, self.pool, progress, fence=self._fence()))
+                try:
+                    results = await self._applying  # adds generated public keys to `pending`
+                finally:
+                    self._applying = None
+                await asyncio.to_thread(remember, self.state, cluster, pending, results)
+        except LockHeld as exc:
+            log.warning("self-heal waits for the next plan: %s", exc)
+            return
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # the loop stops
+            log.warning("apply stopped: this controller is no longer the leader (servers finish or roll back a "
+                        "started commit on their own)")
+            self.stats.record("apply", False, time.perf_counter() - started, time.time())
+            return
+        except Exception:
+            log.exception("apply failed")
+            self.stats.record("apply", False, time.perf_counter() - started, time.time())
+            return
+        finally:
+            progress.close()
+        for r in results:
+            (log.info if r.ok else log.error)("apply %s: %s", r.server, r.message)
+        self.stats.record("apply", all(r.ok for r in results), time.perf_counter() - started, time.time())
+        for r in results:
+            if r.ok:
+                self.drift[r.server] = 0
 
     # ------------------------------------------------------------------ the file: watch and git pull
 
@@ -674,15 +675,16 @@ class Loop:
         started = time.perf_counter()
         budget = await asyncio.to_thread(load_seconds, self.path, LOAD_BUDGET)  # a million users: 39 MB, 108 s
         try:
-            result = await asyncio.wait_for(asyncio.to_thread(load_cluster, self.path), budget)
+            result = await asyncio.wait_for(asyncio.to_thread(load_servable, self.path), budget)
         except TimeoutError:
             log.error("loading the changed file took more than %ds: keeping the last good version", budget)
             self.stats.record("load", False, time.perf_counter() - started, time.time())
             return False
-        if result.cluster is None:
+        if result.cluster is None or result.errors:
             for d in result.errors:
                 log.error("%s", d.render())
-            log.error("the changed file is invalid: keeping the last good version until it is fixed")
+            log.error("the changed file is invalid%s: keeping the last good version until it is fixed",
+                      "" if result.cluster is None else " (plan and apply refuse it too)")
             self.stats.record("load", False, time.perf_counter() - started, time.time())
             return False
         digest = cluster_digest(result.cluster)
@@ -906,7 +908,7 @@ class Loop:
             if live is not None:
                 live.publish(snap)
             self.view = self._fleet_view(cluster, verdicts, snap)
-        except Exception as exc:  # noqa: BLE001 — as an interval's: logged, told by /healthz, tried again
+        except Exception as exc:  # as an interval's: logged, told by /healthz, tried again
             log.exception("standby interval %d failed", self._tick_index)
             self._interval_error = f"standby interval {self._tick_index} failed: {type(exc).__name__}: {exc}"[:300]
             return None
@@ -985,6 +987,6 @@ async def run_loop(path: str, cluster: Cluster, secret: Secret, **kw: Any) -> in
 
 
 def _gc_paused(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` (in a worker thread) with the cyclic collector paused (``reconciler.loop.gcpause``)."""
+    """``fn(*args)`` (in a worker thread) with the cyclic collector paused (``reconciler.gcpause``)."""
     with gcpause.paused():
         return fn(*args)

@@ -48,11 +48,13 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from reconciler.backoff import Backoff
 from reconciler.balance import Snapshot, decide
 from reconciler.credentials import Secret
+from reconciler.errors import MacMismatch, WorkerStartError
 from reconciler.loop.listener import Limits, Listener
-from reconciler.loop.outlets import LiveAnswers, Tokens
-from reconciler.state.files import MacMismatch, make_private_dirs, sealed, unsealed, write_atomic
+from reconciler.publish import LiveAnswers, Tokens
+from reconciler.state.files import make_private_dirs, sealed, unsealed, write_atomic
 from reconciler.text import PrintableFormatter
 
 log = logging.getLogger("reconciler.live")
@@ -64,7 +66,9 @@ HEALTH_FRESH = 15.0  # a worker that heard nothing from the loop's process for l
 HUNG_AFTER = 30.0  # a worker that has not answered a heartbeat for this long is killed (and so started again)
 READY_TIMEOUT = 60.0  # a worker's start: interpreter, imports, the current snapshot (100k users ~1.5 s), bind
 STOP_TIMEOUT = 5.0  # asked to stop, then SIGTERM, then SIGKILL
-BACKOFF_FIRST, BACKOFF_MAX, STABLE_AFTER = 0.5, 30.0, 60.0
+STABLE_AFTER = 60.0
+#: A worker that ended starts again after 0.5 s, doubling to 30 s; back to 0.5 s once one has run ``STABLE_AFTER``.
+RESTART_BACKOFF = Backoff(first=0.5, cap=30.0)
 
 
 def worker_count(setting: int | str) -> int:
@@ -72,11 +76,6 @@ def worker_count(setting: int | str) -> int:
     if setting in (0, "auto"):
         return os.cpu_count() or 1
     return max(1, int(setting))
-
-
-class WorkerStartError(OSError):
-    """A worker could not start: it could not bind the port (the bind's errno), load the snapshot, or did not
-    answer in time."""
 
 
 @dataclass
@@ -210,15 +209,15 @@ class LiveWorkers:
                 if lived > STABLE_AFTER:
                     failures = 0
                 log.error("live worker %d (pid %d) %s after %.0fs; starting another", slot, pid, status, lived)
-            await asyncio.sleep(min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** failures))
             failures += 1
+            await asyncio.sleep(RESTART_BACKOFF.wait(failures))
             self.restarts += 1
             try:
                 w = await self._spawn(slot)
             except Exception as exc:  # noqa: BLE001 — a keeper never gives up: the next try comes after a longer wait
                 why = exc.strerror if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
                 log.error("live worker %d could not start again: %s; trying again in %.1fs", slot, why,
-                          min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** failures))
+                          RESTART_BACKOFF.wait(failures + 1))
                 failed = self.slots[slot]
                 if failed is not None:
                     await self._end(failed)
@@ -347,7 +346,7 @@ class LiveWorkers:
             snapshot, self._pending = self._pending, None
             try:
                 generation = await asyncio.to_thread(self._write, snapshot)
-            except Exception:  # noqa: BLE001 — the workers keep the last snapshot they have; the next interval tries again
+            except Exception:  # the workers keep the last snapshot they have; the next interval tries again
                 log.exception("cannot hand the snapshot to the live workers")
                 continue
             for w in self.slots:
@@ -485,7 +484,7 @@ class _Serving:
                 log.error("%s; not starting", exc)
                 self.conn.send(("error", 0, f"live worker {self.slot}: {exc}"))
                 return 4
-            except Exception as exc:  # noqa: BLE001 — told to the loop's process, which logs it and tries again later
+            except Exception as exc:  # told to the loop's process, which logs it and tries again later
                 log.exception("cannot load the snapshot")
                 self.conn.send(("error", 0, f"live worker {self.slot} cannot load the snapshot: {type(exc).__name__}: {exc}"))
                 return 4
@@ -536,7 +535,7 @@ class _Serving:
                 log.error("%s; answering from snapshot %d until the next one", exc, self.generation)
                 self._load_error = "cannot load the snapshot: its file was not written by this service"
                 return
-            except Exception as exc:  # noqa: BLE001 — keep answering from the last snapshot; /healthz says why
+            except Exception as exc:  # keep answering from the last snapshot; /healthz says why
                 log.exception("cannot load snapshot %d", self._wanted)
                 self._load_error = f"cannot load the snapshot: {type(exc).__name__}"
                 return
@@ -578,13 +577,8 @@ class _Serving:
         db = cluster.settings.steering.geoip_database
         if db == self._geoip[0]:
             return self._geoip[1]
-        lookup = None
-        if db:
-            from reconciler.balance.geoip import open_geoip
+        from reconciler.balance.geoip import region_lookup
 
-            try:
-                lookup = open_geoip(str(Path(self.base_dir) / os.path.expanduser(db))).region
-            except (OSError, ValueError) as exc:
-                log.error("cannot read the GeoIP database %s: %s; live requests use the users' regions", db, exc)
+        lookup = region_lookup(self.base_dir, db, log.error)
         self._geoip = (db, lookup)
         return lookup

@@ -894,6 +894,20 @@ class Cluster(_Model):
     def server(self, name: str) -> Server:
         return self._servers[name]
 
+    def inbound(self, inbound_id: str) -> InboundRef | None:
+        """The inbound with this id, and its server; None when there is none."""
+        return self._inbounds_by_id.get(inbound_id)
+
+    @cached_property
+    def _inbounds_by_id(self) -> dict[str, InboundRef]:
+        return {ref.inbound.id: ref for ref in self.inbounds}
+
+    @cached_property
+    def server_index_of_inbound(self) -> dict[str, int]:
+        """inbound id → its server's position in ``servers``: the one inbound → server map."""
+        at = {s.name: i for i, s in enumerate(self.servers)}
+        return {ref.inbound.id: at[ref.server.name] for ref in self.inbounds}
+
     @cached_property
     def _servers(self) -> dict[str, Server]:
         return {s.name: s for s in self.servers}

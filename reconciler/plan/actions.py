@@ -109,31 +109,59 @@ def preflight(facts: Facts, desired: DesiredServer) -> list[str]:
 def plan_server(desired: DesiredServer, facts: Facts, current_files: dict[str, bytes | None] | None = None,
                 prune: bool = False) -> list[Action]:
     """The actions that turn ``facts`` into ``desired``. ``current_files``: old contents for diffs (never
-    of opaque files; whatever they hold, the diffs pass through ``desired.redactor()``)."""
+    of opaque files; whatever they hold, the diffs pass through ``desired.redactor()``).
+
+    Listed in this order: the binary, the retired engines (stopped, their files removed), the files, the
+    service, the firewall, then what prune removes."""
     actions: list[Action] = []
-    current_files = current_files or {}
-    engine = desired.engine
-    binary_change = False
-    want = desired.binary
+    install = _install_action(desired, facts)
+    if install is not None:
+        actions.append(install)
+    actions += _retire_actions(desired, facts)
+    writes, unit_change, config_change = _file_actions(desired, facts, current_files or {})
+    actions += writes
+    service = _service_action(desired, facts, install is not None, unit_change, config_change)
+    if service is not None:
+        actions.append(service)
+    harden = _firewall_action(desired, facts)
+    if harden is not None:
+        actions.append(harden)
+    if prune:
+        actions += _prune_actions(desired, facts)
+    return actions
+
+
+def _install_action(desired: DesiredServer, facts: Facts) -> Action | None:
+    """Installing the engine's binary when it is missing, of another version, or not the pinned one (then the
+    service restarts)."""
+    engine, want = desired.engine, desired.binary
     name = engine.name
     if facts.engine_version is None:
-        actions.append(Action("+", "install-engine", engine.binary, f"install {name} {want.version} (not installed)"))
-        binary_change = True
-    elif facts.engine_version != want.version:
-        actions.append(Action("~", "install-engine", engine.binary, f"{name} {facts.engine_version} → {want.version}"))
-        binary_change = True
-    elif want.local_path and want.sha256 and facts.engine_sha256 and facts.engine_sha256 != want.sha256:
-        actions.append(Action("~", "install-engine", engine.binary, "binary differs from the pinned sha256: reinstall"))
-        binary_change = True
+        return Action("+", "install-engine", engine.binary, f"install {name} {want.version} (not installed)")
+    if facts.engine_version != want.version:
+        return Action("~", "install-engine", engine.binary, f"{name} {facts.engine_version} → {want.version}")
+    if want.local_path and want.sha256 and facts.engine_sha256 and facts.engine_sha256 != want.sha256:
+        return Action("~", "install-engine", engine.binary, "binary differs from the pinned sha256: reinstall")
+    return None
 
-    # Another engine an earlier apply installed (the server changed engines): stopped before the new one starts,
-    # its files removed once the new one serves.
+
+def _retire_actions(desired: DesiredServer, facts: Facts) -> list[Action]:
+    """Another engine an earlier apply installed (the server changed engines): stopped before the new one starts,
+    its files removed once the new one serves."""
+    actions: list[Action] = []
     for old in desired.retire:
         found = engine_leftovers(facts, old)
         if found:
-            actions.append(Action("-", "stop", old.service, f"the server runs {name} now"))
+            actions.append(Action("-", "stop", old.service, f"the server runs {desired.engine.name} now"))
             actions += [Action("-", "remove-file", p, f"{old.name} is retired") for p in found]
+    return actions
 
+
+def _file_actions(desired: DesiredServer, facts: Facts,
+                  current_files: dict[str, bytes | None]) -> tuple[list[Action], bool, bool]:
+    """The files to write, with their diffs, and whether the unit or the engine's configuration is among them."""
+    actions: list[Action] = []
+    engine = desired.engine
     unit_change = config_change = False
     redactor = desired.redactor()
     for f in desired.files:
@@ -150,40 +178,54 @@ def plan_server(desired: DesiredServer, facts: Facts, current_files: dict[str, b
             unit_change = True
         elif f.engine:
             config_change = True
+    return actions, unit_change, config_change
 
+
+def _service_action(desired: DesiredServer, facts: Facts, binary_change: bool, unit_change: bool,
+                    config_change: bool) -> Action | None:
+    """What the service needs once the binary and files are in place: a restart, a reload, a start or enabling."""
+    engine = desired.engine
     service = engine.service
     if binary_change or unit_change:
-        actions.append(Action("~", "restart", service,
-                              "restart: " + ("the engine changed" if binary_change else "the unit changed")))
-    elif config_change:
+        return Action("~", "restart", service, "restart: " + ("the engine changed" if binary_change else "the unit changed"))
+    if config_change:
         if facts.active == "active" and engine.reloads:
-            actions.append(Action("~", "reload", service, "reload (SIGHUP): the configuration changed"))
-        elif facts.active == "active":
-            actions.append(Action("~", "restart", service, f"restart: the configuration changed ({name} has no reload)"))
-        else:
-            actions.append(Action("+", "start", service, "start with the new configuration"))
-    elif facts.active != "active":
-        actions.append(Action("+", "start", service, f"the service is {facts.active or 'not running'}"))
-    elif facts.enabled != "enabled":
-        actions.append(Action("~", "start", service, "enable at boot"))
+            return Action("~", "reload", service, "reload (SIGHUP): the configuration changed")
+        if facts.active == "active":
+            return Action("~", "restart", service, f"restart: the configuration changed ({engine.name} has no reload)")
+        return Action("+", "start", service, "start with the new configuration")
+    if facts.active != "active":
+        return Action("+", "start", service, f"the service is {facts.active or 'not running'}")
+    if facts.enabled != "enabled":
+        return Action("~", "start", service, "enable at boot")
+    return None
 
-    if desired.firewall:
-        stale = [f for f in desired.firewall if facts.files.get(f.path) != f.sha256]
-        if stale or not facts.firewall:
-            sign = "+" if all(facts.files.get(f.path) is None for f in desired.firewall) else "~"
-            ports = ", ".join(f"{p}/{t}" for p, t in desired.listeners)
-            actions.append(Action(sign, "harden", "nftables", f"allow SSH and the inbound ports only ({ports}); "
-                                  "kept only if a fresh SSH connection still gets in"))
 
-    if prune:
-        wanted = {f.path for f in desired.files}
-        for path in facts.extra:
-            if path.endswith((".reconciler-new", ".reconciler-old", ".tmp")):
-                continue
-            if path.startswith(f"{engine.config_dir}/reality/"):  # generated there by versions before issue 14
-                actions.append(Action("-", "remove-file", path, "REALITY keys are derived on the controller now (prune)"))
-            elif path.startswith(f"{engine.tls_dir}/") and path not in wanted:
-                actions.append(Action("-", "remove-file", path, "its inbound left the cluster file (prune)"))
+def _firewall_action(desired: DesiredServer, facts: Facts) -> Action | None:
+    """Hardening, when the file asks for it and the server's rules are not ours or not loaded."""
+    if not desired.firewall:
+        return None
+    stale = [f for f in desired.firewall if facts.files.get(f.path) != f.sha256]
+    if not stale and facts.firewall:
+        return None
+    sign = "+" if all(facts.files.get(f.path) is None for f in desired.firewall) else "~"
+    ports = ", ".join(f"{p}/{t}" for p, t in desired.listeners)
+    return Action(sign, "harden", "nftables", f"allow SSH and the inbound ports only ({ports}); "
+                  "kept only if a fresh SSH connection still gets in")
+
+
+def _prune_actions(desired: DesiredServer, facts: Facts) -> list[Action]:
+    """Files of ours the file no longer wants (prune): left-over TLS files, and keys older versions generated."""
+    engine = desired.engine
+    wanted = {f.path for f in desired.files}
+    actions: list[Action] = []
+    for path in facts.extra:
+        if path.endswith((".reconciler-new", ".reconciler-old", ".tmp")):
+            continue
+        if path.startswith(f"{engine.config_dir}/reality/"):  # generated there by versions before issue 14
+            actions.append(Action("-", "remove-file", path, "REALITY keys are derived on the controller now (prune)"))
+        elif path.startswith(f"{engine.tls_dir}/") and path not in wanted:
+            actions.append(Action("-", "remove-file", path, "its inbound left the cluster file (prune)"))
     return actions
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reconciler.engine import remote
+from reconciler.errors import FenceRefused as FenceRefused  # raised here; callers catch lock.FenceRefused
 from reconciler.errors import LockHeld, RemoteError
 from reconciler.plan.facts import parse_lock
 from reconciler.ssh import Result, Runner, Script, Target
@@ -41,7 +42,7 @@ from reconciler.ssh.runner import answer
 
 LOCK_DIR = "/run/reconciler.lock"
 LOCK_FILE = f"{LOCK_DIR}/holder"
-LONGEST_STEP_SECONDS = 600  # the engine upload's timeout (apply.run._stage_engine)
+LONGEST_STEP_SECONDS = 600  # the engine upload's timeout (apply.engine.stage_engine)
 LEASE_SECONDS = 900  # longer than any bounded step under the lock, so only a dead apply's lock expires
 assert LEASE_SECONDS > LONGEST_STEP_SECONDS
 FENCE_FILE = "/var/lib/reconciler/fence"  # the highest fence the server has accepted
@@ -60,10 +61,6 @@ class Fence:
     valid: Callable[[], bool] = _leading
 
 
-class FenceRefused(LockHeld):
-    """A deposed leader's apply: refused by the server (a newer fence applied there) or by itself."""
-
-    temporary = False
 
 
 def check(fence: Fence | None, server: str, step: str) -> None:

@@ -135,7 +135,7 @@ async def observe(cluster: Cluster, secret: Secret, runner: Runner, base_dir: st
         """Whatever goes wrong observing one server is that server's plan error, never the others'."""
         try:
             return await work
-        except Exception as exc:  # noqa: BLE001 — logged with its traceback; the plan says it
+        except Exception as exc:  # logged with its traceback; the plan says it
             log.exception("observing %s: unexpected error", name)
             plan = ServerPlan(name, host, removed=removed)
             plan.error = (f"unexpected error: {type(exc).__name__}: {str(exc)[:300]} — a bug in reconciler "
@@ -145,15 +145,23 @@ async def observe(cluster: Cluster, secret: Secret, runner: Runner, base_dir: st
     wanted = only or (lambda name: True)
     tasks = [isolated(s.name, s.host, Target.from_server(s), False, one(s)) for s in cluster.servers if wanted(s.name)]
     if prune and previous:
-        names = {s.name for s in cluster.servers} | set(cluster.retired)  # retired: kept on purpose (GITOPS-7)
-        for n, info in previous.items():
-            if n not in names and wanted(n):
-                target = Target.from_record(info)
-                if target is None:
-                    log.warning("the state folder's record of %s is not usable; it cannot be pruned", n)
-                    continue
-                tasks.append(isolated(n, target.host, target, True, gone(n, target)))
+        tasks += [isolated(n, target.host, target, True, gone(n, target)) for n, target in _departed(cluster, previous, wanted)]
     return list(await asyncio.gather(*tasks))
+
+
+def _departed(cluster: Cluster, previous: dict[str, dict[str, Any]], wanted: Callable[[str], bool]) -> list[tuple[str, Target]]:
+    """The servers the state folder knows that left the cluster file (retired ones excepted), with their targets: what
+    prune removes. A record that names no usable target is skipped, with a warning."""
+    names = {s.name for s in cluster.servers} | set(cluster.retired)  # retired: kept on purpose (GITOPS-7)
+    out: list[tuple[str, Target]] = []
+    for n, info in previous.items():
+        if n not in names and wanted(n):
+            target = Target.from_record(info)
+            if target is None:
+                log.warning("the state folder's record of %s is not usable; it cannot be pruned", n)
+                continue
+            out.append((n, target))
+    return out
 
 
 async def _facts_or_error(runner: Runner, target: Target, d: DesiredServer | None, plan: ServerPlan) -> Facts | None:

@@ -5,7 +5,8 @@ Plan, apply and the loop talk to a ``Runner`` (``reconciler.ssh.runner``): ``SSH
 ``RemoteCommandError``) are part of the one tree in ``reconciler.errors``.
 """
 
-from reconciler.ssh.pool import KnownHosts, Result, SSHPool, Target
+from reconciler.ssh.pool import KnownHosts, SSHPool
 from reconciler.ssh.runner import Runner, Script
+from reconciler.ssh.types import Result, Target
 
 __all__ = ["KnownHosts", "Result", "Runner", "SSHPool", "Script", "Target"]

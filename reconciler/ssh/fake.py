@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from reconciler.errors import ConnectError, RemoteCommandError
-from reconciler.ssh.pool import Result, Target
 from reconciler.ssh.runner import Script
+from reconciler.ssh.types import Result, Target
 
 TOOLS = Path(__file__).with_name("fake_tools.py")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 ENGINE_VERSION = "1.14.4"  # the fake engine's answer to `version` (``fake.fake_engine`` sets it)
@@ -116,59 +117,93 @@ def stop(state: dict[str, Any], name: str) -> None:
     write_listeners([x for u in state["units"].values() for x in u.get("listeners", [])])
 
 
+def _show(state: dict[str, Any], flags: list[str], names: list[str]) -> int:
+    props = next(f.split("=", 1)[1] for f in flags if f.startswith("--property=")).split(",")
+    unit = state["units"].get(names[0], {})
+    loaded = os.path.exists(unit_file(names[0]))
+    active = unit.get("active", "inactive")
+    values = {"LoadState": "loaded" if loaded else "not-found", "ActiveState": active,
+              "SubState": {"active": "running", "failed": "failed"}.get(active, "dead"),
+              "UnitFileState": "enabled" if os.path.islink(wants(names[0])) else ("disabled" if loaded else ""),
+              "NeedDaemonReload": "no"}
+    print("\n".join(f"{p}={values.get(p, '')}" for p in props))
+    return 0
+
+
+def _is_active(state: dict[str, Any], flags: list[str], names: list[str]) -> int:
+    active = state["units"].get(names[0], {}).get("active", "inactive")
+    print(active)
+    return 0 if active == "active" else 3
+
+
+def _daemon_reload(state: dict[str, Any], flags: list[str], names: list[str]) -> int:
+    state["daemon_reloads"] = state.get("daemon_reloads", 0) + 1
+    return 0
+
+
+def _enable(state: dict[str, Any], flags: list[str], names: list[str]) -> int:
+    code = 0
+    for name in names:
+        if not os.path.exists(unit_file(name)):
+            print(f"Failed to enable unit: Unit file {name} does not exist.", file=sys.stderr)
+            code = 1
+        elif not os.path.islink(wants(name)):
+            os.makedirs(os.path.dirname(wants(name)), exist_ok=True)
+            os.symlink(f"/etc/systemd/system/{name}", wants(name))
+        if "--now" in flags and code == 0:
+            start(state, name)
+    return code
+
+
+def _disable(state: dict[str, Any], flags: list[str], names: list[str]) -> int:
+    for name in names:
+        if os.path.islink(wants(name)):
+            os.remove(wants(name))
+        if "--now" in flags:
+            stop(state, name)
+    return 0
+
+
+def _restart(state: dict[str, Any], flags: list[str], names: list[str]) -> int:
+    code = 0
+    for name in names:
+        start(state, name)
+        code = code or (0 if state["units"][name]["active"] == "active" else 1)
+    return code
+
+
+def _reload(state: dict[str, Any], flags: list[str], names: list[str]) -> int:
+    code = 0
+    for name in names:
+        if state["units"].get(name, {}).get("active") != "active":
+            print(f"Job for {name} failed: not active, cannot reload.", file=sys.stderr)
+            code = 1
+        else:
+            start(state, name)  # the engine re-reads its configuration on SIGHUP
+    return code
+
+
+def _stop(state: dict[str, Any], flags: list[str], names: list[str]) -> int:
+    for name in names:
+        stop(state, name)
+    return 0
+
+
+# The verbs the fake models: each changes the state and answers systemctl's exit code.
+VERBS: dict[str, Callable[[dict[str, Any], list[str], list[str]], int]] = {
+    "show": _show, "is-active": _is_active, "daemon-reload": _daemon_reload, "enable": _enable, "disable": _disable,
+    "start": _restart, "restart": _restart, "reload": _reload, "stop": _stop,
+}
+
+
 def systemctl(args: list[str]) -> int:
     state = load()
     state["log"].append(" ".join(args))
     flags = [a for a in args if a.startswith("--")]
     words = [a for a in args if not a.startswith("--")]
     verb, names = words[0], words[1:]
-    code = 0
-    if verb == "show":
-        props = next(f.split("=", 1)[1] for f in flags if f.startswith("--property=")).split(",")
-        unit = state["units"].get(names[0], {})
-        loaded = os.path.exists(unit_file(names[0]))
-        active = unit.get("active", "inactive")
-        values = {"LoadState": "loaded" if loaded else "not-found", "ActiveState": active,
-                  "SubState": {"active": "running", "failed": "failed"}.get(active, "dead"),
-                  "UnitFileState": "enabled" if os.path.islink(wants(names[0])) else ("disabled" if loaded else ""),
-                  "NeedDaemonReload": "no"}
-        print("\n".join(f"{p}={values.get(p, '')}" for p in props))
-    elif verb == "is-active":
-        active = state["units"].get(names[0], {}).get("active", "inactive")
-        print(active)
-        code = 0 if active == "active" else 3
-    elif verb == "daemon-reload":
-        state["daemon_reloads"] = state.get("daemon_reloads", 0) + 1
-    elif verb == "enable":
-        for name in names:
-            if not os.path.exists(unit_file(name)):
-                print(f"Failed to enable unit: Unit file {name} does not exist.", file=sys.stderr)
-                code = 1
-            elif not os.path.islink(wants(name)):
-                os.makedirs(os.path.dirname(wants(name)), exist_ok=True)
-                os.symlink(f"/etc/systemd/system/{name}", wants(name))
-            if "--now" in flags and code == 0:
-                start(state, name)
-    elif verb == "disable":
-        for name in names:
-            if os.path.islink(wants(name)):
-                os.remove(wants(name))
-            if "--now" in flags:
-                stop(state, name)
-    elif verb in ("start", "restart"):
-        for name in names:
-            start(state, name)
-            code = code or (0 if state["units"][name]["active"] == "active" else 1)
-    elif verb == "reload":
-        for name in names:
-            if state["units"].get(name, {}).get("active") != "active":
-                print(f"Job for {name} failed: not active, cannot reload.", file=sys.stderr)
-                code = 1
-            else:
-                start(state, name)  # the engine re-reads its configuration on SIGHUP
-    elif verb == "stop":
-        for name in names:
-            stop(state, name)
+    if verb in VERBS:
+        code = VERBS[verb](state, flags, names)
     else:
         print(f"fake systemctl: {verb} is not modelled", file=sys.stderr)
         code = 1

@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import shlex
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import asyncssh
 
+from reconciler.backoff import Backoff
 from reconciler.errors import ConnectError, HostKeyChanged, RemoteCommandError, RemoteError
 from reconciler.safe_read import read_regular_file
+from reconciler.ssh.types import Result, Target
 from reconciler.state.files import write_atomic
 
 if TYPE_CHECKING:
@@ -34,43 +34,8 @@ if TYPE_CHECKING:
     from reconciler.ssh.runner import Script
 
 
-@dataclass(frozen=True)
-class Target:
-    """Where and how to reach one server."""
-
-    name: str
-    host: str
-    port: int = 22
-    user: str = "root"
-    identity: str | None = None
-    host_key: str | None = None  # pinned in the cluster file
-
-    @classmethod
-    def from_record(cls, info: Any) -> Target | None:
-        """A target from the state folder's record of a managed server; None when the record is not one
-        (the state folder is untrusted input: a hand-edited or corrupt record is skipped, not trusted)."""
-        if not isinstance(info, dict):
-            return None
-        fields: dict[str, Any] = {k: info.get(k) for k in ("name", "host", "port", "user", "identity", "host_key") if k in info}
-        text = ("name", "host", "user")
-        if (not all(isinstance(fields.get(k), str) for k in text if k in fields) or "name" not in fields
-                or "host" not in fields or not isinstance(fields.get("port", 22), int)
-                or not all(fields.get(k) is None or isinstance(fields[k], str) for k in ("identity", "host_key"))):
-            return None
-        return cls(**fields)
-
-    @classmethod
-    def from_server(cls, server: object) -> Target:
-        ssh = server.ssh  # type: ignore[attr-defined]
-        return cls(name=server.name, host=server.host, port=ssh.port, user=ssh.user,  # type: ignore[attr-defined]
-                   identity=os.path.expanduser(ssh.identity) if ssh.identity else None, host_key=ssh.host_key)
 
 
-@dataclass(frozen=True)
-class Result:
-    code: int
-    stdout: str
-    stderr: str
 
 
 #: The most ``known_hosts.json`` may hold: ~110 bytes a server with an ed25519 key, ~600 with an RSA one (a fleet of
@@ -128,6 +93,9 @@ CIPHERS = ["aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "chacha20-poly130
 KEEPALIVE_S = 5
 IDLE_KEEPALIVE_S = 120
 
+#: A connection that failed is tried again after 0.5 s, then 1 s (with up to half more at random: a fleet's worth of
+#: connections that failed together do not all come back at once).
+CONNECT_BACKOFF = Backoff(first=0.5, cap=30.0, jitter=0.5)
 _RETRYABLE = (OSError, asyncio.TimeoutError, asyncssh.ConnectionLost, asyncssh.DisconnectError)
 
 
@@ -192,7 +160,7 @@ class SSHPool:
     """Connections by server name. Concurrency is bounded; connection errors retry with backoff."""
 
     def __init__(self, known_hosts: KnownHosts, concurrency: int = 32, connect_timeout: float = 10.0,
-                 retries: int = 2, backoff: float = 0.5, strict_host_keys: bool = False):
+                 retries: int = 2, backoff: Backoff = CONNECT_BACKOFF, strict_host_keys: bool = False):
         self.known = known_hosts
         self.strict_host_keys = strict_host_keys  # refuse first contact: only pinned or remembered keys
         self.sem = asyncio.Semaphore(concurrency)
@@ -258,7 +226,7 @@ class SSHPool:
             except _RETRYABLE as exc:
                 last = exc
                 if attempt < self.retries:
-                    await asyncio.sleep(self.backoff * (2 ** attempt) * (1 + random.random() / 2))
+                    await asyncio.sleep(self.backoff.wait(attempt + 1, random.random()))
         raise ConnectError(f"cannot reach {target.name} at {target.host}:{target.port}: {in_words(last)}")
 
     async def fresh(self, target: Target) -> asyncssh.SSHClientConnection:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from reconciler.errors import RemoteError
-from reconciler.ssh.pool import Result, Target
+from reconciler.ssh.types import Result, Target
 
 REQUEST_LINE = "REQUEST: Any = None"  # the line a spliced request replaces, once per script
 

@@ -1,7 +1,8 @@
 """The one way to replace a file: a uniquely named temporary file beside it, written in full,
 fsynced, renamed over the target, and the folder fsynced. A reader or a crash sees the old
 content or the new, never a part; after ``write_atomic`` returns, the new content survives a
-power loss. Every writer in the project goes through here.
+power loss. Every writer in the project goes through here (``put_in_place`` for a file a stream writer or an
+unpacker made; the server scripts have the same in their prelude, ``engine.scripts.prelude.write``).
 
 ``sync=False`` skips both fsyncs for files that are cheap to regenerate and many (subscription
 documents: the outlet's manifest, written with ``sync=True`` after them, is what records them).
@@ -22,6 +23,8 @@ import hmac
 import os
 from collections.abc import Iterable
 from pathlib import Path
+
+from reconciler.errors import MacMismatch
 
 PRIVATE_DIR = 0o700
 MAC_BYTES = 32  # HMAC-SHA256
@@ -85,6 +88,20 @@ def write_atomic(path: str | Path, data: bytes | Iterable[bytes], mode: int = 0o
         fsync_folder(folder)
 
 
+def put_in_place(tmp: str | Path, target: str | Path, mode: int | None = None) -> None:
+    """Put a file written whole elsewhere (by a stream writer, an unpacker) at ``target`` as ``write_atomic`` would:
+    fsynced, ``mode`` set, renamed over the target, the folder fsynced. ``tmp`` must be in the target's folder."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if mode is not None:
+        os.chmod(tmp, mode)
+    os.replace(tmp, target)
+    fsync_folder(os.path.dirname(os.path.abspath(os.fspath(target))))
+
+
 def make_private_dirs(path: str | Path) -> None:
     """Make ``path`` and every missing folder above it, each 0700: chmod after mkdir, because the umask may have
     narrowed or widened the mode. Folders that were already there, or that another process made meanwhile, are
@@ -107,8 +124,6 @@ def make_private_dirs(path: str | Path) -> None:
         os.chmod(folder, PRIVATE_DIR)
 
 
-class MacMismatch(ValueError):
-    """Bytes read back are not what this service wrote: their HMAC is missing or does not match."""
 
 
 class Mac:

@@ -26,7 +26,7 @@ from functools import cached_property
 from urllib.parse import quote
 
 from reconciler.balance.decide import Entry, decide
-from reconciler.balance.snapshot import Snapshot
+from reconciler.balance.snapshot import Slot, Snapshot
 from reconciler.credentials import Secret, UserCredentials, user_credentials
 from reconciler.model import User
 from reconciler.subscriptions.formats import FORMATS, clash, links_text, omission, singbox
@@ -72,10 +72,17 @@ def choose_format(requested: str | None, user_agent: str | None) -> str:
     return "links"
 
 
+# What documents on one snapshot share (``SnapshotMemo``): a format's headers that do not depend on the user, their
+# JSON text, and a document per (format, entries and backups) with stand-ins for the user's credentials.
+_HEADER_BASES: Slot[dict[str, dict[str, str]]] = Slot("header bases", dict)
+_HEADER_JSON_HEADS: Slot[dict[str, str]] = Slot("header JSON heads", dict)
+_TEMPLATES: Slot[dict[tuple[str, tuple[tuple[str, ...], ...]], bytes]] = Slot("document templates", dict)
+
+
 def _header_base(snapshot: Snapshot, fmt: str) -> dict[str, str]:
     """The headers of ``fmt`` that do not depend on the user, built once per snapshot (the file outlet
     asks for 300,000 documents' headers); ``subscription-userinfo`` is left empty."""
-    memo = snapshot.memo.header_bases
+    memo = snapshot.memo[_HEADER_BASES]
     base = memo.get(fmt)
     if base is None:
         out = snapshot.cluster.settings.outputs
@@ -123,7 +130,7 @@ def headers_json(snapshot: Snapshot, docs: dict[str, Document]) -> bytes:
 
 def _headers_head(snapshot: Snapshot, fmt: str) -> str:
     """``headers_json``'s text of a format's headers but the user's two, up to where they follow."""
-    memo = snapshot.memo.header_json_heads
+    memo = snapshot.memo[_HEADER_JSON_HEADS]
     head = memo.get(fmt)
     if head is None:
         fixed = {k: v for k, v in _header_base(snapshot, fmt).items() if k != "subscription-userinfo"}
@@ -232,7 +239,7 @@ def render_formats(snapshot: Snapshot, user_name: str, fmts: tuple[str, ...], se
 
 
 def _template(snapshot: Snapshot, entries: list[Entry], fmt: str, secret: Secret) -> bytes:
-    memo = snapshot.memo.document_templates
+    memo = snapshot.memo[_TEMPLATES]
     failover = fmt != "links" and snapshot.cluster.settings.outputs.failover.members > 1
     key = (fmt, tuple((e.name, e.ref.inbound.id, *(b.inbound.id for b in e.backups if failover)) for e in entries))
     body = memo.get(key)

@@ -107,7 +107,7 @@ class Client:
         }
         self.path = workdir / f"client-{base_port}.json"
         self.path.write_text(json.dumps(config))
-        self.log = open(workdir / f"client-{base_port}.log", "w")  # noqa: SIM115
+        self.log = open(workdir / f"client-{base_port}.log", "w")
         self.proc = subprocess.Popen([SING_BOX, "run", "-c", str(self.path)], stdout=self.log, stderr=subprocess.STDOUT)
         for p in self.ports.values():
             _wait_port("127.0.0.1", p)

@@ -9,7 +9,7 @@ BLOB = bytes((i * 7919) % 251 for i in range(1 << 20))
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802
+    def do_GET(self):
         if self.path == "/stream":
             self.send_response(200)
             self.send_header("content-length", str(64 * len(BLOB)))
@@ -26,7 +26,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         left = int(self.headers.get("content-length") or 0)
         while left > 0:
             chunk = self.rfile.read(min(left, 1 << 16))

@@ -54,17 +54,17 @@ class Notes(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         self.calls.append("GET")
         self._send(200, [{"id": i, "body": b} for i, b in self.store.items()])
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         self.calls.append("POST")
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["body"]
         self.store[len(self.store) + 1] = body
         self._send(201, {"id": len(self.store)})
 
-    def do_PUT(self) -> None:  # noqa: N802
+    def do_PUT(self) -> None:
         self.calls.append("PUT")
         note = int(self.path.rsplit("/", 1)[1])
         self.store[note] = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["body"]

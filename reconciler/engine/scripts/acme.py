@@ -21,6 +21,8 @@ import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from socketserver import ThreadingMixIn
 
+from reconciler.engine.scripts.prelude import at  # spliced in when sent
+
 TYPE_CHECKING = False  # typing is not imported on the servers: mypy alone reads these imports
 if TYPE_CHECKING:
     from typing import Any
@@ -48,11 +50,6 @@ def _client(peer: str) -> str:
 
 #: Connections open at once from one address: one client cannot take the places the CA's requests need.
 PER_ADDRESS = 8
-
-
-def at(root: str, path: str) -> str:
-    """Where a server path is: under ``root`` (a fake host's directory in tests), else itself."""
-    return path if root == "/" else root.rstrip("/") + path
 
 
 class Server(ThreadingMixIn, HTTPServer):
@@ -84,7 +81,7 @@ class Server(ThreadingMixIn, HTTPServer):
             return
         try:
             ThreadingMixIn.process_request(self, request, client_address)
-        except Exception:  # no thread to be had: this connection is closed, the responder goes on
+        except Exception:  # noqa: BLE001 — no thread to be had: this connection is closed, the responder goes on
             self.forget(request)
             self.shutdown_request(request)
 
@@ -118,7 +115,7 @@ def main(req: dict[str, Any]) -> None:
     class Answer(BaseHTTPRequestHandler):
         timeout = READ_SECONDS  # each read of the request; TOTAL_SECONDS bounds them all (Server.reap)
 
-        def do_GET(self) -> None:  # noqa: N802 — the name http.server calls
+        def do_GET(self) -> None:  # the name http.server calls
             body = validation if self.path == path else b"not found\n"
             self.send_response(200 if self.path == path else 404)
             self.send_header("Content-Type", "text/plain")

@@ -20,14 +20,11 @@ import subprocess
 import sys
 import time
 
+from reconciler.engine.scripts.prelude import at, listening_ports, write  # spliced in when sent
+
 TYPE_CHECKING = False  # typing is not imported on the servers: mypy alone reads these imports
 if TYPE_CHECKING:
     from typing import Any
-
-
-def at(root: str, path: str) -> str:
-    """Where a server path is: under ``root`` (a fake host's directory in tests), else itself."""
-    return path if root == "/" else root.rstrip("/") + path
 
 
 def sh(cmd: list[str], timeout: float = 60) -> tuple[int, str]:
@@ -35,29 +32,9 @@ def sh(cmd: list[str], timeout: float = 60) -> tuple[int, str]:
     return r.returncode, (r.stdout + r.stderr)[-2000:]
 
 
-def write(path: str, data: bytes, mode: int) -> None:
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-
-
 def listening(root: str, want: list[tuple[int, str]]) -> bool:
-    """The kernel's socket tables (no ss process per poll): TCP in LISTEN (0A), UDP unconnected (07)."""
-    have = set()
-    for proto, state in (("tcp", "0A"), ("udp", "07")):
-        for name in ("/proc/net/%s" % proto, "/proc/net/%s6" % proto):
-            try:
-                with open(at(root, name)) as f:
-                    next(f)
-                    for line in f:
-                        parts = line.split()
-                        if len(parts) > 3 and parts[3] == state:
-                            have.add((int(parts[1].rsplit(":", 1)[1], 16), proto))
-            except OSError:
-                pass
+    """Whether every wanted (port, transport) is listening."""
+    have = listening_ports(root)
     return all((p, t) in have for p, t in want)
 
 
@@ -161,72 +138,100 @@ class Commit:
         for new, path in self.moves:
             os.replace(new, path)
 
-    def run(self) -> dict[str, Any]:
+    def transact(self) -> None:
+        """Stage, render, check, swap, restart and verify; the first failure raises (the result's stage says where)."""
+        req = self.req
+        self.stage()
+        self.step("render")
+        self.render()
+        self.step("check")
+        # A running engine is protected by checking first. With none running there is nothing to protect:
+        # the start itself is the check (~60 ms of CPU saved), and a failed start is explained below.
+        if self.running:
+            code, out = sh(self.check(self.binary, self.at(req["config_new"])))
+            if code != 0:
+                raise RuntimeError("%s rejected the new configuration: %s" % (self.checker, out.strip()))
+        self.step("swap")
+        self.swap()
+        self.step("restart")
+        for old in req.get("retire", []):  # a server changing engines: the old one frees the ports first
+            sh(["systemctl", "disable", "--now", old])
+        self.restart(req["action"])
+        self.step("verify")
+        if not self.verify():
+            raise RuntimeError("the service did not come up with the new configuration (listeners %s)" % req["listeners"])
+        self.step("done")
+        self.result["ok"] = True
+
+    def explain_start(self, config: str) -> None:
+        """An engine started without the check first (none was running) that failed: its check says why."""
+        try:  # swapped in by now: the new engine and configuration are in place
+            code, out = sh(self.check(self.at(self.req["binary"]), config))
+            if code != 0:
+                self.result["error"] = "%s rejected the new configuration: %s" % (self.checker, out.strip())
+        except (OSError, subprocess.SubprocessError):
+            pass
+
+    def put_back(self, config: str) -> None:
+        """The old files back in place and the new ones removed (a running engine keeps a configuration that had no
+        old copy, unless that engine is being retired)."""
+        req = self.req
+        for _new, path in self.moves:
+            if path in self.backups:
+                os.replace(path + ".reconciler-old", path)
+            elif os.path.exists(path) and (path != config or not self.running or req.get("retire")):
+                os.remove(path)
+
+    def serve_old(self) -> None:
+        """After the files are back: what served before serves again (or nothing, as before), verified."""
         req, result = self.req, self.result
-        config = self.at(req["config"])
+        if req.get("retire"):  # ... and the old one serves again
+            for old in req["retire"]:
+                sh(["systemctl", "enable", "--now", old])
+            result["rollback_verified"] = all(sh(["systemctl", "is-active", old])[0] == 0 for old in req["retire"])
+        elif self.running:
+            self.restart("restart")
+            result["rollback_verified"] = self.verify()
+        else:  # it was not running before: back to not running
+            sh(["systemctl", "stop", req["service"]])
+            result["rollback_verified"] = sh(["systemctl", "is-active", req["service"]])[0] != 0
+
+    def roll_back(self, config: str) -> None:
+        if self.req.get("retire"):  # a changed engine that failed: it frees the ports (its unit still there)
+            sh(["systemctl", "disable", "--now", self.req["service"]])
+        self.put_back(config)
+        self.result["rolled_back"] = True
+        self.serve_old()
+
+    def tidy(self) -> None:
+        """Whatever happened: no staged file left, the old files kept only for a wave, the apply lock released."""
+        req, result = self.req, self.result
+        for new, _ in self.moves:
+            if os.path.exists(new):
+                os.remove(new)
+        if result["ok"] and req.get("keep_backups"):  # a wave: kept until the wave is judged (restore/forget)
+            paths = [p for _n, p in req["moves"]] + [req["config"]]  # as the server names them (not under root)
+            result["swapped"] = [[p, self.at(p) in self.backups] for p in paths]
+        else:
+            for path in self.backups:
+                if os.path.exists(path + ".reconciler-old"):
+                    os.remove(path + ".reconciler-old")
+        if req.get("lock"):
+            shutil.rmtree(self.at(req["lock"]), ignore_errors=True)
+
+    def run(self) -> dict[str, Any]:
+        result = self.result
+        config = self.at(self.req["config"])
         try:
-            self.stage()
-            self.step("render")
-            self.render()
-            self.step("check")
-            # A running engine is protected by checking first. With none running there is nothing to protect:
-            # the start itself is the check (~60 ms of CPU saved), and a failed start is explained below.
-            if self.running:
-                code, out = sh(self.check(self.binary, self.at(req["config_new"])))
-                if code != 0:
-                    raise RuntimeError("%s rejected the new configuration: %s" % (self.checker, out.strip()))
-            self.step("swap")
-            self.swap()
-            self.step("restart")
-            for old in req.get("retire", []):  # a server changing engines: the old one frees the ports first
-                sh(["systemctl", "disable", "--now", old])
-            self.restart(req["action"])
-            self.step("verify")
-            if not self.verify():
-                raise RuntimeError("the service did not come up with the new configuration (listeners %s)" % req["listeners"])
-            self.step("done")
-            result["ok"] = True
-        except Exception as e:
+            self.transact()
+        except Exception as e:  # noqa: BLE001 — whatever failed, the answer says it and the old version comes back
             result["error"] = str(e)[-1500:]
             if not self.running and result["stage"] in ("restart", "verify"):
-                try:  # swapped in by now: the new engine and configuration are in place
-                    code, out = sh(self.check(self.at(req["binary"]), config))
-                    if code != 0:
-                        result["error"] = "%s rejected the new configuration: %s" % (self.checker, out.strip())
-                except (OSError, subprocess.SubprocessError):
-                    pass
+                self.explain_start(config)
             if result["stage"] in ("restart", "verify", "swap"):
-                if req.get("retire"):  # a changed engine that failed: it frees the ports (its unit still there)
-                    sh(["systemctl", "disable", "--now", req["service"]])
-                for _new, path in self.moves:
-                    if path in self.backups:
-                        os.replace(path + ".reconciler-old", path)
-                    elif os.path.exists(path) and (path != config or not self.running or req.get("retire")):
-                        os.remove(path)
-                result["rolled_back"] = True
-                if req.get("retire"):  # ... and the old one serves again
-                    for old in req["retire"]:
-                        sh(["systemctl", "enable", "--now", old])
-                    result["rollback_verified"] = all(sh(["systemctl", "is-active", old])[0] == 0 for old in req["retire"])
-                elif self.running:
-                    self.restart("restart")
-                    result["rollback_verified"] = self.verify()
-                else:  # it was not running before: back to not running
-                    sh(["systemctl", "stop", req["service"]])
-                    result["rollback_verified"] = sh(["systemctl", "is-active", req["service"]])[0] != 0
+                self.roll_back(config)
         finally:
-            for new, _ in self.moves:
-                if os.path.exists(new):
-                    os.remove(new)
-            if result["ok"] and req.get("keep_backups"):  # a wave: kept until the wave is judged (restore/forget)
-                paths = [p for _n, p in req["moves"]] + [req["config"]]  # as the server names them (not under root)
-                result["swapped"] = [[p, self.at(p) in self.backups] for p in paths]
-            else:
-                for path in self.backups:
-                    if os.path.exists(path + ".reconciler-old"):
-                        os.remove(path + ".reconciler-old")
-            if req.get("lock"):
-                shutil.rmtree(self.at(req["lock"]), ignore_errors=True)
+            self.tidy()
         return result
 
 

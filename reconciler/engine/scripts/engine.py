@@ -33,6 +33,8 @@ import json
 import os
 import sys
 
+from reconciler.engine.scripts.prelude import at  # spliced in when sent
+
 TYPE_CHECKING = False  # typing is not imported on the servers: mypy alone reads these imports
 if TYPE_CHECKING:
     from typing import Any, BinaryIO
@@ -49,11 +51,6 @@ class Failed(Exception):
     def __init__(self, kind: str, error: str) -> None:
         super().__init__(error)
         self.kind = kind
-
-
-def at(root: str, path: str) -> str:
-    """Where a server path is: under ``root`` (a fake host's directory in tests), else itself."""
-    return path if root == "/" else root.rstrip("/") + path
 
 
 def write_blocks(chunk: Any, path: str, limit: int = MAX_UNPACKED_BYTES) -> None:
@@ -485,7 +482,7 @@ def main(req: dict[str, Any]) -> None:
     tmp = at(req.get("root", "/"), req["tmp"])
     try:
         out = stage(req, sys.stdin.buffer)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 — whatever failed, nothing half staged stays and the answer says why
         for path in (tmp, tmp + ".sha256", tmp + ".version"):
             if os.path.exists(path):
                 os.remove(path)

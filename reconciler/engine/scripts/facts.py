@@ -15,6 +15,8 @@ import select
 import sys
 import time
 
+from reconciler.engine.scripts.prelude import at  # spliced in when sent
+
 TYPE_CHECKING = False  # typing is not imported on the servers: mypy alone reads these imports
 if TYPE_CHECKING:
     from hashlib import sha256
@@ -44,11 +46,6 @@ def enc(v: Any) -> str:
     if isinstance(v, dict):
         return "{" + ",".join(enc(k) + ":" + enc(x) for k, x in v.items()) + "}"
     return "[" + ",".join(enc(x) for x in v) + "]"
-
-
-def at(root: str, path: str) -> str:
-    """Where a server path is: under ``root`` (a fake host's directory in tests), else itself."""
-    return path if root == "/" else root.rstrip("/") + path
 
 
 def sha(p: str) -> str | None:

@@ -9,16 +9,13 @@ import json
 import os
 import subprocess
 
+from reconciler.engine.scripts.prelude import at  # spliced in when sent
+
 TYPE_CHECKING = False  # typing is not imported on the servers: mypy alone reads these imports
 if TYPE_CHECKING:
     from typing import Any
 
 REQUEST: Any = None
-
-
-def at(root: str, path: str) -> str:
-    """Where a server path is: under ``root`` (a fake host's directory in tests), else itself."""
-    return path if root == "/" else root.rstrip("/") + path
 
 
 def read(req: dict[str, Any]) -> dict[str, Any]:

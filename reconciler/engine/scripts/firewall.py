@@ -17,6 +17,8 @@ import os
 import subprocess
 import time
 
+from reconciler.engine.scripts.prelude import at, write  # spliced in when sent
+
 TYPE_CHECKING = False  # typing is not imported on the servers: mypy alone reads these imports
 if TYPE_CHECKING:
     from typing import Any
@@ -25,22 +27,8 @@ REQUEST: Any = None
 UNIT = "reconciler-firewall.service"
 
 
-def at(root: str, path: str) -> str:
-    """Where a server path is: under ``root`` (a fake host's directory in tests), else itself."""
-    return path if root == "/" else root.rstrip("/") + path
-
-
 def sh(cmd: list[str], input: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=30, input=input)
-
-
-def write(path: str, data: bytes, mode: int) -> None:
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
 
 
 def prepare(req: dict[str, Any], root: str) -> dict[str, Any]:
@@ -92,7 +80,7 @@ def main(req: dict[str, Any]) -> None:
     if req["op"] == "apply":
         try:
             answer = apply(req, root)
-        except Exception as e:  # the controller waits for an answer: give one
+        except Exception as e:  # noqa: BLE001 — the controller waits for an answer: give one
             answer = {"ok": False, "error": "the firewall script failed: %s" % e}
         write(at(root, req["out"]), json.dumps(answer).encode(), 0o600)
         return

@@ -1,0 +1,89 @@
+"""The manifest: what the file outlet published for each user (token, fingerprint, size), kept in the state
+folder and read back, bounded, at start-up."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import NamedTuple
+
+import numpy as np
+
+from reconciler.credentials import TOKEN_CHARS
+from reconciler.publish.digests import FINGERPRINT_CHARS
+
+MANIFEST = "subscription-files.json"
+#: The most the manifest may hold. A user's entry is ~96 bytes (``"user-123456": ["<token>", "<fingerprint>",
+#: 12345], ``), 162 at most (a 63-character name, a 19-digit size): a million users' manifest is ~92 MiB, 155 MiB
+#: at the longest; a bigger file is not one the loop wrote, and is not read (every user's files are written again).
+
+
+#: The most the manifest may hold. A user's entry is ~96 bytes (``"user-123456": ["<token>", "<fingerprint>",
+#: 12345], ``), 162 at most (a 63-character name, a 19-digit size): a million users' manifest is ~92 MiB, 155 MiB
+#: at the longest; a bigger file is not one the loop wrote, and is not read (every user's files are written again).
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+
+
+class Published(NamedTuple):
+    """What the manifest records of one user's folder."""
+
+    token: str
+    fingerprint: str
+    size: int  # bytes of all its files together
+
+
+class PublishedTable(Mapping[str, Published]):
+    """user → what was published of its files, as columns over a cluster's users (a dict of a million named tuples
+    of two strings was ~370 MB), and a small dict beside for users the columns do not hold (who left the file).
+    An empty token: nothing recorded for that user."""
+
+    def __init__(self, names: tuple[str, ...], position: Mapping[str, int],
+                 others: dict[str, Published] | None = None) -> None:
+        n = len(names)
+        self.names, self._at = names, position
+        self.tokens = np.zeros(n, f"S{TOKEN_CHARS}")
+        self.prints = np.zeros(n, f"S{FINGERPRINT_CHARS}")
+        self.sizes = np.zeros(n, np.int64)
+        self.others: dict[str, Published] = others if others is not None else {}
+
+    @classmethod
+    def of(cls, entries: Mapping[str, Published], names: tuple[str, ...], position: Mapping[str, int]) -> PublishedTable:
+        table = cls(names, position)
+        for name, p in entries.items():
+            i = position.get(name)
+            if i is None:
+                table.others[name] = p
+            else:
+                table.tokens[i], table.prints[i], table.sizes[i] = p.token.encode(), p.fingerprint.encode(), p.size
+        return table
+
+    def aligned(self, names: tuple[str, ...], position: Mapping[str, int]) -> PublishedTable:
+        """The same records over other users (the cluster's); records of users not among them go to ``others``."""
+        if names is self.names:
+            return self
+        return PublishedTable.of(self, names, position)
+
+    def at(self, i: int) -> Published | None:
+        token = self.tokens[i]
+        return Published(token.decode(), self.prints[i].decode(), int(self.sizes[i])) if token else None
+
+    def drop(self, name: str) -> None:
+        i = self._at.get(name)
+        if i is not None:
+            self.tokens[i] = b""
+        self.others.pop(name, None)
+
+    def __getitem__(self, name: str) -> Published:
+        i = self._at.get(name)
+        found = self.at(i) if i is not None else self.others.get(name)
+        if found is None:
+            raise KeyError(name)
+        return found
+
+    def __iter__(self) -> Iterator[str]:
+        names = self.names
+        for i in np.flatnonzero(self.tokens != b"").tolist():
+            yield names[i]
+        yield from list(self.others)
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self.tokens != b"")) + len(self.others)
