@@ -598,3 +598,23 @@ def test_wave_specs_are_checked():
     for bad in ("0,rest", "rest,1", "150%", "one"):
         with pytest.raises(InvalidInput):
             parse(bad)
+
+
+def test_the_agent_apply_installed_answers_the_loop_on_a_fake_host_like_every_script(tmp_path, runner):
+    # The collection agent is a Script like the others (installed by apply, run from its path): the fake host runs
+    # the very file apply put there, with the request a real interval sends, and the loop's parser reads its answer.
+    from reconciler.credentials import clash_api_secret, device_fingerprint_key
+    from reconciler.engine import remote
+    from reconciler.fleet.reports import agent_request, asked_probes, parse_report
+
+    c = cluster(tmp_path)
+    target = Target.from_server(c.servers[0])
+    with pytest.raises(RemoteCommandError, match="No such file"):  # before apply: not installed
+        asyncio.run(runner.script(target, remote.AGENT, {}))
+    converge(tmp_path, runner, c)
+    req = agent_request(c, "a", clash_api_secret(SECRET, "a"), 0.5, device_fingerprint_key(SECRET, 1), interval=1)
+    res = asyncio.run(runner.script(target, remote.AGENT, req, timeout=60))
+    report = parse_report("a", res.stdout, 1.8e9, asked_probes(req))
+    assert report.service_ok  # the fake systemd runs the engine apply started
+    assert report.listeners and all(report.listeners.values()), report.listeners  # /proc/net under the host's root
+    assert runner.scripts("a")[-1] == "agent"

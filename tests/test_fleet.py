@@ -22,11 +22,13 @@ from reconciler.config import load_cluster
 from reconciler.credentials import Secret, user_credentials
 from reconciler.fleet import Learned, parse_report, snapshot
 from reconciler.lab.demo import free_port
-from reconciler.loop import service
+from reconciler.loop.clock import FakeClock
 from reconciler.loop.service import Loop
 from reconciler.model import Cluster
+from reconciler.ssh.fake import FakeRunner
 from reconciler.state.folder import StateFolder
 from reconciler.subscriptions.document import EXTENSIONS
+from tests.fake_agents import install_agent, probing
 
 SECRET = "fleet-core-test-secret-0123456789abcdef"
 STEERING = ("failover", "random", "dynamic", "geo")
@@ -82,22 +84,18 @@ def reports(cluster: Cluster, at: float, tick: int) -> dict[str, object]:
 async def _drive(path: Path, listen: str, ticks: int, interval: float, users: list[tuple[str, str]]) -> dict[tuple[str, str], bytes]:
     cluster = load_cluster(str(path)).cluster
     assert cluster is not None
-    loop = Loop(str(path), cluster, Secret(SECRET.encode()), listen=listen, watch=False)
-    start = time.time() - ticks * interval
-    clock = {"now": start}
-
-    async def collect(c: Cluster) -> dict[str, object]:
-        return reports(c, clock["now"], loop._tick_index)
-
-    loop.collect = collect  # type: ignore[method-assign]  # the one part replaced: SSH collection
-    real_time = service.time.time
-    try:
-        service.time.time = lambda: clock["now"]  # type: ignore[attr-defined]
-        for i in range(ticks + 1):
-            clock["now"] = start + i * interval
-            assert await loop.tick() is not None
-    finally:
-        service.time.time = real_time  # type: ignore[attr-defined]
+    # The real collection: each fake host's agent answers as reports() says (its probes' RTTs by region).
+    runner = FakeRunner(path.parent / "hosts")
+    region = {s.name: s.region for s in cluster.servers}
+    for s in cluster.servers:
+        install_agent(runner, s.name, probing({ref.inbound.id: 12.0 if region[ref.server.name] == region[s.name] else 45.0
+                                              for ref in cluster.inbounds if ref.server.name != s.name}))
+    clock = FakeClock(start=time.time() - ticks * interval)
+    loop = Loop(str(path), cluster, Secret(SECRET.encode()), listen=listen, watch=False, runner=runner, clock=clock)
+    loop.pool = runner  # what run() sets; here the intervals are driven one by one
+    for _ in range(ticks + 1):
+        assert await loop.tick() is not None
+        clock.advance(interval)
     host, port = listen.rsplit(":", 1)
     await loop.http.start(host, int(port))
     try:

@@ -18,6 +18,7 @@ from reconciler.config import load_cluster
 from reconciler.credentials import Secret
 from reconciler.fleet import parse_report
 from reconciler.lab.demo import free_port
+from reconciler.loop.clock import Clock, FakeClock
 from reconciler.loop.service import Loop
 from reconciler.model import Cluster
 
@@ -53,10 +54,10 @@ def a_report(name: str, at: float, traffic: object = None) -> object:
     return parse_report(name, json.dumps(raw), at)
 
 
-def make_loop(path: str, port: int) -> Loop:
+def make_loop(path: str, port: int, clock: Clock | None = None) -> Loop:
     cluster = load_cluster(path).cluster
     assert cluster is not None
-    loop = Loop(path, cluster, SECRET, listen=f"127.0.0.1:{port}", watch=False)
+    loop = Loop(path, cluster, SECRET, listen=f"127.0.0.1:{port}", watch=False, clock=clock)
 
     async def no_plan() -> None:  # nothing to reach: no SSH from this test
         return None
@@ -150,10 +151,9 @@ def test_a_big_learned_state_is_saved_at_most_every_five_minutes_and_always_at_a
     from reconciler.fleet.learned import Learned
 
     path, port, ops = write_cluster(tmp_path)
-    loop = make_loop(path, port)
+    clock = FakeClock(start=time.time())
+    loop = make_loop(path, port, clock)
     learned_file = tmp_path / ".reconciler" / "learned.npz"
-    clock = [1000.0]
-    loop._clock = lambda: clock[0]
 
     async def collect(cluster: Cluster) -> dict[str, object]:
         return {s.name: a_report(s.name, time.time()) for s in cluster.servers}
@@ -165,7 +165,7 @@ def test_a_big_learned_state_is_saved_at_most_every_five_minutes_and_always_at_a
 
     async def intervals(n: int, step: float) -> None:
         for _ in range(n):
-            clock[0] += step
+            clock.advance(step)
             assert await loop.tick() is not None
 
     asyncio.run(intervals(3, 60))

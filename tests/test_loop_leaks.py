@@ -5,7 +5,6 @@ nor a PEM block. (The subscription documents carry credentials by design and are
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 
@@ -13,12 +12,13 @@ import aiohttp
 
 from reconciler.config import load_cluster
 from reconciler.credentials import Secret, clash_api_secret, ss_server_key, user_credentials
-from reconciler.fleet import parse_report
 from reconciler.lab.demo import free_port
-from reconciler.loop import service
+from reconciler.loop.clock import FakeClock
 from reconciler.loop.service import Loop
 from reconciler.model import Cluster
-from tests.test_fleet import SECRET, cluster_text, reports
+from reconciler.ssh.fake import FakeRunner
+from tests.fake_agents import answering, install_agent
+from tests.test_fleet import SECRET, cluster_text
 
 
 def secrets_of(cluster: Cluster, secret: Secret) -> set[str]:
@@ -41,31 +41,25 @@ def test_logs_metrics_and_pages_carry_no_secret(tmp_path, caplog):
     cluster = load_cluster(str(path)).cluster
     assert cluster is not None
     secret = Secret(SECRET.encode())
-    loop = Loop(str(path), cluster, secret, listen=listen, operations_listen=ops, watch=False)
-    clock = {"now": time.time() - 100}
-
-    async def collect(c: Cluster) -> dict[str, object]:
-        got: dict[str, object] = reports(c, clock["now"], loop._tick_index)
-        # One server answers garbage that quotes its own request back (as a broken agent might).
-        got["de-1"] = None
-        bad = json.dumps({"service": "active", "probes": {"x": {"ok": "yes"}}, "echo": clash_api_secret(secret, "de-1")})
-        try:
-            parse_report("de-1", bad, clock["now"])
-        except Exception as exc:  # noqa: BLE001 — logged as the loop would
-            logging.getLogger("reconciler.loop").warning("de-1: no report this interval: %s", exc)
-        return got
-
-    loop.collect = collect  # type: ignore[method-assign]
-    real_time = service.time.time
+    # The real collection, through a runner whose hosts answer with installed agents; time moves when told.
+    runner = FakeRunner(tmp_path / "hosts")
+    for s in cluster.servers:
+        install_agent(runner, s.name)
+    # One server's agent answers garbage that quotes its own request back (as a broken agent might), another fails
+    # and says its request on stderr, which the loop logs.
+    install_agent(runner, "de-1", answering({"service": "active", "probes": {"x": {"ok": "yes"}},
+                                             "echo": clash_api_secret(secret, "de-1")}))
+    install_agent(runner, "de-2", "import json, sys\nreq = json.load(sys.stdin)\n"
+                                  "sys.stderr.write('bad request: ' + req['clash_secret'])\nsys.exit(1)\n")
+    install_agent(runner, "nl-1", "import json, sys\nreq = json.load(sys.stdin)\nprint('not json ' + req['clash_secret'])\n")
+    clock = FakeClock(start=time.time() - 100)
+    loop = Loop(str(path), cluster, secret, listen=listen, operations_listen=ops, watch=False, runner=runner, clock=clock)
+    loop.pool = runner  # what run() sets; here the intervals are driven one by one
 
     async def go() -> list[str]:
-        service.time.time = lambda: clock["now"]  # type: ignore[attr-defined]
-        try:
-            for _ in range(10):
-                clock["now"] += 10
-                await loop.tick()
-        finally:
-            service.time.time = real_time  # type: ignore[attr-defined]
+        for _ in range(10):
+            clock.advance(10)
+            await loop.tick()
         host, port = listen.rsplit(":", 1)
         ohost, oport = ops.rsplit(":", 1)
         await loop.http.start(host, int(port), operations=(ohost, int(oport)))
@@ -84,6 +78,9 @@ def test_logs_metrics_and_pages_carry_no_secret(tmp_path, caplog):
         pages = asyncio.run(go())
     shown = "\n".join(pages) + "\n" + "\n".join(r.getMessage() + str(r.exc_info or "") for r in caplog.records)
     assert "reconciler_server_status" in shown and "de-2" in shown  # the scan looked at real pages
+    # The broken agent's answer reached the loop's own log line (and was refused there), not a copy of it.
+    assert any(r.name.startswith("reconciler") and "de-2: no report this interval: the agent exited 1" in r.getMessage()
+               for r in caplog.records)
     for value in secrets_of(cluster, secret):
         assert value not in shown
     assert "-----BEGIN" not in shown

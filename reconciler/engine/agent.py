@@ -66,8 +66,8 @@ def service_state(unit: str) -> str:
         return "unknown"
 
 
-def listening(wanted: List[Tuple[int, str]]) -> Dict[str, bool]:
-    have = listening_ports("/")
+def listening(wanted: List[Tuple[int, str]], root: str = "/") -> Dict[str, bool]:
+    have = listening_ports(root)
     return {f"{p}/{t}": (p, t) in have for p, t in wanted}
 
 
@@ -83,8 +83,12 @@ def usage_counters(table: str, load: str, timeout: float) -> Dict[str, Any]:
             return None
         if r.returncode != 0:
             return None
+        try:
+            doc = json.loads(r.stdout)
+        except ValueError:  # not nft's JSON (a broken or foreign nft): no counters this interval, the rest reported
+            return None
         rows = []
-        for item in json.loads(r.stdout).get("nftables", []):
+        for item in (doc.get("nftables", []) if isinstance(doc, dict) else []):
             if item.get("set"):
                 handles.append(str(item["set"].get("handle", "")))
             for elem in (item.get("set") or {}).get("elem") or []:
@@ -519,7 +523,7 @@ def main() -> None:
         "agent": AGENT_VERSION,
         "time": started,
         "service": service_state(req.get("service", "sing-box.service")),
-        "listeners": listening([tuple(x) for x in req.get("listeners", [])]),
+        "listeners": listening([tuple(x) for x in req.get("listeners", [])], str(req.get("root", "/"))),
         "traffic": traffic,
         "users": users,
         "connections": conns,

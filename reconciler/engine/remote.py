@@ -9,11 +9,14 @@ text (importlib.resources), once, and sent to the server's ``python3 -I -S`` by 
 - ``FIREWALL``: load the firewall, keep it only if a fresh SSH connection gets in;
 - ``LOCK``: take or release the apply lock (policy: ``reconciler.plan.lock``);
 - ``FILES``: read old contents for diffs, remove files (prune);
-- ``ACME``: answer a CA's HTTP-01 challenge (detached; ``reconciler.apply.acme``).
+- ``ACME``: answer a CA's HTTP-01 challenge (detached; ``reconciler.apply.acme``);
+- ``AGENT``: the collection agent, installed on every server, run every report interval (``reconciler.loop``).
 """
 
 from __future__ import annotations
 
+from reconciler.engine.base import AGENT as AGENT_PATH
+from reconciler.engine.base import AGENT_SOURCE
 from reconciler.engine.scripts import source
 from reconciler.ssh.runner import Script
 
@@ -24,6 +27,8 @@ FIREWALL = Script("firewall", source("firewall"))
 LOCK = Script("lock", source("lock"))
 FILES = Script("files", source("files"))
 ACME = Script("acme", source("acme"))
+#: The collection agent: installed by apply (a managed file), run from there every report interval.
+AGENT = Script("agent", AGENT_SOURCE.decode(), stdin=True, installed=AGENT_PATH)
 
 
 def facts_script(request: dict[str, object]) -> str:

@@ -30,7 +30,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -45,10 +45,11 @@ from reconciler.backoff import Backoff, Streaks
 from reconciler.balance import Snapshot
 from reconciler.balance.decide import failover_servers, held_by_server
 from reconciler.config.yamlread import load_seconds
-from reconciler.credentials import DEVICE_KEY_PERIOD, Secret, clash_api_secret, device_fingerprint_key
-from reconciler.engine.base import AGENT, mark_key
+from reconciler.credentials import DEVICE_KEY_PERIOD, Redactor, Secret, clash_api_secret, device_fingerprint_key
+from reconciler.engine import remote
+from reconciler.engine.base import mark_key
 from reconciler.engine.capabilities import of_engine
-from reconciler.errors import LockHeld, RemoteError, ReportError, SecretError, is_temporary
+from reconciler.errors import LockHeld, RemoteCommandError, RemoteError, ReportError, SecretError, is_temporary
 from reconciler.fleet import snapshot
 from reconciler.fleet.app_probe import AppTarget, probe_targets
 from reconciler.fleet.events import degraded_reason, fleet_event, user_events, verdict_events
@@ -58,6 +59,7 @@ from reconciler.fleet.reports import AppProbing, Report, agent_request, asked_pr
 from reconciler.fleet.usage import Trust
 from reconciler.health.verdicts import Verdicts
 from reconciler.loop.client_address import networks
+from reconciler.loop.clock import Clock, SystemClock
 from reconciler.loop.http import HttpOutlet, status_document
 from reconciler.loop.listener import load_credential
 from reconciler.loop.workers import LiveWorkers, worker_count
@@ -69,7 +71,7 @@ from reconciler.plan.lock import Fence
 from reconciler.plan.observe import Observed, observe
 from reconciler.publish import FileOutlet, LiveAnswers, Tokens, cluster_digest
 from reconciler.servable import load_servable
-from reconciler.ssh import Target
+from reconciler.ssh import Result, Runner, Target
 from reconciler.state.folder import StateFolder
 from reconciler.text import size_text, url_for_log, without_url_secrets
 
@@ -102,7 +104,9 @@ LOAD_BUDGET = 30  # seconds a reload may take, and 2 s more a MB of YAML it read
 class Loop:
     def __init__(self, path: str, cluster: Cluster, secret: Secret, *, listen: str | None = None,
                  duration: float | None = None, max_ticks: int | None = None, watch: bool = True,
-                 operations_listen: str | None = None):
+                 operations_listen: str | None = None, runner: Runner | None = None, clock: Clock | None = None):
+        self.clock: Clock = clock or SystemClock()  # every time the loop reads or waits for (tests: FakeClock)
+        self._runner = runner  # the servers' runner; default: SSH connections from the state folder's known hosts
         self.path = str(Path(path).resolve())
         self.base_dir = str(Path(self.path).parent)
         self.cluster = cluster
@@ -124,8 +128,7 @@ class Loop:
         self.drift: dict[str, int] = {}
         self.facts = self.state.facts()  # what older versions learnt from servers; derived keys and pins win over it
         self.learned = self.state.load_learned(cluster)
-        self._clock = time.monotonic  # the save cadence's clock (tests move it)
-        self._saved = (self._clock(), 0)  # when the learned state was last written, and its size
+        self._saved = (self.clock.monotonic(), 0)  # when the learned state was last written, and its size
         self._serialized: tuple[Learned, int, bytes] | None = None  # the last bytes written, of which state and tick
         self._app_targets: tuple[Cluster, dict[str, AppTarget], dict[str, frozenset[str]]] | None = None
         self._session_failures: dict[tuple[str, str], str] = {}  # (witness, inbound) → how its session fails
@@ -153,7 +156,7 @@ class Loop:
         self._last_label: dict[str, str] = {}  # server → the verdict label the webhook last spoke of (empty: say all)
         self._tick_index = 0
         self._last_tick_end = 0.0
-        self._started = time.time()
+        self._started = self.clock.time()
         self._failed: dict[str, float] = {}  # supervised task → when it last failed (until it runs cleanly again)
         self._interval_error = ""  # why the last interval failed ("" when it did not)
         self._busy = asyncio.Lock()  # one plan/apply at a time; ticks never wait for it
@@ -181,9 +184,9 @@ class Loop:
         if self.election is not None and not self.election.is_leader:
             return self._standby_health()
         if self.view is None:
-            late = time.time() - self._started > 3 * interval + 60
+            late = self.clock.time() - self._started > 3 * interval + 60
             return (not late, "starting: the first interval has not finished" + (" (late)" if late else ""))
-        age = time.time() - self._last_tick_end
+        age = self.clock.time() - self._last_tick_end
         if age > 3 * interval + 30:
             return False, f"the last interval finished {age:.0f}s ago (interval {interval:g}s)"
         return True, f"ok: interval {self._tick_index} finished {age:.0f}s ago"
@@ -197,7 +200,7 @@ class Loop:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
             return 1
-        self.pool = pool_for(self.state)
+        self.pool = self._runner or pool_for(self.state)
         try:
             self._start_tasks()
             await self.stop.wait()
@@ -288,7 +291,7 @@ class Loop:
         self.stop.set()
 
     async def _deadline(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
+        await self.clock.wait(self.stop, seconds)
         self.stop.set()
 
     def _save(self, after_interval: bool = False) -> None:
@@ -296,12 +299,12 @@ class Loop:
         than BIG_STATE_EVERY ago, see there). The bytes are kept for the publish that follows a leader's interval."""
         try:
             if (after_interval and self._saved[1] >= BIG_STATE_BYTES and not self._publishing()
-                    and self._clock() - self._saved[0] < BIG_STATE_EVERY):
+                    and self.clock.monotonic() - self._saved[0] < BIG_STATE_EVERY):
                 return
             data = self.learned.to_bytes()
             self._serialized = (self.learned, self.learned.ticks, data) if self._publishing() else None  # ~40 MB
             self.state.save_learned_bytes(data)
-            self._saved = (self._clock(), len(data))
+            self._saved = (self.clock.monotonic(), len(data))
         except OSError as exc:
             log.error("cannot save the learned state: %s", exc)
         except Exception:  # every exit path saves; a bug here is logged, never the end of shutdown
@@ -322,9 +325,8 @@ class Loop:
                     failures += 1
                     log.exception("the %s task failed; restarting it in %.0fs", name, TASK_BACKOFF.wait(failures))
                     self.stats.task_failed(name)
-                    self._failed[name] = time.time()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stop.wait(), TASK_BACKOFF.wait(failures))
+                    self._failed[name] = self.clock.time()
+                await self.clock.wait(self.stop, TASK_BACKOFF.wait(failures))
 
         return asyncio.create_task(supervised(), name=name)
 
@@ -336,7 +338,7 @@ class Loop:
 
     async def _ticker(self) -> None:
         interval = self.cluster.settings.health.report_interval
-        next_at = time.monotonic()
+        next_at = self.clock.monotonic()
         while not self.stop.is_set():
             if await self._tick_by_role() is not None:
                 self._recovered("tick")
@@ -345,26 +347,25 @@ class Loop:
                 return
             interval = self.cluster.settings.health.report_interval
             next_at += interval if math.isfinite(interval) and interval > 0 else 60.0
-            now = time.monotonic()
+            now = self.clock.monotonic()
             if next_at < now:  # an interval that overran: start the next one now, do not catch up in a burst
                 next_at = now
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop.wait(), next_at - now)
+            await self.clock.wait(self.stop, next_at - now)
 
     async def tick(self) -> Verdicts | None:
         cluster = self.cluster
-        started = time.perf_counter()
+        started = self.clock.monotonic()
         self._tick_index += 1
         try:
             reports = await self.collect(cluster)
             with gcpause.paused():  # the interval's CPU work, without the cyclic collector walking the heap
-                now = time.time()
+                now = self.clock.time()
                 verdicts = self.learned.fold(cluster, reports, now, self._trust(cluster))
                 self._tell_refused()
                 snap = snapshot(cluster, self.learned, with_reality_keys(self.facts, cluster, self.secret), now, verdicts)
                 self._reach_before, self._reach = self._reach, snap
                 self.learned.assignments = snap.assignments  # stickiness (LB-6): the next interval starts here (immutable)
-                self.stats.record("collect", True, time.perf_counter() - started, now)
+                self.stats.record("collect", True, self.clock.monotonic() - started, now)
                 self.answers.publish(snap)
                 if self.live is not None:  # the worker processes answer from the same snapshot (written in a thread)
                     self.live.publish(snap)
@@ -373,25 +374,25 @@ class Loop:
                 self._enforce(snap)
         except Exception as exc:  # a bug in one interval must not end the loop; it is logged with its traceback
             log.exception("interval %d failed", self._tick_index)
-            self.stats.record("collect", False, time.perf_counter() - started, time.time())
+            self.stats.record("collect", False, self.clock.monotonic() - started, self.clock.time())
             self._interval_error = f"interval {self._tick_index} failed: {type(exc).__name__}: {exc}"[:300]
             return None
         self._interval_error = ""
-        self._last_tick_end = time.time()
-        out_start = time.perf_counter()
+        self._last_tick_end = self.clock.time()
+        out_start = self.clock.monotonic()
         try:
             stats = await asyncio.to_thread(_gc_paused, self.files.write, snap)
             if stats.written or stats.removed:
                 log.info("subscriptions: %d user(s) rewritten, %d unchanged, %d removed (%.2fs)",
                          stats.written, stats.unchanged, stats.removed, stats.seconds)
-            self.stats.record("outlets", True, time.perf_counter() - out_start, time.time())
+            self.stats.record("outlets", True, self.clock.monotonic() - out_start, self.clock.time())
         except Exception as exc:  # the files stay as they were (each write is atomic); next interval tries again
             self._interval_error = f"cannot write subscription files: {type(exc).__name__}: {exc}"[:300]
             if isinstance(exc, OSError):
                 log.error("cannot write subscription files to %s: %s", self.files.directory, exc)
             else:
                 log.exception("cannot write subscription files to %s", self.files.directory)
-            self.stats.record("outlets", False, time.perf_counter() - out_start, time.time())
+            self.stats.record("outlets", False, self.clock.monotonic() - out_start, self.clock.time())
         await asyncio.to_thread(_gc_paused, self._save, True)
         return verdicts
 
@@ -405,7 +406,7 @@ class Loop:
         budget = max(5.0, min(0.8 * interval, 60.0))
 
         app = self._app_probing(cluster, probe_timeout)
-        self._device_day = int(time.time() // DEVICE_KEY_PERIOD)
+        self._device_day = int(self.clock.time() // DEVICE_KEY_PERIOD)
         device_key = device_fingerprint_key(self.secret, self._device_day)
 
         async def one(server: Server) -> tuple[str, Report | None]:
@@ -416,13 +417,9 @@ class Loop:
                                 interval=self._tick_index, app=app)
             try:
                 async with asyncio.timeout(budget + 2):  # not wait_for: no task of its own per server and interval
-                    res = await self.pool.run(Target.from_server(server), f"python3 {AGENT}", check=False,
-                                              timeout=budget, input=json.dumps(req))
-                if res.code != 0:
-                    hint = " (the agent is not installed yet: apply first)" if "No such file" in res.stderr else ""
-                    raise ReportError(f"the agent exited {res.code}{hint}: {res.stderr.strip()[-300:]}")
+                    res = await self._agent(server, req, budget)
                 with gcpause.paused():
-                    report = parse_report(name, res.stdout, time.time(), asked_probes(req))
+                    report = parse_report(name, res.stdout, self.clock.time(), asked_probes(req))
             except Exception as exc:  # one server's failure, whatever it is, is that server's no_data
                 wait = int(self.backoff.failed(name, self._tick_index + 1, is_temporary(exc)))  # from the next interval
                 self.stats.server_error(name)
@@ -439,6 +436,16 @@ class Loop:
         self._tell_sessions(results)
         return results
 
+    async def _agent(self, server: Server, req: dict[str, Any], budget: float) -> Result:
+        """The agent's answer on ``server`` (a ``Script`` like every other: the fake host answers it too)."""
+        try:
+            return await self.pool.script(Target.from_server(server), remote.AGENT, req, timeout=budget)
+        except RemoteCommandError as exc:
+            hint = " (the agent is not installed yet: apply first)" if "No such file" in exc.stderr else ""
+            # What a server says is logged: never the secrets it was sent (a broken agent may echo its request).
+            said = _sent_secrets(req)(exc.stderr.strip()[-300:], structural=True)
+            raise ReportError(f"the agent exited {exc.code}{hint}: {said}") from None
+
     def _trust(self, cluster: Cluster) -> Trust:
         """How this interval's reports are believed: each server only about the users the last answers sent to it
         (their failover orders as the last two snapshots give them, so a server that left rotation for an interval,
@@ -448,7 +455,7 @@ class Loop:
 
         def reach(server: str, names: list[str]) -> np.ndarray:
             if self._reach is None or self._reach.cluster is not cluster:  # a start, a takeover or a reload
-                now = time.time()
+                now = self.clock.time()
                 made = snapshot(cluster, self.learned, with_reality_keys(self.facts, cluster, self.secret), now,
                                 self.learned.current_verdicts(cluster, now))
                 self._reach_before, self._reach = self._reach, made
@@ -582,8 +589,7 @@ class Loop:
         while not self.stop.is_set():
             await self.plan_and_heal()
             self._recovered("plan")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.plan_now.wait(), self.cluster.settings.plan_interval)
+            await self.clock.wait(self.plan_now, self.cluster.settings.plan_interval)
             self.plan_now.clear()
 
     async def plan_and_heal(self) -> None:
@@ -608,7 +614,7 @@ class Loop:
 
     async def _observe_all(self, cluster: Cluster) -> list[Observed] | None:
         """Every server observed and planned (due ACME certificates ordered first); None (logged) when it failed."""
-        started = time.perf_counter()
+        started = self.clock.monotonic()
         try:
             if cluster.settings.self_heal:  # ACME certificates due for renewal are renewed before the plan
                 failed = await ensure_certificates(cluster, self.pool, self.base_dir, backoff=self.acme_backoff)
@@ -616,22 +622,22 @@ class Loop:
                     log.warning("no certificate for inbound %s: %s", inbound, why)
             # GITOPS-7: a server that left the file is removed like in `apply` (`retired:` keeps one)
             managed = await asyncio.to_thread(self.state.managed) if cluster.settings.self_heal else {}
-            usage = self.learned.ledger.view(cluster, time.time())  # over-quota users stay out
+            usage = self.learned.ledger.view(cluster, self.clock.time())  # over-quota users stay out
             observed = await observe(cluster, self.secret, self.pool, self.base_dir, True, managed, usage=usage)
         except Exception:  # logged with traceback; the next plan tries again
             log.exception("plan failed")
-            self.stats.record("plan", False, time.perf_counter() - started, time.time())
+            self.stats.record("plan", False, self.clock.monotonic() - started, self.clock.time())
             return None
         errors = [o.plan for o in observed if o.plan.error or o.plan.problems]
         for p in errors:
             log.warning("plan: %s: %s", p.server, p.error or "; ".join(p.problems))
-        self.stats.record("plan", not errors, time.perf_counter() - started, time.time())
+        self.stats.record("plan", not errors, self.clock.monotonic() - started, self.clock.time())
         self.drift = {o.plan.server: len(o.plan.actions) for o in observed}
         return observed
 
     async def _heal(self, cluster: Cluster, pending: list[Observed]) -> None:
         """Apply what drifted, under the state folder's lock and the leader's fence; results recorded and told."""
-        started = time.perf_counter()
+        started = self.clock.monotonic()
         progress = Progress([o.plan.server for o in pending], log=lambda line: log.info("apply %s", line))
         try:
             with self.state.lock("run (self-heal)"):  # not while an `apply` from this folder runs
@@ -652,17 +658,17 @@ class Loop:
                 raise  # the loop stops
             log.warning("apply stopped: this controller is no longer the leader (servers finish or roll back a "
                         "started commit on their own)")
-            self.stats.record("apply", False, time.perf_counter() - started, time.time())
+            self.stats.record("apply", False, self.clock.monotonic() - started, self.clock.time())
             return
         except Exception:
             log.exception("apply failed")
-            self.stats.record("apply", False, time.perf_counter() - started, time.time())
+            self.stats.record("apply", False, self.clock.monotonic() - started, self.clock.time())
             return
         finally:
             progress.close()
         for r in results:
             (log.info if r.ok else log.error)("apply %s: %s", r.server, r.message)
-        self.stats.record("apply", all(r.ok for r in results), time.perf_counter() - started, time.time())
+        self.stats.record("apply", all(r.ok for r in results), self.clock.monotonic() - started, self.clock.time())
         for r in results:
             if r.ok:
                 self.drift[r.server] = 0
@@ -672,20 +678,20 @@ class Loop:
     async def reload(self) -> bool:
         """Load the file again, in a thread within ``LOAD_BUDGET`` seconds and 2 a MB (the event loop keeps serving);
         keep the last good cluster when the new one is invalid or takes too long."""
-        started = time.perf_counter()
+        started = self.clock.monotonic()
         budget = await asyncio.to_thread(load_seconds, self.path, LOAD_BUDGET)  # a million users: 39 MB, 108 s
         try:
             result = await asyncio.wait_for(asyncio.to_thread(load_servable, self.path), budget)
         except TimeoutError:
             log.error("loading the changed file took more than %ds: keeping the last good version", budget)
-            self.stats.record("load", False, time.perf_counter() - started, time.time())
+            self.stats.record("load", False, self.clock.monotonic() - started, self.clock.time())
             return False
         if result.cluster is None or result.errors:
             for d in result.errors:
                 log.error("%s", d.render())
             log.error("the changed file is invalid%s: keeping the last good version until it is fixed",
                       "" if result.cluster is None else " (plan and apply refuse it too)")
-            self.stats.record("load", False, time.perf_counter() - started, time.time())
+            self.stats.record("load", False, self.clock.monotonic() - started, self.clock.time())
             return False
         digest = cluster_digest(result.cluster)
         if digest == self._digest:
@@ -695,7 +701,7 @@ class Loop:
         self._digest = digest
         self.learned = self.learned.adopt(result.cluster)
         self.files.directory = self._out_dir(result.cluster)
-        self.stats.record("load", True, time.perf_counter() - started, time.time())
+        self.stats.record("load", True, self.clock.monotonic() - started, self.clock.time())
         log.info("reloaded %s: %d server(s), %d inbound(s), %d user(s)", self.path, len(result.cluster.servers),
                  len(result.cluster.inbounds), len(result.cluster.users))
         self.plan_now.set()
@@ -715,11 +721,10 @@ class Loop:
     async def _git_puller(self) -> None:
         every = self.cluster.settings.git_pull_interval or 0
         while not self.stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop.wait(), every)
+            await self.clock.wait(self.stop, every)
             if self.stop.is_set():
                 return
-            started = time.perf_counter()
+            started = self.clock.monotonic()
             proc = await asyncio.create_subprocess_exec("git", "-C", self.base_dir, "pull", "--ff-only", "--quiet",
                                                         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
             try:
@@ -729,7 +734,7 @@ class Loop:
                 await proc.communicate()
                 err = b"timed out after 120s"
             ok = proc.returncode == 0
-            self.stats.record("git", ok, time.perf_counter() - started, time.time())
+            self.stats.record("git", ok, self.clock.monotonic() - started, self.clock.time())
             if not ok:
                 log.error("git pull failed (%s): %s", proc.returncode, err.decode(errors="replace").strip()[-500:])
             else:
@@ -844,7 +849,7 @@ class Loop:
             self._state_trouble(note)
             return False
         self._state_error = ""
-        self.learned, self._state_seen, self._state_pointer = learned, time.monotonic(), got.pointer
+        self.learned, self._state_seen, self._state_pointer = learned, self.clock.monotonic(), got.pointer
         await asyncio.to_thread(self._adopt_published, extras)
         return True
 
@@ -892,14 +897,14 @@ class Loop:
             return
         self._state_error = ""
         self._state_generation, self._state_pointer = generation, {**meta, "generation": generation, "fence": election.fence}
-        self._state_seen = time.monotonic()  # the newest state is ours: a deposed leader stays healthy as long as a standby
+        self._state_seen = self.clock.monotonic()  # the newest state is ours: a deposed leader stays healthy as long as a standby
 
     async def _follow_tick(self) -> Verdicts | None:
         """A standby's interval: the leader's newest published state, served read-only — the live answers, the
         files, the metrics view — from this controller's own checkout of the file; no collection, plan or apply."""
         self._tick_index += 1
         fresh = await self._read_state()
-        cluster, now = self.cluster, time.time()
+        cluster, now = self.cluster, self.clock.time()
         try:
             verdicts = self.learned.current_verdicts(cluster, now)
             snap = snapshot(cluster, self.learned, with_reality_keys(self.facts, cluster, self.secret), now, verdicts)
@@ -913,7 +918,7 @@ class Loop:
             self._interval_error = f"standby interval {self._tick_index} failed: {type(exc).__name__}: {exc}"[:300]
             return None
         self._interval_error = ""
-        self._last_tick_end = time.time()
+        self._last_tick_end = self.clock.time()
         try:
             await asyncio.to_thread(self.files.write, snap)
         except Exception as exc:  # noqa: BLE001 — the files stay as they were; the next interval writes them
@@ -928,9 +933,9 @@ class Loop:
         interval = self.cluster.settings.health.report_interval
         leader = self.election.leader or "none yet"
         if not self._state_seen:
-            late = time.time() - self._started > 3 * interval + 60
+            late = self.clock.time() - self._started > 3 * interval + 60
             return (not late, f"standby (leader: {leader}): no state published yet" + (" (late)" if late else ""))
-        age = time.monotonic() - self._state_seen
+        age = self.clock.monotonic() - self._state_seen
         if age > 3 * interval + 30:
             return False, (f"standby (leader: {leader}): the newest published state arrived {age:.0f}s ago "
                            f"(interval {interval:g}s){'; ' + self._state_error if self._state_error else ''}")
@@ -948,6 +953,25 @@ class Loop:
             await election.resign()
         election.close()
         channel.close()
+
+
+def _sent_secrets(req: Mapping[str, Any]) -> Redactor:
+    """A redactor of the secrets an agent request carries: the clash API's, the device salt, and every string of
+    the app probes' client configuration (the probe credential)."""
+    found = [str(req.get("clash_secret") or ""), str(req.get("device_salt") or "")]
+
+    def strings(value: object) -> None:
+        if isinstance(value, str):
+            found.append(value)
+        elif isinstance(value, Mapping):
+            for v in value.values():
+                strings(v)
+        elif isinstance(value, list | tuple):
+            for v in value:
+                strings(v)
+
+    strings(req.get("app"))
+    return Redactor.of(v for v in found if len(v) >= 8)
 
 
 def _resolved(host: str) -> str:

@@ -144,8 +144,14 @@ class FakeRunner:
         self.calls.append((target.name, script.name, dict(request)))
         text, stdin = script.prepare({**request, "root": str(host.root)})
         data = input if input is not None else (stdin.encode() if stdin is not None else b"")
+        if script.installed is not None:  # run what apply installed under the host's root, as a server would
+            path = host.root / script.installed.lstrip("/")
+            if not path.is_file():
+                raise RemoteCommandError(target.name, f"the {script.name} script", 2,
+                                         f"python3: can't open file '{script.installed}': [Errno 2] No such file or directory")
+        argv = [str(host.root / script.installed.lstrip("/"))] if script.installed else ["-c", text]
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-S", "-c", text, env=host.env(), cwd=host.root, start_new_session=detach,
+            sys.executable, "-I", "-S", *argv, env=host.env(), cwd=host.root, start_new_session=detach,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL if detach else asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL if detach else asyncio.subprocess.PIPE)
         if detach:

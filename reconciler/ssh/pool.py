@@ -267,7 +267,8 @@ class SSHPool:
         if input is not None:
             if stdin is not None:
                 raise ValueError(f"script {script.name} reads its request on stdin: no other input")
-        command = f"python3 -I -S -c {shlex.quote(text)}"
+        command = f"python3 -I -S {shlex.quote(script.installed)}" if script.installed else \
+            f"python3 -I -S -c {shlex.quote(text)}"
         if script.survive:
             command = f"setsid -w {command}"
         if detach:  # detached stdio too: else SSH waits for the script to end

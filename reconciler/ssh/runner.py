@@ -4,7 +4,9 @@ Every remote action is "run the named script with this request" (``Runner.script
 Python text (standard library only) that the server's ``python3 -I -S`` runs, the request a JSON-able
 dict. ``SSHPool`` (``reconciler.ssh.pool``) is the real runner; ``FakeRunner`` (``reconciler.ssh.fake``)
 runs the very same scripts locally against a temporary directory, like httpx's ``MockTransport``.
-``Runner.run`` remains for the raw commands that are not scripts (the loop's collection agent).
+An installed script (``Script.installed``: the collection agent, a managed file apply puts on every server) is
+run from its path, its request on stdin; ``source`` is what apply installs there. ``Runner.run`` remains for raw
+commands.
 
 How a request reaches a script (``Script.delivery``):
 - spliced (the default): the request replaces the line ``REQUEST: Any = None`` as a Python literal, so
@@ -36,8 +38,11 @@ class Script:
     source: str
     stdin: bool = False  # the request travels as JSON on stdin instead of being spliced in
     survive: bool = False  # runs under ``setsid -w``: finishes (or rolls back) even if the SSH session drops
+    installed: str | None = None  # a script installed on the server at this path (the agent): run from there
 
     def __post_init__(self) -> None:
+        if self.installed is not None and not self.stdin:
+            raise ValueError(f"script {self.name}: an installed script reads its request on stdin")
         if not self.stdin and self.source.count(REQUEST_LINE + "\n") != 1:
             raise ValueError(f"script {self.name}: a spliced request needs exactly one line {REQUEST_LINE!r}")
 
@@ -64,7 +69,7 @@ class Runner(Protocol):
 
     async def run(self, target: Target, command: str, check: bool = True, timeout: float = 120.0,
                   input: str | bytes | None = None) -> Result:
-        """A raw shell command (what is not a script yet: the loop's collection agent)."""
+        """A raw shell command (the SSH pool's own checks; the fake host refuses every one)."""
         ...
 
     async def close(self) -> None:
