@@ -27,9 +27,10 @@ from reconciler.loop.service import Loop
 from reconciler.loop.workers import CLUSTER_FILE, SNAPSHOT_FILE, LiveWorkers, worker_count
 from reconciler.model import Cluster
 from reconciler.publish import FileOutlet
+from reconciler.ssh.fake import FakeRunner
 from reconciler.subscriptions import render
+from tests.fake_agents import install_agent
 from tests.test_loop import SECRET, cluster, snapshot_after
-from tests.test_loop_faults import a_report
 
 FILES = {"links": "links.txt", "sing-box": "sing-box.json", "clash": "clash.yaml"}
 
@@ -321,6 +322,7 @@ def test_workers_stop_when_the_loops_process_is_killed(tmp_path):
 
 
 CLUSTER = """settings:
+  self_heal: false  # the fake hosts are observed and planned, never applied to
   outputs: {{listen: "127.0.0.1:{port}", operations_listen: "127.0.0.1:{ops}", workers: 2}}
   health: {{report_interval: 60s}}  # one interval in this test
 servers:
@@ -332,22 +334,21 @@ users:
 """
 
 
+def _fake_hosts(tmp_path: Path, cluster: Cluster) -> FakeRunner:
+    """The servers as fake hosts whose agents answer healthy: the loop's own collection and planning run."""
+    runner = FakeRunner(tmp_path / "hosts")
+    for s in cluster.servers:
+        install_agent(runner, s.name)
+    return runner
+
+
 def test_the_loop_runs_its_public_side_in_workers_and_stops_them(tmp_path):
     path = tmp_path / "cluster.yaml"
     port, ops = free_port(), free_port()
     path.write_text(CLUSTER.format(port=port, ops=ops))
     c = load_cluster(str(path)).cluster
     assert c is not None and c.settings.outputs.workers == 2
-    loop = Loop(str(path), c, SECRET, watch=False)
-
-    async def no_plan() -> None:
-        return None
-
-    async def collect(cluster: Cluster) -> dict[str, object]:
-        return {s.name: a_report(s.name, time.time(), traffic={"up": 1, "down": 2}) for s in cluster.servers}
-
-    loop.plan_and_heal = no_plan  # type: ignore[method-assign]
-    loop.collect = collect  # type: ignore[method-assign]
+    loop = Loop(str(path), c, SECRET, watch=False, runner=_fake_hosts(tmp_path, c))
     subs = tmp_path / "subscriptions"
 
     async def scenario() -> tuple[int, list[int]]:
@@ -380,16 +381,7 @@ def test_workers_need_the_operations_pages_on_their_own_port(tmp_path, caplog):
     path.write_text(CLUSTER.format(port=port, ops=port))
     c = load_cluster(str(path)).cluster
     assert c is not None
-    loop = Loop(str(path), c, SECRET, watch=False)
-
-    async def no_plan() -> None:
-        return None
-
-    async def collect(cluster: Cluster) -> dict[str, object]:
-        return {s.name: a_report(s.name, time.time()) for s in cluster.servers}
-
-    loop.plan_and_heal = no_plan  # type: ignore[method-assign]
-    loop.collect = collect  # type: ignore[method-assign]
+    loop = Loop(str(path), c, SECRET, watch=False, runner=_fake_hosts(tmp_path, c))
 
     async def scenario() -> int:
         runner = asyncio.create_task(loop.run())

@@ -13,6 +13,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from reconciler.config import load_cluster
 from reconciler.credentials import Secret
@@ -21,6 +22,8 @@ from reconciler.lab.demo import free_port
 from reconciler.loop.clock import Clock, FakeClock
 from reconciler.loop.service import Loop
 from reconciler.model import Cluster
+from reconciler.ssh.fake import FakeRunner
+from tests.fake_agents import HEALTHY, install_agent
 
 SECRET = Secret(b"loop-faults-test-secret-0123456789")
 
@@ -29,7 +32,7 @@ def write_cluster(tmp_path) -> tuple[str, int, int]:
     """(the cluster file, its public port, its operations port: health with reasons, metrics)."""
     path = tmp_path / "cluster.yaml"
     port, ops = free_port(), free_port()
-    path.write_text(f'settings:\n  outputs: {{listen: "127.0.0.1:{port}", operations_listen: "127.0.0.1:{ops}"}}\n'
+    path.write_text(f'settings:\n  self_heal: false\n  outputs: {{listen: "127.0.0.1:{port}", operations_listen: "127.0.0.1:{ops}"}}\n'
                     '  health: {report_interval: 1s}\n'
                     "servers:\n"
                     "  - {name: a, host: 198.18.0.10, country: DE, inbounds: [{id: a-in, name: A, protocol: shadowsocks-2022, port: 8388}]}\n"
@@ -54,15 +57,15 @@ def a_report(name: str, at: float, traffic: object = None) -> object:
     return parse_report(name, json.dumps(raw), at)
 
 
-def make_loop(path: str, port: int, clock: Clock | None = None) -> Loop:
+def make_loop(path: str, port: int, clock: Clock | None = None, agent: str = HEALTHY) -> Loop:
+    """The loop over fake hosts (observed and planned, never applied to: self_heal is off) whose agents answer."""
     cluster = load_cluster(path).cluster
     assert cluster is not None
-    loop = Loop(path, cluster, SECRET, listen=f"127.0.0.1:{port}", watch=False, clock=clock)
-
-    async def no_plan() -> None:  # nothing to reach: no SSH from this test
-        return None
-
-    loop.plan_and_heal = no_plan  # type: ignore[method-assign]
+    runner = FakeRunner(Path(path).parent / "hosts")
+    for s in cluster.servers:
+        install_agent(runner, s.name, agent)
+    loop = Loop(path, cluster, SECRET, listen=f"127.0.0.1:{port}", watch=False, clock=clock, runner=runner)
+    loop.pool = runner  # what run() sets, for the tests that drive intervals one by one
     return loop
 
 
@@ -123,19 +126,17 @@ def test_a_failing_interval_and_a_crashing_task_are_survived_told_and_counted(tm
 
 def test_state_is_saved_even_when_the_loop_is_stopped_mid_interval(tmp_path):
     path, port, ops = write_cluster(tmp_path)
-    loop = make_loop(path, port)
-    started = asyncio.Event()
-
-    async def slow_collect(cluster: Cluster) -> dict[str, object]:
-        started.set()
-        await asyncio.sleep(60)  # cancelled by the stop below
-        return {}
-
-    loop.collect = slow_collect  # type: ignore[method-assign]
+    started = Path(path).parent / "agent-started"
+    # Every agent hangs (a stuck server): the stop below comes in the middle of the interval's collection.
+    loop = make_loop(path, port, agent=f"import pathlib, time\npathlib.Path({str(started)!r}).touch()\ntime.sleep(60)\n")
 
     async def scenario() -> int:
         runner = asyncio.create_task(loop.run())
-        await asyncio.wait_for(started.wait(), 20)
+        for _ in range(200):
+            if started.exists():
+                break
+            await asyncio.sleep(0.1)
+        assert started.exists()
         loop.stop.set()
         return await asyncio.wait_for(runner, 30)
 
@@ -154,11 +155,6 @@ def test_a_big_learned_state_is_saved_at_most_every_five_minutes_and_always_at_a
     clock = FakeClock(start=time.time())
     loop = make_loop(path, port, clock)
     learned_file = tmp_path / ".reconciler" / "learned.npz"
-
-    async def collect(cluster: Cluster) -> dict[str, object]:
-        return {s.name: a_report(s.name, time.time()) for s in cluster.servers}
-
-    loop.collect = collect  # type: ignore[method-assign]
 
     def ticks_on_disk() -> int:
         return Learned.from_bytes(learned_file.read_bytes()).ticks
@@ -200,11 +196,6 @@ def test_a_leader_serializes_its_learned_state_once_an_interval_for_the_folder_a
         return real(self)
 
     monkeypatch.setattr(Learned, "to_bytes", counting)
-
-    async def collect(cluster: Cluster) -> dict[str, object]:
-        return {s.name: a_report(s.name, time.time()) for s in cluster.servers}
-
-    loop.collect = collect  # type: ignore[method-assign]
     loop.election, loop.channel = SimpleNamespace(is_leader=True), object()  # type: ignore[assignment]
     assert asyncio.run(loop.tick()) is not None
     assert calls[0] == 1

@@ -23,7 +23,10 @@ from reconciler.engine.base import mark_key, usage_marks
 from reconciler.fleet import Learned, parse_report
 from reconciler.fleet.reports import agent_request, asked_probes
 from reconciler.fleet.usage import LINK_FLOOR_MBPS, Ledger, Trust, device_count, link_bytes
+from reconciler.loop.clock import FakeClock
 from reconciler.model import Cluster
+from reconciler.ssh.fake import FakeRunner
+from tests.fake_agents import answering, install_agent
 from tests.test_users_usage import MB, Kernel, cluster, ts
 
 SECRET = Secret(b"trust-boundary-test-secret-0123456789")
@@ -44,14 +47,18 @@ def report(c: Cluster, server: str, kernel: Kernel, at: float, devices: dict[str
     return kernel.report(server, at, devices)
 
 
-def healthy(kernel: Kernel, server: str, at: float) -> object:
-    """A well server's report (its listeners up) carrying ``kernel``'s counters."""
+def healthy_answer(kernel: Kernel) -> dict[str, object]:
+    """What a well server's agent answers (its listeners up), carrying ``kernel``'s counters."""
     rows: dict[str, list[list[object]]] = {"tx": [], "rx": []}
     for (side, mark, family, transport), (pkts, nbytes) in kernel.counters.items():
         rows["tx" if side == 0 else "rx"].append([mark, family, transport, pkts, nbytes])
-    raw = {"service": "active", "listeners": {"8388/tcp": True, "8388/udp": True}, "traffic": None, "probes": {},
-           "usage": {**rows, "epoch": kernel.epoch}}
-    return parse_report(server, json.dumps(raw), at)
+    return {"service": "active", "listeners": {"8388/tcp": True, "8388/udp": True}, "traffic": None, "probes": {},
+            "usage": {**rows, "epoch": kernel.epoch}}
+
+
+def healthy(kernel: Kernel, server: str, at: float) -> object:
+    """A well server's report (its listeners up) carrying ``kernel``'s counters."""
+    return parse_report(server, json.dumps(healthy_answer(kernel)), at)
 
 
 def test_a_server_claims_traffic_only_for_users_the_controller_sent_to_it():
@@ -297,27 +304,27 @@ def test_the_loop_believes_a_rooted_server_only_about_its_own_users(tmp_path: Pa
                     f"routes: [{{id: r, name: R}}]\nservers:\n{servers}users:\n{users}")
     c = load_cluster(str(path)).cluster
     assert c is not None
-    loop = Loop(str(path), c, SECRET, watch=False)
+    # The real collection: each fake host's agent answers its kernel's counters; s2's claims more every interval.
+    runner, clock = FakeRunner(tmp_path / "hosts"), FakeClock(start=ts(2026, 12, 1))
+    loop = Loop(str(path), c, SECRET, watch=False, runner=runner, clock=clock)
+    loop.pool = runner  # what run() sets; here the intervals are driven one by one
     marks = usage_marks(c, mark_key(SECRET))
     hostile = Kernel()
-    clock = [ts(2026, 12, 1)]
-
-    async def collect(cluster: Cluster) -> dict[str, object]:
-        clock[0] += 60
-        for name in cluster.roster.names:
-            row = hostile.counters.setdefault((1, marks[name], "ipv4", "tcp"), [0, 0])
-            row[0], row[1] = row[0] + 1, row[1] + TiB
-        return {s.name: healthy(hostile if s.name == "s2" else Kernel(), s.name, clock[0]) for s in cluster.servers}
-
-    loop.collect = collect  # type: ignore[method-assign,assignment]
+    for s in c.servers:
+        install_agent(runner, s.name, answering(healthy_answer(Kernel())))
 
     async def run() -> None:
         for _ in range(5):
+            clock.advance(60)
+            for name in c.roster.names:
+                row = hostile.counters.setdefault((1, marks[name], "ipv4", "tcp"), [0, 0])
+                row[0], row[1] = row[0] + 1, row[1] + TiB
+            install_agent(runner, "s2", answering(healthy_answer(hostile)))
             await loop.tick()
 
     asyncio.run(run())
     assert loop._reach is not None
-    view = loop.learned.ledger.view(c, clock[0])
+    view = loop.learned.ledger.view(c, clock.time())
     sent = {n for n in c.roster.names if "s2" in failover_servers(loop._reach, n)}
     assert sent and len(sent) < len(c.roster.names)
     assert all(view[n].used == 0 for n in c.roster.names if n not in sent)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import http.server
 import json
 import random
+import threading
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -28,10 +30,13 @@ from reconciler.fleet.counters import HEADER_BYTES, owner_id
 from reconciler.fleet.events import user_events
 from reconciler.fleet.reports import KIND_OF, CounterRows
 from reconciler.fleet.usage import Ledger
+from reconciler.loop.clock import FakeClock
 from reconciler.model import Cluster, UserUsage
 from reconciler.model.cluster import Reset
 from reconciler.plan.actions import withheld_text
+from reconciler.ssh.fake import FakeRunner
 from reconciler.subscriptions import render
+from tests.fake_agents import answering, install_agent
 
 SECRET = Secret(b"users-usage-test-secret-0123456789")
 MB = 1_000_000
@@ -117,14 +122,17 @@ class Kernel:
             icmp[0] += 1
             icmp[1] += 56
 
-    def report(self, name: str, at: float, devices: dict[str, list[str]] | None = None,
-               open_users: list[str] | None = None) -> object:
+    def answer(self, devices: dict[str, list[str]] | None = None, open_users: list[str] | None = None) -> dict[str, object]:
+        """What an agent on this kernel answers."""
         rows: dict[str, list[list[object]]] = {"tx": [], "rx": []}
         for (side, mark, family, transport), (pkts, nbytes) in self.counters.items():
             rows["tx" if side == 0 else "rx"].append([mark, family, transport, pkts, nbytes])
-        raw = {"service": "active", "listeners": {}, "traffic": None, "probes": {}, "usage": {**rows, "epoch": self.epoch},
-               "devices": devices or {}, "users": open_users or []}
-        return parse_report(name, json.dumps(raw), at)
+        return {"service": "active", "listeners": {}, "traffic": None, "probes": {}, "usage": {**rows, "epoch": self.epoch},
+                "devices": devices or {}, "users": open_users or []}
+
+    def report(self, name: str, at: float, devices: dict[str, list[str]] | None = None,
+               open_users: list[str] | None = None) -> object:
+        return parse_report(name, json.dumps(self.answer(devices, open_users)), at)
 
 
 def test_the_ledger_counts_each_users_payload_exactly_over_thousands_of_intervals():
@@ -497,42 +505,63 @@ def test_events_are_said_once():
     assert [e.kind for e in user_events(c, usage, ts(2026, 11, 23), said)] == ["expired"]
 
 
+def _receiver(posted: list[dict]) -> http.server.ThreadingHTTPServer:
+    """A webhook receiver on loopback: every JSON body POSTed to it, in order."""
+
+    class Hook(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            posted.append(json.loads(self.rfile.read(int(self.headers.get("content-length") or 0))))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 def test_the_loop_applies_within_the_interval_a_user_crosses_the_limit(tmp_path):
     # issue 16 item 2: the interval whose reports carry the crossing asks for a plan at once (not at plan_interval)
     from reconciler.loop.service import Loop
 
     path = tmp_path / "c.yaml"
+    posted: list[dict] = []
+    hook = _receiver(posted)
     path.write_text("settings:\n  health: {report_interval: 1s}\n"
+                    f"  outputs: {{webhook_url: 'http://127.0.0.1:{hook.server_address[1]}/hook'}}\n"
                     "servers:\n  - {name: s0, host: 198.18.0.10, country: DE, inbounds: [{id: s0-in, name: S, "
                     "protocol: shadowsocks-2022, port: 8388}]}\n"
                     "users:\n  - {name: carol, data_limit: 10MB}\n  - {name: alice}\n")
     c = load_cluster(str(path)).cluster
     assert c is not None
-    posted: list[dict] = []
-    loop = Loop(str(path), c, SECRET, watch=False)
-    loop._post = posted.append  # type: ignore[method-assign]  # the webhook's payloads, without a receiver
+    # The real collection: the fake host's agent answers what its kernel counted; time moves when the test says.
+    runner, clock = FakeRunner(tmp_path / "hosts"), FakeClock(start=ts(2026, 11, 30))
+    loop = Loop(str(path), c, SECRET, watch=False, runner=runner, clock=clock)
+    loop.pool = runner  # what run() sets; here the intervals are driven one by one
     k = Kernel()
     rng = random.Random(2)
     mark = usage_marks(c, mark_key(SECRET))["carol"]  # the loop reads the counters under the secret's marks
-    clock = [ts(2026, 11, 30)]
-
-    async def collect(cluster: Cluster) -> dict[str, object]:
-        clock[0] += 1
-        return {"s0": k.report("s0", clock[0])}
-
-    loop.collect = collect  # type: ignore[method-assign,assignment]
 
     async def run() -> list[bool]:
         asked = []
         for step in range(4):
             if step == 2:
                 k.carry(rng, mark, 1, 11 * MB)  # carol crosses her limit
+            install_agent(runner, "s0", answering(k.answer()))
+            clock.advance(1)
             await loop.tick()
             asked.append(loop.plan_now.is_set())
             loop.plan_now.clear()
+        await asyncio.gather(*loop._posts)  # the webhook's deliveries under way
         return asked
 
-    asked = asyncio.run(run())
+    try:
+        asked = asyncio.run(run())
+    finally:
+        hook.shutdown()
+        hook.server_close()
     assert asked == [False, False, True, False]
     users = [p for p in posted if p["subject"] != "fleet"]
     assert [(p["event"], p["subject"]) for p in users] == [("quota_reached", "carol")]

@@ -165,6 +165,10 @@ class FakeRunner:
             proc.kill()
             await proc.wait()
             raise ConnectError(f"{target.name}: the {script.name} script timed out after {timeout}s", target.name) from None
+        except asyncio.CancelledError:  # the caller stopped waiting (the loop stops): nothing of ours keeps running
+            proc.kill()
+            await asyncio.shield(proc.wait())
+            raise
         res = Result(proc.returncode if proc.returncode is not None else -1, out.decode(errors="replace"),
                      err.decode(errors="replace"))
         if res.code != 0:
