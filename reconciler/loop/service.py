@@ -31,6 +31,7 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -52,10 +53,10 @@ from reconciler.engine.capabilities import of_engine
 from reconciler.errors import LockHeld, RemoteCommandError, RemoteError, ReportError, SecretError, is_temporary
 from reconciler.fleet import snapshot
 from reconciler.fleet.app_probe import AppTarget, probe_targets
-from reconciler.fleet.events import degraded_reason, fleet_event, user_events, verdict_events
 from reconciler.fleet.learned import Learned
 from reconciler.fleet.reality import with_reality_keys
 from reconciler.fleet.reports import AppProbing, Report, agent_request, asked_probes, parse_report
+from reconciler.fleet.tell import Told, tell
 from reconciler.fleet.usage import Trust
 from reconciler.health.verdicts import Verdicts
 from reconciler.loop.client_address import networks
@@ -65,7 +66,6 @@ from reconciler.loop.listener import load_credential
 from reconciler.loop.workers import LiveWorkers, worker_count
 from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
 from reconciler.model import Cluster, Server
-from reconciler.model.roster import ACTIVE, STANDINGS
 from reconciler.model.types import parse_listen
 from reconciler.plan.lock import Fence
 from reconciler.plan.observe import Observed, observe
@@ -152,8 +152,7 @@ class Loop:
                                networks(cluster.settings.outputs.trusted_proxies))
         self.live: LiveWorkers | None = None  # worker processes answering the public port (settings.outputs.workers > 1)
         self._digest = cluster_digest(cluster)
-        self._last_status: dict[str, str] = {}
-        self._last_label: dict[str, str] = {}  # server → the verdict label the webhook last spoke of (empty: say all)
+        self._told = Told()  # what the intervals told so far (fleet.tell)
         self._tick_index = 0
         self._last_tick_end = 0.0
         self._started = self.clock.time()
@@ -162,7 +161,6 @@ class Loop:
         self._busy = asyncio.Lock()  # one plan/apply at a time; ticks never wait for it
         self._tasks: list[asyncio.Task[None]] = []
         self._posts: set[asyncio.Task[None]] = set()
-        self._withheld: dict[str, str] | None = None  # user → standing, for those the servers refuse
         self._leader_init()  # standby controllers: the election, when settings.leader names an etcd
 
     # ------------------------------------------------------------------ lifecycle
@@ -370,8 +368,7 @@ class Loop:
                 if self.live is not None:  # the worker processes answer from the same snapshot (written in a thread)
                     self.live.publish(snap)
                 self.view = self._fleet_view(cluster, verdicts, snap)
-                self._report_changes(verdicts)
-                self._enforce(snap)
+                self._tell(verdicts, snap)
         except Exception as exc:  # a bug in one interval must not end the loop; it is logged with its traceback
             log.exception("interval %d failed", self._tick_index)
             self.stats.record("collect", False, self.clock.monotonic() - started, self.clock.time())
@@ -541,39 +538,17 @@ class Loop:
                          user_bytes_by_server={k: (v[0], v[1]) for k, v in self.learned.ledger.by_server.items()},
                          user_bytes_by_route={k: (v[0], v[1]) for k, v in self.learned.ledger.by_route.items()})
 
-    def _report_changes(self, verdicts: Verdicts) -> None:
-        counts: dict[str, int] = {}
-        for name, sv in verdicts.servers().items():
-            counts[sv.status] = counts.get(sv.status, 0) + 1
-            before = self._last_status.get(name)
-            if before is not None and before != sv.status:
-                level = logging.INFO if sv.status in ("ok", "no_data") else logging.WARNING
-                log.log(level, "%s: %s → %s: %s", name, before, sv.status, sv.reason)
-            self._last_status[name] = sv.status
-        for event in verdict_events(verdicts, self._last_label):  # every one on the first interval after a start
-            log.warning("%s: %s", event.kind, event.text)
-            self._post(event.payload(verdicts.now))
-        log.info("interval %d: %s", self._tick_index, ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
-
-    def _enforce(self, snap: Snapshot) -> None:
-        """Users who crossed a limit, expired, or came back (a reset, a raised limit, a renewed date) change the
-        servers' configurations now, not at the next plan: an apply within this interval. And the events
-        operators act on go to the log and the webhook."""
-        names, codes = snap.cluster.roster.names, snap.standings
-        withheld: dict[str, str] = {names[i]: STANDINGS[codes[i]] for i in np.flatnonzero(codes != ACTIVE).tolist()}
-        if self._withheld is not None and withheld != self._withheld:
-            out = sorted(set(withheld) - set(self._withheld))
-            back = sorted(set(self._withheld) - set(withheld))
-            log.info("users: %s%s%s — applying now", f"out: {', '.join(f'{u} ({withheld[u]})' for u in out)}" if out else "",
-                     "; " if out and back else "", f"back: {', '.join(back)}" if back else "")
+    def _tell(self, verdicts: Verdicts, snap: Snapshot) -> None:
+        """What the interval tells (``fleet.tell``, pure), done: the log lines, the webhook's events, a plan now."""
+        self._told = replace(self._told, said=self.learned.ledger.said)
+        self._told, effects = tell(self._told, verdicts, snap, self._tick_index)
+        self.learned.ledger.said = dict(self._told.said)
+        for level, line in effects.logs:
+            log.log(level, "%s", line)
+        for payload in effects.posts:
+            self._post(payload)
+        if effects.plan_now:
             self.plan_now.set()
-        self._withheld = withheld
-        said = self.learned.ledger.said
-        events = user_events(snap.cluster, snap.usage, snap.now, said)
-        fleet = fleet_event(degraded_reason(snap), said)
-        for event in [*events, *([fleet] if fleet else [])]:
-            log.warning("%s: %s", event.kind, event.text)
-            self._post(event.payload(snap.now))
 
     def _post(self, payload: dict[str, Any]) -> None:
         url = self.cluster.settings.outputs.webhook_url
@@ -817,7 +792,7 @@ class Loop:
             if not self._takeover_pending:
                 return
             self._takeover_pending = False
-            self._last_label.clear()  # the new leader's first interval tells the webhook every server customers miss
+            self._told = self._told.after_takeover()  # its first interval tells the webhook every server customers miss
             fresh = await self._read_state()
             pointer = self._state_pointer
             log.warning("leading from interval %d of the learned state (%s)", self.learned.ticks,
