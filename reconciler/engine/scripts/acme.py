@@ -16,6 +16,7 @@ import ipaddress
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -90,6 +91,11 @@ class Server(ThreadingMixIn, HTTPServer):
             ThreadingMixIn.process_request_thread(self, request, client_address)
         finally:
             self.forget(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):  # the client left in the middle of an answer: nothing to tell
+            return
+        HTTPServer.handle_error(self, request, client_address)
 
     def forget(self, request: Any) -> None:
         with self.lock:
