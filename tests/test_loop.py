@@ -679,6 +679,8 @@ def test_http_outlet_serves_subscriptions_metrics_health_and_status():
                     st = await r.json()
                     assert st["servers"]["s0"]["status"] == "unreachable" and st["routes"]["r"]["active"]
                     assert st["servers"]["s0"]["unreachable_from"] == "DE" and st["servers"]["s0"]["out_for"] == "WEU"
+                    assert {v["unreliable_witness"] for v in st["servers"].values()} == {False}  # HEALTH-6, per witness
+                    assert all(isinstance(v["censored_witness"], bool) for v in st["servers"].values())
         finally:
             await outlet.stop()
 

@@ -225,7 +225,10 @@ def status_document(view: FleetView | None) -> dict[str, Any]:
                            "marks": [m.as_json() for m in sv.marks] if sv else [],
                            "reason": sv.reason if sv else "no health data yet", "country": s.country,
                            "traffic_mbps": round(view.traffic_mbps.get(s.name, 0.0), 3),
-                           "connected_users": view.connected.get(s.name, 0), "assigned_users": view.assigned.get(s.name, 0)}
+                           "connected_users": view.connected.get(s.name, 0), "assigned_users": view.assigned.get(s.name, 0),
+                           # as a witness: its votes discarded (HEALTH-6), or losing many servers as a censor would
+                           "unreliable_witness": sv.unreliable_witness if sv else False,
+                           "censored_witness": sv.censored_witness if sv else False}
     routes = {}
     for route in view.cluster.effective_routes:
         members = view.cluster.members.get(route.id, ())
