@@ -286,7 +286,7 @@ def phase_clock(loop: Any, service: Any) -> Counter[str]:
     loop.learned.fold = clocked("fold", loop.learned.fold)
     service.snapshot = clocked("snapshot", service.snapshot)
     loop.answers.publish = clocked("publish", loop.answers.publish)
-    loop._enforce = clocked("enforce", loop._enforce)
+    loop._tell = clocked("tell", loop._tell)  # the events, the log and whether to plan now (users out or back)
     loop.files.write = clocked("files", loop.files.write)
     loop._save = clocked("save", loop._save)
     return phases
