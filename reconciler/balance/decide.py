@@ -325,7 +325,8 @@ def _backups(snapshot: Snapshot, route: Route, members: tuple[InboundRef, ...], 
     memo = snapshot.memo[_FAILOVER]
     found = memo.get((route.id, pool, rkey))
     if found is None:
-        rest = tuple(r for r in members if r not in cands and snapshot.in_rotation(r.inbound.id, rkey))
+        chosen_ids = {r.inbound.id for r in cands}  # by id: a model's ``==`` walks its fields (1,000² of them)
+        rest = tuple(r for r in members if r.inbound.id not in chosen_ids and snapshot.in_rotation(r.inbound.id, rkey))
         found = memo[(route.id, pool, rkey)] = (_order_weights(snapshot, route, cands), _order_weights(snapshot, route, rest))
     out: list[InboundRef] = []
     for n, (refs, keys, share) in enumerate(found):

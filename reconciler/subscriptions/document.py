@@ -76,6 +76,11 @@ def choose_format(requested: str | None, user_agent: str | None) -> str:
 # JSON text, and a document per (format, entries and backups) with stand-ins for the user's credentials.
 _HEADER_BASES: Slot[dict[str, dict[str, str]]] = Slot("header bases", dict)
 _HEADER_JSON_HEADS: Slot[dict[str, str]] = Slot("header JSON heads", dict)
+#: Templates a snapshot keeps. Users share a template when they share their entries and failover orders: a few
+#: servers give a few templates, all kept; on a big fleet the orders are nearly each user's own, and keeping them all
+#: held a template per user for the snapshot's life (~1.5 GB at a million users): the first ones are kept, the rest
+#: made when asked.
+TEMPLATES_KEPT = 4096
 _TEMPLATES: Slot[dict[tuple[str, tuple[tuple[str, ...], ...]], bytes]] = Slot("document templates", dict)
 
 
@@ -255,7 +260,8 @@ def _template(snapshot: Snapshot, entries: list[Entry], fmt: str, secret: Secret
                                                              strict=True)] if failover else None
             settings = snapshot.cluster.settings
             body = (singbox if fmt == "sing-box" else clash)(outbounds, settings.split, groups, settings.outputs.failover)
-        memo[key] = body
+        if len(memo) < TEMPLATES_KEPT:
+            memo[key] = body
     return body
 
 
