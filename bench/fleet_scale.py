@@ -1,4 +1,4 @@
-"""Fleet scale benchmark (issue 17): one report interval of the whole controller at 100 to 1,000 servers and
+"""Fleet scale benchmark: one report interval of the whole controller at 100 to 1,000 servers and
 100k to 1M users, through the real code path.
 
 The controller is the real ``Loop`` (``reconciler.loop.service``): ``tick()`` collects every server's report over
@@ -27,7 +27,8 @@ interval (one save measured; a fifth of it per interval). ``phases_cpu_s`` shows
 The subscription files are on tmpfs (a tmpfs of its own for a million users: root), as an operator serving them
 from memory has them; ``--disk`` puts them on the disk under .bench/ for the figure beside it.
 
-FLEET_SCALE_PROFILE=FILE (with py-spy on PATH) writes a sampling profile of the measured intervals (all threads).
+FLEET_SCALE_PROFILE=FILE (with py-spy on PATH) writes a sampling profile of the measured intervals (all threads);
+FLEET_SCALE_MEMORY=1 prints the process's memory (now, and its peak) after each step.
 """
 
 from __future__ import annotations
@@ -166,6 +167,7 @@ def cluster_data(servers: int, users: int, port: int, key: str, host_pub: str) -
 async def measure(servers: int, users: int, intervals: int, work: Path, port: int, key: str, host_pub: str) -> dict[str, Any]:
     from prometheus_client import generate_latest
 
+    import reconciler.loop.collect as collection
     import reconciler.loop.service as service
     from reconciler.apply.session import pool_for
     from reconciler.credentials import Secret
@@ -182,14 +184,15 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
     loop = Loop(str(path), cluster, Secret(SECRET), watch=False)
     loop.pool = pool_for(loop.state, concurrency=64)
     received = [0]
-    parse = service.parse_report
+    parse = collection.parse_report
 
     def counting(name: str, text: str, at: float, *rest: Any) -> Any:
         received[0] += len(text)
         return parse(name, text, at, *rest)
 
-    service.parse_report = counting  # type: ignore[assignment]
+    collection.parse_report = counting  # type: ignore[assignment]
     phases = phase_clock(loop, service)
+    _memory("the cluster and the loop made")
     samples = []
     profiler: subprocess.Popen[bytes] | None = None
     try:
@@ -228,7 +231,7 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
         if profiler is not None:
             profiler.send_signal(2)
             profiler.wait(60)
-        service.parse_report = parse  # type: ignore[assignment]
+        collection.parse_report = parse  # type: ignore[assignment]
         await loop.pool.close()
     ordinary = "s5"  # s0 and s1 are probers: they probe everyone (HEALTH-9)
     probes = len(agent_request(cluster, ordinary, "x", 1.0, interval=loop._tick_index)["probes"])  # type: ignore[arg-type]
@@ -272,6 +275,7 @@ def phase_clock(loop: Any, service: Any) -> Counter[str]:
                     return await fn(*a, **k)
                 finally:
                     phases[name] += time.process_time() - t
+                    _memory(name)
             return waiting
 
         def plain(*a: Any, **k: Any) -> Any:
@@ -280,9 +284,10 @@ def phase_clock(loop: Any, service: Any) -> Counter[str]:
                 return fn(*a, **k)
             finally:
                 phases[name] += time.process_time() - t
+                _memory(name)
         return plain
 
-    loop.collect = clocked("collect", loop.collect)
+    loop.collection.collect = clocked("collect", loop.collection.collect)
     loop.learned.fold = clocked("fold", loop.learned.fold)
     service.snapshot = clocked("snapshot", service.snapshot)
     loop.answers.publish = clocked("publish", loop.answers.publish)
@@ -290,6 +295,15 @@ def phase_clock(loop: Any, service: Any) -> Counter[str]:
     loop.files.write = clocked("files", loop.files.write)
     loop._save = clocked("save", loop._save)
     return phases
+
+
+def _memory(step: str) -> None:
+    """With FLEET_SCALE_MEMORY set: the process's memory after ``step`` (now and its peak so far), on stderr."""
+    if not os.environ.get("FLEET_SCALE_MEMORY"):
+        return
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    print(f"memory after {step}: {int(status['VmRSS'].split()[0]) >> 10} MiB, peak {int(status['VmHWM'].split()[0]) >> 10} MiB",
+          file=sys.stderr, flush=True)
 
 
 def _cpu() -> float:

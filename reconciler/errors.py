@@ -106,6 +106,10 @@ class ConnectError(RemoteError):
     temporary = True
 
 
+class SessionLost(ConnectError):
+    """Connected, but the session was lost or outlived its time: the server's end stopped answering (may heal)."""
+
+
 class LockHeld(RemoteError):
     """Another apply holds the server's lock (it ends, or its lease runs out)."""
 

@@ -69,6 +69,17 @@ class FleetView:
     user_bytes_by_server: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     user_bytes_by_route: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # "" = not assigned there
     usage_unavailable: Mapping[str, str] = field(default_factory=dict)  # server → why no per-user counters
+    unreported: Mapping[str, str] = field(default_factory=dict)  # server → why the last interval had no report of it
+
+
+#: The first words of a silent server's reason (``loop.collect.silence``) → the metric's ``cause`` label.
+UNREPORTED_CAUSES = {"SSH unreachable": "ssh", "agent silent": "agent", "report refused": "refused",
+                     "backing off": "backoff", "collection failed": "bug"}
+
+
+def unreported_cause(why: str) -> str:
+    """The ``cause`` label of a silent server's reason."""
+    return next((label for head, label in UNREPORTED_CAUSES.items() if why.startswith(head)), "bug")
 
 
 class LoopStats:
@@ -160,6 +171,15 @@ class ReconcilerCollector(Collector):
         for s in servers:
             e.add_metric([s], server_errors.get(s, 0))
         yield e
+        u = GaugeMetricFamily("reconciler_servers_unreported", "Servers the last interval had no report of, by why: "
+                              "ssh (unreachable), agent (silent or exited), refused (its answer was not believed), "
+                              "backoff (not asked: it failed before), bug.", labels=["cause"])
+        causes = dict.fromkeys(UNREPORTED_CAUSES.values(), 0)
+        for why in (view.unreported.values() if view else ()):
+            causes[unreported_cause(why)] += 1
+        for cause, n in causes.items():
+            u.add_metric([cause], n)
+        yield u
 
 
 def _le(bound: float) -> str:

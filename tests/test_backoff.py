@@ -6,7 +6,8 @@ import random
 
 from reconciler.apply.acme import CERTIFICATE_BACKOFF
 from reconciler.backoff import Backoff, Streaks
-from reconciler.loop.service import SERVER_BACKOFF, TASK_BACKOFF
+from reconciler.loop.collect import SERVER_BACKOFF
+from reconciler.loop.service import TASK_BACKOFF
 from reconciler.loop.workers import RESTART_BACKOFF
 from reconciler.ssh.pool import CONNECT_BACKOFF
 

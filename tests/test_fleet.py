@@ -92,7 +92,6 @@ async def _drive(path: Path, listen: str, ticks: int, interval: float, users: li
                                               for ref in cluster.inbounds if ref.server.name != s.name}))
     clock = FakeClock(start=time.time() - ticks * interval)
     loop = Loop(str(path), cluster, Secret(SECRET.encode()), listen=listen, watch=False, runner=runner, clock=clock)
-    loop.pool = runner  # what run() sets; here the intervals are driven one by one
     for _ in range(ticks + 1):
         assert await loop.tick() is not None
         clock.advance(interval)

@@ -36,6 +36,7 @@ from reconciler.fleet.learned import Learned
 from reconciler.lab.demo import LoopProcess, free_port
 from reconciler.lab.processes import stop, wait_until
 from reconciler.loop.leader import Election, Etcd, StateChannel, failure, pack, unpack
+from reconciler.loop.role import Elected
 from reconciler.loop.service import Loop
 from reconciler.model import Cluster
 from reconciler.model.cluster import LeaderSettings
@@ -546,8 +547,8 @@ def _capture_publishes(loops: dict[str, Loop]) -> dict[str, list[bytes]]:
     """Every blob each loop publishes (and etcd took), per loop, in order."""
     published: dict[str, list[bytes]] = {"x": [], "y": []}
     for n, loop in loops.items():
-        assert loop.channel is not None
-        real = loop.channel.publish_sync
+        assert isinstance(loop.role, Elected)
+        real = loop.role.channel.publish_sync
 
         def capture(guard, fence, blob, meta, real=real, n=n):  # type: ignore[no-untyped-def]
             got = real(guard, fence, blob, meta)
@@ -555,7 +556,7 @@ def _capture_publishes(loops: dict[str, Loop]) -> dict[str, list[bytes]]:
                 published[n].append(blob)
             return got
 
-        loop.channel.publish_sync = capture  # type: ignore[method-assign]
+        loop.role.channel.publish_sync = capture  # type: ignore[method-assign]
     return published
 
 
@@ -563,7 +564,7 @@ async def _publishing_leader(loops: dict[str, Loop], published: dict[str, list[b
     """The loop that leads once it has published four times (within 30 s)."""
     deadline = time.monotonic() + 30
     while True:
-        leaders = [n for n, loop in loops.items() if loop.election is not None and loop.election.is_leader]
+        leaders = [n for n, loop in loops.items() if loop.role.leads()]
         if leaders and len(published[leaders[0]]) >= 4:
             return leaders[0]
         assert time.monotonic() < deadline, "no leader publishing"
@@ -573,21 +574,22 @@ async def _publishing_leader(loops: dict[str, Loop], published: dict[str, list[b
 async def _cut_off_and_take_over(old: Loop, new: Loop, cut: Path) -> float:
     """Cuts the old leader off from etcd (its calls fail as in a network cut, from the time written to ``cut``); the
     seconds until the standby leads (the old one gives up within a lease)."""
-    assert old.election is not None and new.election is not None and old.channel is not None
+    assert isinstance(old.role, Elected) and isinstance(new.role, Elected)
+    assert old.role.election is not None and new.role.election is not None
 
     def unreachable(fn):  # type: ignore[no-untyped-def]
         raise ConnectionFailedError("network cut (test)")
 
-    old.election.etcd.call = unreachable  # type: ignore[method-assign]
-    old.channel.etcd.call = unreachable  # type: ignore[method-assign]
+    old.role.election.etcd.call = unreachable  # type: ignore[method-assign]
+    old.role.channel.etcd.call = unreachable  # type: ignore[method-assign]
     cut.write_text(repr(time.time()))
     cut_at = time.monotonic()
-    while not new.election.is_leader:
-        assert not old.election.is_leader or time.monotonic() - cut_at < LEASE
+    while not new.role.election.is_leader:
+        assert not old.role.election.is_leader or time.monotonic() - cut_at < LEASE
         assert time.monotonic() - cut_at < 3 * LEASE, "no takeover"
         await asyncio.sleep(0.01)
     took = time.monotonic() - cut_at
-    assert not old.election.is_leader
+    assert not old.role.election.is_leader
     return took
 
 
@@ -600,9 +602,10 @@ async def _network_cut(loops: dict[str, Loop], published: dict[str, list[bytes]]
         leader = await _publishing_leader(loops, published)
         other = "y" if leader == "x" else "x"
         old, new = loops[leader], loops[other]
-        assert old.election is not None and new.election is not None and old.channel is not None
+        assert isinstance(old.role, Elected) and isinstance(new.role, Elected)
+        assert old.role.election is not None and new.role.election is not None
         await asyncio.sleep(1.2)
-        assert not new.election.is_leader and new.learned.ticks >= 2  # the standby follows the published state
+        assert not new.role.election.is_leader and new.learned.ticks >= 2  # the standby follows the published state
         took = await _cut_off_and_take_over(old, new, cut)
         last = Learned.from_bytes(unpack(published[leader][-1])[0])
         while len(published[other]) < 2:  # two intervals of its own

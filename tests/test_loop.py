@@ -743,23 +743,25 @@ def test_traffic_is_a_counter_across_engine_restarts_and_streaks_are_exported():
 def test_the_loop_tells_when_a_session_fails_after_its_handshake_and_when_it_carries_again(caplog):
     # spec: HEALTH-16 — what kind of censor is at work is in the log: once when it starts, once when it ends
     import logging
-    from types import SimpleNamespace
 
+    from reconciler.credentials import Secret
     from reconciler.fleet.reports import Probe, Report
-    from reconciler.loop.service import Loop
+    from reconciler.loop.clock import FakeClock
+    from reconciler.loop.collect import Collection
+    from reconciler.metrics import LoopStats
 
     def report(probes: dict[str, Probe]) -> Report:
         return Report(server="w", received=0.0, service="active", listeners={}, traffic_bytes=None, probes=probes)
 
-    loop = SimpleNamespace(_session_failures={}, _local_probe_errors={})
+    collection = Collection(Secret(b"sessions-test-secret-0123456789abcdef"), FakeClock(), LoopStats())
     stalled = Probe(True, 1.0, None, False, 14480, "stalled after 14480 bytes")
     with caplog.at_level(logging.INFO, logger="reconciler"):
         for _ in range(3):
-            Loop._tell_sessions(loop, {"w": report({"t-in": stalled}), "x": None})
-        Loop._tell_sessions(loop, {"w": report({})})  # not probed this interval: nothing new
-        Loop._tell_sessions(loop, {"w": report({"t-in": Probe(True, 1.0, app=True, app_bytes=65600)})})
+            collection._tell_sessions({"w": report({"t-in": stalled}), "x": None})
+        collection._tell_sessions({"w": report({})})  # not probed this interval: nothing new
+        collection._tell_sessions({"w": report({"t-in": Probe(True, 1.0, app=True, app_bytes=65600)})})
         for _ in range(2):  # the witness's own client failing is told once, and blames no one
-            Loop._tell_sessions(loop, {"w": report({"t-in": Probe(True, 1.0, app_error="the probe client exited")})})
+            collection._tell_sessions({"w": report({"t-in": Probe(True, 1.0, app_error="the probe client exited")})})
     lines = [r.getMessage() for r in caplog.records if "session" in r.getMessage() or "app-like" in r.getMessage()]
     assert lines == ["w cannot carry a session through t-in: handshake ok, then stalled after 14480 bytes",
                      "w carries sessions through t-in again",

@@ -1,15 +1,15 @@
 """The loop survives faults and tells the truth about them (/healthz, metrics), and saves its
 state on every exit path.
 
-The real ``Loop.run`` runs in-process with its HTTP server on loopback; only the SSH side is
-replaced (collection returns generated reports, planning is a no-op: there are no servers to
-reach here). The lab tests (tests/lab/) inject the same faults on real hosts.
+The real ``Loop.run`` runs in-process with its HTTP server on loopback, against the fake runner whose hosts'
+agents answer (``tests.fake_agents``); faults come in through the loop's seams (its runner, clock, role and
+collection), never by replacing a method of the loop. The lab tests (tests/lab/) inject the same faults on
+real hosts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import urllib.error
 import urllib.request
@@ -17,11 +17,11 @@ from pathlib import Path
 
 from reconciler.config import load_cluster
 from reconciler.credentials import Secret
-from reconciler.fleet import parse_report
 from reconciler.lab.demo import free_port
-from reconciler.loop.clock import Clock, FakeClock
+from reconciler.loop.clock import Clock, FakeClock, SystemClock
+from reconciler.loop.collect import Collection
+from reconciler.loop.role import Elected, Role
 from reconciler.loop.service import Loop
-from reconciler.model import Cluster
 from reconciler.ssh.fake import FakeRunner
 from tests.fake_agents import HEALTHY, install_agent
 
@@ -51,22 +51,14 @@ def get(url: str) -> tuple[int, str]:
         return 0, ""
 
 
-def a_report(name: str, at: float, traffic: object = None) -> object:
-    raw = {"service": "active", "listeners": {"8388/tcp": True, "8388/udp": True}, "traffic": traffic,
-           "probes": {"a-in": {"ok": True, "rtt_ms": 1.0}, "b-in": {"ok": True, "rtt_ms": 1.0}}}
-    return parse_report(name, json.dumps(raw), at)
-
-
-def make_loop(path: str, port: int, clock: Clock | None = None, agent: str = HEALTHY) -> Loop:
+def make_loop(path: str, port: int, clock: Clock | None = None, agent: str = HEALTHY, role: Role | None = None) -> Loop:
     """The loop over fake hosts (observed and planned, never applied to: self_heal is off) whose agents answer."""
     cluster = load_cluster(path).cluster
     assert cluster is not None
     runner = FakeRunner(Path(path).parent / "hosts")
     for s in cluster.servers:
         install_agent(runner, s.name, agent)
-    loop = Loop(path, cluster, SECRET, listen=f"127.0.0.1:{port}", watch=False, clock=clock, runner=runner)
-    loop.pool = runner  # what run() sets, for the tests that drive intervals one by one
-    return loop
+    return Loop(path, cluster, SECRET, listen=f"127.0.0.1:{port}", watch=False, clock=clock, runner=runner, role=role)
 
 
 async def watch(ops: int, loop: Loop, until: float, probe) -> list[tuple[int, str]]:  # type: ignore[no-untyped-def]
@@ -80,33 +72,50 @@ async def watch(ops: int, loop: Loop, until: float, probe) -> list[tuple[int, st
     return seen
 
 
+class FailingOnce(Collection):
+    """The real collection (the fake hosts' agents answer), but interval 2 meets a bug."""
+
+    calls = 0
+
+    async def collect(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        FailingOnce.calls += 1
+        if FailingOnce.calls == 2:
+            raise RuntimeError("a bug in one interval")
+        return await super().collect(*args, **kwargs)
+
+
+class TickerFails(SystemClock):
+    """The system's clock, but the interval timer's third wait fails: the tick task itself crashes."""
+
+    def __init__(self) -> None:
+        self.stop: asyncio.Event | None = None  # the loop's
+        self.waits = 0
+
+    async def wait(self, event: asyncio.Event, seconds: float) -> bool:
+        if event is self.stop:  # the interval timer (no deadline task here): the planner waits on plan_now
+            self.waits += 1
+            if self.waits == 3:
+                raise SystemError("the tick task itself fails")
+        return await super().wait(event, seconds)
+
+
 def test_a_failing_interval_and_a_crashing_task_are_survived_told_and_counted(tmp_path):
     # spec: HEALTH-1 — intervals continue; /healthz says what failed until it runs cleanly again
     path, port, ops = write_cluster(tmp_path)
-    loop = make_loop(path, port)
-    calls = {"n": 0}
-
-    async def collect(cluster: Cluster) -> dict[str, object]:
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("a bug in one interval")
-        return {s.name: a_report(s.name, time.time(), traffic=None if s.name == "a" else {"up": 1, "down": 2})
-                for s in cluster.servers}
-
-    real_tick = loop.tick
-
-    async def tick():  # type: ignore[no-untyped-def]
-        if calls["n"] == 3:
-            calls["n"] += 1
-            raise SystemError("the tick task itself fails")
-        return await real_tick()
-
-    loop.collect = collect  # type: ignore[method-assign]
-    loop.tick = tick  # type: ignore[method-assign]
+    cluster = load_cluster(path).cluster
+    assert cluster is not None
+    runner = FakeRunner(Path(path).parent / "hosts")
+    for s in cluster.servers:
+        install_agent(runner, s.name, HEALTHY)
+    FailingOnce.calls = 0
+    clock = TickerFails()
+    loop = Loop(path, cluster, SECRET, listen=f"127.0.0.1:{port}", watch=False, runner=runner, clock=clock,
+                collection=FailingOnce)
+    clock.stop = loop.stop
 
     async def scenario() -> tuple[int, list[tuple[int, str]], str]:
         runner = asyncio.create_task(loop.run())
-        seen = await watch(ops, loop, time.monotonic() + 30, lambda s: calls["n"] >= 7 and s[-1][0] == 200)
+        seen = await watch(ops, loop, time.monotonic() + 30, lambda s: FailingOnce.calls >= 7 and s[-1][0] == 200)
         metrics = await asyncio.to_thread(get, f"http://127.0.0.1:{ops}/metrics")
         loop.stop.set()
         return await asyncio.wait_for(runner, 30), seen, metrics[1]
@@ -116,10 +125,10 @@ def test_a_failing_interval_and_a_crashing_task_are_survived_told_and_counted(tm
     bodies = [b for code, b in seen if code == 503]
     assert any("interval 2 failed: RuntimeError" in b for b in bodies), seen
     assert any("failed and restarting: the tick task" in b for b in bodies), seen
-    assert seen[-1][0] == 200 and calls["n"] >= 7  # it recovered and went on ticking
+    assert seen[-1][0] == 200 and FailingOnce.calls >= 7  # it recovered and went on ticking
     assert 'reconciler_task_failures_total{task="tick"} 1.0' in metrics
     assert 'reconciler_reconcile_total{kind="collect",result="error"} 1.0' in metrics
-    # State is saved on the way out, with server a (its engine API down: traffic null) in it.
+    # State is saved on the way out.
     state = tmp_path / ".reconciler" / "learned.npz"
     assert state.exists() and oct(state.stat().st_mode & 0o777) == "0o600"
 
@@ -187,7 +196,8 @@ def test_a_leader_serializes_its_learned_state_once_an_interval_for_the_folder_a
     from reconciler.loop.leader import unpack
 
     path, port, ops = write_cluster(tmp_path)
-    loop = make_loop(path, port)
+    leading = SimpleNamespace(is_leader=True, on_change=None)  # an election won, never asked again
+    loop = make_loop(path, port, role=Elected(leading, object()))  # type: ignore[arg-type]
     calls = [0]
     real = Learned.to_bytes
 
@@ -196,13 +206,13 @@ def test_a_leader_serializes_its_learned_state_once_an_interval_for_the_folder_a
         return real(self)
 
     monkeypatch.setattr(Learned, "to_bytes", counting)
-    loop.election, loop.channel = SimpleNamespace(is_leader=True), object()  # type: ignore[assignment]
     assert asyncio.run(loop.tick()) is not None
     assert calls[0] == 1
-    blob = loop._bundle()
+    assert isinstance(loop.role, Elected)
+    blob = loop.role.bundle()
     assert calls[0] == 1 and unpack(blob)[0] == (tmp_path / ".reconciler" / "learned.npz").read_bytes()
     assert loop._serialized is None  # the ~50 MB are not kept past the publish
-    loop._bundle()
+    loop.role.bundle()
     assert calls[0] == 2  # nothing kept: a later bundle serializes the state as it is then
 
 

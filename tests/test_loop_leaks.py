@@ -54,7 +54,6 @@ def test_logs_metrics_and_pages_carry_no_secret(tmp_path, caplog):
     install_agent(runner, "nl-1", "import json, sys\nreq = json.load(sys.stdin)\nprint('not json ' + req['clash_secret'])\n")
     clock = FakeClock(start=time.time() - 100)
     loop = Loop(str(path), cluster, secret, listen=listen, operations_listen=ops, watch=False, runner=runner, clock=clock)
-    loop.pool = runner  # what run() sets; here the intervals are driven one by one
 
     async def go() -> list[str]:
         for _ in range(10):

@@ -19,7 +19,7 @@ from pathlib import Path
 from reconciler.backoff import Streaks
 from reconciler.credentials import Secret, user_credentials
 from reconciler.lab.demo import free_port
-from reconciler.loop.service import SERVER_BACKOFF
+from reconciler.loop.collect import SERVER_BACKOFF
 
 SECRET = "run-test-secret-0123456789abcdef"
 

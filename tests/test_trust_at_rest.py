@@ -34,6 +34,7 @@ from reconciler.fleet.learned import Learned, _npz, state_arrays
 from reconciler.lab.demo import free_port
 from reconciler.loop.leader import StateChannel, pack
 from reconciler.loop.listener import Limits
+from reconciler.loop.role import Elected
 from reconciler.loop.workers import CLUSTER_FILE, SNAPSHOT_FILE, LiveWorkers, _Serving
 from reconciler.model import Cluster
 from reconciler.state.folder import FACTS, LEARNED, StateFolder
@@ -324,8 +325,8 @@ def _standby(tmp_path: Path) -> Any:
                     "  - {name: b, host: 198.18.0.11, country: DE, inbounds: [{id: b-in, name: B, protocol: shadowsocks-2022, port: 8388}]}\n"
                     "users:\n  - name: alice\n")
     loop = make_loop(str(path), port)  # not run: nothing listens, nothing reaches etcd
-    assert loop.channel is not None
-    loop.channel.etcd = FakeEtcd()  # type: ignore[assignment]
+    assert isinstance(loop.role, Elected)
+    loop.role.channel.etcd = FakeEtcd()  # type: ignore[assignment]
     return loop
 
 
@@ -333,7 +334,8 @@ def test_a_standby_refuses_a_learned_state_someone_without_the_secret_put_in_etc
     # Attack: someone who can write to etcd (but has not the master secret) publishes a learned state of their own
     # — with a right sha256 — and every standby served from it and took it over, managed servers and all.
     loop = _standby(tmp_path)
-    etcd, prefix = loop.channel.etcd, loop.channel.prefix
+    assert isinstance(loop.role, Elected)
+    etcd, prefix = loop.role.channel.etcd, loop.role.channel.prefix
     cluster_ = load_cluster(str(tmp_path / "cluster.yaml")).cluster
     assert cluster_ is not None
     forged = Learned.fresh(cluster_)
@@ -347,14 +349,14 @@ def test_a_standby_refuses_a_learned_state_someone_without_the_secret_put_in_etc
     before = loop.learned
     with caplog.at_level(logging.WARNING, logger="reconciler"):
         for _ in range(3):
-            assert asyncio.run(loop._read_state()) is False
+            assert asyncio.run(loop.role.follow()) is False
     assert loop.learned is before and loop.learned.ticks != 999  # it keeps what it had
     assert "evil" not in loop.state.managed()
     refused = [r for r in caplog.records if "HMAC" in r.getMessage()]
     assert len(refused) == 1, [r.getMessage() for r in caplog.records]  # one line, not one per interval
     # The leader's own publication, with the same master secret, is taken.
-    loop.channel.publish_sync([], 100, pack(Learned.fresh(cluster_).to_bytes(), {}), {"by": "leader", "ticks": 0})
-    assert asyncio.run(loop._read_state()) is True
+    loop.role.channel.publish_sync([], 100, pack(Learned.fresh(cluster_).to_bytes(), {}), {"by": "leader", "ticks": 0})
+    assert asyncio.run(loop.role.follow()) is True
 
 
 @pytest.mark.parametrize("declared", ["huge", "small"])

@@ -307,7 +307,6 @@ def test_the_loop_believes_a_rooted_server_only_about_its_own_users(tmp_path: Pa
     # The real collection: each fake host's agent answers its kernel's counters; s2's claims more every interval.
     runner, clock = FakeRunner(tmp_path / "hosts"), FakeClock(start=ts(2026, 12, 1))
     loop = Loop(str(path), c, SECRET, watch=False, runner=runner, clock=clock)
-    loop.pool = runner  # what run() sets; here the intervals are driven one by one
     marks = usage_marks(c, mark_key(SECRET))
     hostile = Kernel()
     for s in c.servers:
@@ -323,9 +322,9 @@ def test_the_loop_believes_a_rooted_server_only_about_its_own_users(tmp_path: Pa
             await loop.tick()
 
     asyncio.run(run())
-    assert loop._reach is not None
+    assert loop.collection.last_answers is not None
     view = loop.learned.ledger.view(c, clock.time())
-    sent = {n for n in c.roster.names if "s2" in failover_servers(loop._reach, n)}
+    sent = {n for n in c.roster.names if "s2" in failover_servers(loop.collection.last_answers, n)}
     assert sent and len(sent) < len(c.roster.names)
     assert all(view[n].used == 0 for n in c.roster.names if n not in sent)
     assert all(view[n].used <= 4 * link_bytes(float("nan"), 60) for n in sent)

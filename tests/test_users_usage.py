@@ -539,7 +539,6 @@ def test_the_loop_applies_within_the_interval_a_user_crosses_the_limit(tmp_path)
     # The real collection: the fake host's agent answers what its kernel counted; time moves when the test says.
     runner, clock = FakeRunner(tmp_path / "hosts"), FakeClock(start=ts(2026, 11, 30))
     loop = Loop(str(path), c, SECRET, watch=False, runner=runner, clock=clock)
-    loop.pool = runner  # what run() sets; here the intervals are driven one by one
     k = Kernel()
     rng = random.Random(2)
     mark = usage_marks(c, mark_key(SECRET))["carol"]  # the loop reads the counters under the secret's marks

@@ -67,6 +67,7 @@ class Learned:
     ledger: Ledger = field(default_factory=Ledger)  # per-user traffic, devices, demand (reconciler.fleet.usage)
     last_tick: float = 0.0
     ticks: int = 0
+    silent: dict[str, str] = field(default_factory=dict)  # server → why the controller had no report from it
 
     @classmethod
     def fresh(cls, cluster: Cluster) -> Learned:
@@ -79,13 +80,17 @@ class Learned:
     # ------------------------------------------------------------------ one interval
 
     def fold(self, cluster: Cluster, reports: dict[str, Report | None], now: float,
-             trust: Trust | None = None) -> Verdicts:
+             trust: Trust | None = None, silent: Mapping[str, str] | None = None) -> Verdicts:
         """Advance by one interval: verdicts, traffic rates, capacity peaks, RTT EWMAs, and the users' usage (with
-        ``trust``: each server believed only about itself, ``reconciler.fleet.usage.Trust``)."""
+        ``trust``: each server believed only about itself, ``reconciler.fleet.usage.Trust``); ``silent``: why
+        each server without a report gave none, as the collection saw it (kept: status views say it)."""
         topo = self.topology
+        if silent is not None:
+            self.silent = {k: v for k, v in silent.items() if k in topo.servers}
         obs = observation(topo, cluster, reports, now)
         engine = HealthEngine(topo, cluster.settings.health, self.health)
         verdicts = engine.evaluate(obs)
+        verdicts.silence = self.silent
         rates = np.zeros(topo.n)
         valid = np.zeros(topo.n, dtype=bool)
         for i, name in enumerate(topo.servers):
@@ -125,7 +130,9 @@ class Learned:
     def current_verdicts(self, cluster: Cluster, now: float) -> Verdicts:
         """Verdicts as of ``now`` from the persisted state, without new reports (for `status`; state untouched)."""
         obs = observation(self.topology, cluster, {}, now)
-        return HealthEngine(self.topology, cluster.settings.health, self.health.copy()).evaluate(obs)
+        verdicts = HealthEngine(self.topology, cluster.settings.health, self.health.copy()).evaluate(obs)
+        verdicts.silence = self.silent
+        return verdicts
 
     # ------------------------------------------------------------------ what decisions read
 
@@ -226,6 +233,7 @@ class Learned:
         new.assignments = held.realigned(held.names, topo.inbounds) if isinstance(held, Assignments) else \
             {k: v for k, v in held.items() if v in inbounds}
         new.last_tick, new.ticks = self.last_tick, self.ticks
+        new.silent = {k: v for k, v in self.silent.items() if k in keep}
         new.ledger = self.ledger
         new.ledger.adopt(cluster)
         return new
@@ -244,7 +252,7 @@ class Learned:
             "connected": self.connected, "bytes_total": self.bytes_total,
             "assignment_keys": list(held.columns), "assignment_inbounds": list(held.inbounds),
             "last_tick": self.last_tick, "ticks": self.ticks, "capacity_half_life": self.capacity.half_life,
-            "usage": ledger_meta,
+            "usage": ledger_meta, "silent": self.silent,
         }
         arrays: dict[str, Any] = {f"h_{k}": v for k, v in vars(self.health).items() if isinstance(v, np.ndarray)}
         arrays.update(cap_peak=self.capacity.peak, cap_time=self.capacity.peak_time, rtt_ewma=self.rtt_ewma,
@@ -281,7 +289,8 @@ class Learned:
                    counters={k: Counter(int(v[0]), float(v[1])) for k, v in meta["counters"].items()},
                    traffic_mbps=meta["traffic_mbps"], connected=meta["connected"],
                    bytes_total={str(k): int(v) for k, v in (meta.get("bytes_total") or {}).items()},
-                   assignments=assignments, last_tick=meta["last_tick"], ticks=meta["ticks"], ledger=ledger)
+                   assignments=assignments, last_tick=meta["last_tick"], ticks=meta["ticks"], ledger=ledger,
+                   silent=_silent(meta.get("silent"), topo))
 
     @classmethod
     def restore(cls, data: bytes | None, cluster: Cluster, where: str = "the learned state") -> tuple[Learned, str | None]:
@@ -491,6 +500,14 @@ def _check(values: dict[str, np.ndarray], meta: dict[str, Any], topo: Topology) 
     figures += [x for pair in dict(meta["counters"]).values() for x in list(pair)]
     if not all(isinstance(x, int | float) and math.isfinite(x) for x in figures) or meta["capacity_half_life"] <= 0:
         raise StateRefused("its last interval, capacity half-life, traffic rates or counters are not finite numbers")
+
+
+def _silent(value: object, topo: Topology) -> dict[str, str]:
+    """Why servers were silent, as a state file says it: only the fleet's servers, short texts (hostile input: a
+    state may come from etcd); anything else is left out."""
+    if not isinstance(value, dict):
+        return {}
+    return {k: v[:300] for k, v in value.items() if isinstance(k, str) and k in topo.servers and isinstance(v, str)}
 
 
 def _assignments(values: dict[str, np.ndarray], meta: dict[str, Any]) -> dict[tuple[str, str], str]:

@@ -9,6 +9,7 @@ something, and what it serves is the least bad choice.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -151,6 +152,7 @@ class Verdicts:
     censored: np.ndarray | None = None  # (N,) bool: a witness losing many servers in a censor's pattern
     prober_failing: np.ndarray | None = None  # (N,) bool: a prober losing more than half of its neighbours
     fresh: np.ndarray | None = None  # (N,) bool: its report is within the staleness limit
+    silence: Mapping[str, str] = field(default_factory=dict)  # server → why the controller has no report from it
 
     def __post_init__(self) -> None:
         n, m = self.topology.n, self.topology.m
@@ -356,10 +358,13 @@ class Verdicts:
         return "ok"
 
     def _no_data_reason(self, server: int) -> str:
+        """Why there is no data, as the controller saw it (SSH unreachable, agent silent, report refused), and since
+        when; without its word (a standby, an older state): the agent did not answer."""
         last = float(self.last_report[server])
+        cause = self.silence.get(self.topology.servers[server]) or "agent not answering"
         if not np.isfinite(last):
-            return "no data — agent not answering (never reported)"
-        return f"no data — agent not answering (last report {_ago(self.now - last)} ago; metrics are stale)"
+            return f"no data — {cause} (never reported)"
+        return f"no data — {cause} (last report {_ago(self.now - last)} ago; metrics are stale)"
 
     def _server_reason(self, i: int, inbounds: np.ndarray, marks: tuple[Mark, ...]) -> str:
         status = int(self.server_status[i])

@@ -30,61 +30,50 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import numpy as np
 from prometheus_client import CollectorRegistry
 
 from reconciler import gcpause
-from reconciler.apply.acme import CERTIFICATE_BACKOFF, ensure_certificates
-from reconciler.apply.run import apply_all
-from reconciler.apply.session import Progress, pool_for, remember
-from reconciler.backoff import Backoff, Streaks
+from reconciler.apply.session import pool_for
+from reconciler.backoff import Backoff
 from reconciler.balance import Snapshot
-from reconciler.balance.decide import failover_servers, held_by_server
+from reconciler.balance.decide import held_by_server
 from reconciler.config.yamlread import load_seconds
-from reconciler.credentials import DEVICE_KEY_PERIOD, Redactor, Secret, clash_api_secret, device_fingerprint_key
-from reconciler.engine import remote
-from reconciler.engine.base import mark_key
-from reconciler.engine.capabilities import of_engine
-from reconciler.errors import LockHeld, RemoteCommandError, RemoteError, ReportError, SecretError, is_temporary
+from reconciler.credentials import Secret
+from reconciler.errors import SecretError
 from reconciler.fleet import snapshot
-from reconciler.fleet.app_probe import AppTarget, probe_targets
 from reconciler.fleet.learned import Learned
 from reconciler.fleet.reality import with_reality_keys
-from reconciler.fleet.reports import AppProbing, Report, agent_request, asked_probes, parse_report
 from reconciler.fleet.tell import Told, tell
 from reconciler.fleet.usage import Trust
 from reconciler.health.verdicts import Verdicts
 from reconciler.loop.client_address import networks
 from reconciler.loop.clock import Clock, SystemClock
+from reconciler.loop.collect import Collection
+from reconciler.loop.heal import Healer
 from reconciler.loop.http import HttpOutlet, status_document
 from reconciler.loop.listener import load_credential
+from reconciler.loop.role import Role, role_for
 from reconciler.loop.workers import LiveWorkers, worker_count
 from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
-from reconciler.model import Cluster, Server
+from reconciler.model import Cluster
 from reconciler.model.types import parse_listen
-from reconciler.plan.lock import Fence
-from reconciler.plan.observe import Observed, observe
 from reconciler.publish import FileOutlet, LiveAnswers, Tokens, cluster_digest
 from reconciler.servable import load_servable
-from reconciler.ssh import Result, Runner, Target
+from reconciler.ssh import Runner
 from reconciler.state.folder import StateFolder
-from reconciler.text import size_text, url_for_log, without_url_secrets
+from reconciler.text import url_for_log, without_url_secrets
 
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from reconciler.apply.run import ServerResult
-    from reconciler.loop.leader import Election, StateChannel
 
 log = logging.getLogger("reconciler.loop")
 T = TypeVar("T")
-#: A server that did not report is asked again next interval, then after 2, 4 … at most 16 intervals more.
-SERVER_BACKOFF = Backoff(first=2, cap=16, free=1)
 #: A supervised task that failed starts again after 1 s, doubling to a minute.
 TASK_BACKOFF = Backoff(first=1.0, cap=60.0)
 # A learned state this big is written to the state folder at most every BIG_STATE_EVERY seconds after intervals
@@ -104,9 +93,13 @@ LOAD_BUDGET = 30  # seconds a reload may take, and 2 s more a MB of YAML it read
 class Loop:
     def __init__(self, path: str, cluster: Cluster, secret: Secret, *, listen: str | None = None,
                  duration: float | None = None, max_ticks: int | None = None, watch: bool = True,
-                 operations_listen: str | None = None, runner: Runner | None = None, clock: Clock | None = None):
+                 operations_listen: str | None = None, runner: Runner | None = None, clock: Clock | None = None,
+                 role: Role | None = None, collection: type[Collection] = Collection):
         self.clock: Clock = clock or SystemClock()  # every time the loop reads or waits for (tests: FakeClock)
-        self._runner = runner  # the servers' runner; default: SSH connections from the state folder's known hosts
+        # The servers' runner; by default SSH connections from the state folder's known hosts, made by ``run``.
+        self._runner = runner
+        if runner is not None:
+            self.pool: Runner = runner
         self.path = str(Path(path).resolve())
         self.base_dir = str(Path(self.path).parent)
         self.cluster = cluster
@@ -120,26 +113,16 @@ class Loop:
         self.stop = asyncio.Event()
         self.plan_now = asyncio.Event()
         self.stats = LoopStats()
-        self.backoff: Streaks[str] = Streaks(SERVER_BACKOFF)  # per server, counted in intervals
         self.tokens = Tokens(secret)
         self.answers = LiveAnswers(secret, self.tokens)
         self.files = FileOutlet(self._out_dir(cluster), self.state.path, secret)
         self.view: FleetView | None = None
-        self.drift: dict[str, int] = {}
         self.facts = self.state.facts()  # what older versions learnt from servers; derived keys and pins win over it
         self.learned = self.state.load_learned(cluster)
         self._saved = (self.clock.monotonic(), 0)  # when the learned state was last written, and its size
         self._serialized: tuple[Learned, int, bytes] | None = None  # the last bytes written, of which state and tick
-        self._app_targets: tuple[Cluster, dict[str, AppTarget], dict[str, frozenset[str]]] | None = None
-        self._session_failures: dict[tuple[str, str], str] = {}  # (witness, inbound) → how its session fails
-        self._local_probe_errors: dict[str, str] = {}  # witness → why its own probe client did not run
-        self._mark_key = mark_key(secret)  # the users' marks: the counters are read under the same key
-        self._device_store_key = secret.derive("device-store")  # what is kept of device fingerprints: ours alone
-        self._device_day = 0  # the day of the key this interval's device fingerprints are made with
-        self._reach: Snapshot | None = None  # the last answers: where users' failover orders send them
-        self._reach_before: Snapshot | None = None  # the answers before those (apps follow them for a while)
-        self._refused: dict[str, int] = {}  # server → rows not believed, as last logged
-        self.acme_backoff: Streaks[str] = Streaks(CERTIFICATE_BACKOFF)  # failed orders wait longer each time
+        self.collection = collection(secret, self.clock, self.stats)  # collect → fold → snapshot: the reports
+        self.healer = Healer(secret, self.state, self.base_dir, self.clock, self.stats)  # plan → heal
         for note in self.state.notes:
             log.warning("%s", note)
         self.state.notes.clear()
@@ -158,10 +141,13 @@ class Loop:
         self._started = self.clock.time()
         self._failed: dict[str, float] = {}  # supervised task → when it last failed (until it runs cleanly again)
         self._interval_error = ""  # why the last interval failed ("" when it did not)
-        self._busy = asyncio.Lock()  # one plan/apply at a time; ticks never wait for it
         self._tasks: list[asyncio.Task[None]] = []
         self._posts: set[asyncio.Task[None]] = set()
-        self._leader_init()  # standby controllers: the election, when settings.leader names an etcd
+        # standby controllers: an election when settings.leader names an etcd; else this one leads alone
+        self.role: Role = role or role_for(cluster.settings.leader, self.base_dir, secret, self.registry)
+        self.role.attach(self)
+        if self.role.election is not None:
+            self.http._pages["/status.json"] = self._status_json  # the status document says who leads
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -179,14 +165,23 @@ class Loop:
             return False, "failed and restarting: " + ", ".join(f"the {name} task" for name in sorted(self._failed))
         if self._interval_error:
             return False, self._interval_error
-        if self.election is not None and not self.election.is_leader:
-            return self._standby_health()
+        standby = self.role.health(interval, self._started)
+        if standby is not None:
+            return standby
         if self.view is None:
             late = self.clock.time() - self._started > 3 * interval + 60
             return (not late, "starting: the first interval has not finished" + (" (late)" if late else ""))
         age = self.clock.time() - self._last_tick_end
         if age > 3 * interval + 30:
             return False, f"the last interval finished {age:.0f}s ago (interval {interval:g}s)"
+        unreported, servers = self.view.unreported, len(self.view.cluster.servers)
+        if unreported:
+            first = sorted(unreported.items())[:3]
+            said = "; ".join(f"{name}: {why}" for name, why in first) + ("; …" if len(unreported) > 3 else "")
+            if len(unreported) == servers:
+                return False, f"no server reported in interval {self._tick_index}: {said}"
+            return True, (f"ok: interval {self._tick_index} finished {age:.0f}s ago; {len(unreported)} of {servers} "
+                          f"server(s) gave no report: {said}")
         return True, f"ok: interval {self._tick_index} finished {age:.0f}s ago"
 
     async def run(self) -> int:
@@ -262,8 +257,8 @@ class Loop:
             self._tasks.append(self._supervise("watch", self._watcher))
         if self.cluster.settings.git_pull_interval:
             self._tasks.append(self._supervise("git", self._git_puller))
-        if self.election is not None:  # lead or stand by
-            self._tasks.append(self._supervise("leader", self._elect))
+        if self.role.election is not None:  # lead or stand by
+            self._tasks.append(self._supervise("leader", lambda: self.role.run(self.stop)))
         if self.duration is not None:
             self._tasks.append(asyncio.create_task(self._deadline(self.duration), name="deadline"))
 
@@ -275,7 +270,7 @@ class Loop:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        await self._leader_stop()  # the last state published, the lease given back
+        await self.role.close()  # a leader's last state published, the lease given back
         await asyncio.to_thread(self._save)
         with contextlib.suppress(OSError):  # the files' record: else the next start compares every user
             await asyncio.to_thread(self.files.close)
@@ -296,11 +291,11 @@ class Loop:
         """Write the learned state to the state folder (``after_interval``: unless it is big and was written less
         than BIG_STATE_EVERY ago, see there). The bytes are kept for the publish that follows a leader's interval."""
         try:
-            if (after_interval and self._saved[1] >= BIG_STATE_BYTES and not self._publishing()
+            if (after_interval and self._saved[1] >= BIG_STATE_BYTES and not self.role.publishing()
                     and self.clock.monotonic() - self._saved[0] < BIG_STATE_EVERY):
                 return
             data = self.learned.to_bytes()
-            self._serialized = (self.learned, self.learned.ticks, data) if self._publishing() else None  # ~40 MB
+            self._serialized = (self.learned, self.learned.ticks, data) if self.role.publishing() else None  # ~40 MB
             self.state.save_learned_bytes(data)
             self._saved = (self.clock.monotonic(), len(data))
         except OSError as exc:
@@ -355,15 +350,17 @@ class Loop:
         started = self.clock.monotonic()
         self._tick_index += 1
         try:
-            reports = await self.collect(cluster)
+            reports = await self.collection.collect(self.pool, cluster, self._tick_index, self.healer.applied())
             with gcpause.paused():  # the interval's CPU work, without the cyclic collector walking the heap
                 now = self.clock.time()
-                verdicts = self.learned.fold(cluster, reports, now, self._trust(cluster))
-                self._tell_refused()
+                verdicts = self.learned.fold(cluster, reports, now, self._trust(cluster, now), self.collection.silent)
+                self.collection.tell_refused(self.learned.ledger)
                 snap = snapshot(cluster, self.learned, with_reality_keys(self.facts, cluster, self.secret), now, verdicts)
-                self._reach_before, self._reach = self._reach, snap
+                self.collection.answered(snap)
                 self.learned.assignments = snap.assignments  # stickiness (LB-6): the next interval starts here (immutable)
-                self.stats.record("collect", True, self.clock.monotonic() - started, now)
+                # an interval with servers and no report of any is not a collection that worked
+                heard = not reports or any(r is not None for r in reports.values())
+                self.stats.record("collect", heard, self.clock.monotonic() - started, now)
                 self.answers.publish(snap)
                 if self.live is not None:  # the worker processes answer from the same snapshot (written in a thread)
                     self.live.publish(snap)
@@ -393,137 +390,14 @@ class Loop:
         await asyncio.to_thread(_gc_paused, self._save, True)
         return verdicts
 
-    def _publishing(self) -> bool:
-        """Whether this interval's learned state is published to a standby (a leader's)."""
-        return self.election is not None and self.channel is not None and self.election.is_leader
-
-    async def collect(self, cluster: Cluster) -> dict[str, Report | None]:
-        interval = cluster.settings.health.report_interval
-        probe_timeout = max(0.5, min(3.0, interval / 4))
-        budget = max(5.0, min(0.8 * interval, 60.0))
-
-        app = self._app_probing(cluster, probe_timeout)
-        self._device_day = int(self.clock.time() // DEVICE_KEY_PERIOD)
-        device_key = device_fingerprint_key(self.secret, self._device_day)
-
-        async def one(server: Server) -> tuple[str, Report | None]:
-            name = server.name
-            if not self.backoff.ready(name, self._tick_index):
-                return name, None
-            req = agent_request(cluster, name, clash_api_secret(self.secret, name), probe_timeout, device_key,
-                                interval=self._tick_index, app=app)
-            try:
-                async with asyncio.timeout(budget + 2):  # not wait_for: no task of its own per server and interval
-                    res = await self._agent(server, req, budget)
-                with gcpause.paused():
-                    report = parse_report(name, res.stdout, self.clock.time(), asked_probes(req))
-            except Exception as exc:  # one server's failure, whatever it is, is that server's no_data
-                wait = int(self.backoff.failed(name, self._tick_index + 1, is_temporary(exc)))  # from the next interval
-                self.stats.server_error(name)
-                expected = isinstance(exc, RemoteError | ReportError | OSError | TimeoutError)
-                log.log(logging.WARNING if expected else logging.ERROR, "%s: no report this interval: %s%s", name,
-                        str(exc) or type(exc).__name__, f"; next try in {wait + 1} interval(s)" if wait else "",
-                        exc_info=not expected)
-                return name, None
-            if self.backoff.succeeded(name):
-                log.info("%s: reporting again", name)
-            return name, report
-
-        results = dict(await asyncio.gather(*(one(s) for s in cluster.servers)))
-        self._tell_sessions(results)
-        return results
-
-    async def _agent(self, server: Server, req: dict[str, Any], budget: float) -> Result:
-        """The agent's answer on ``server`` (a ``Script`` like every other: the fake host answers it too)."""
-        try:
-            return await self.pool.script(Target.from_server(server), remote.AGENT, req, timeout=budget)
-        except RemoteCommandError as exc:
-            hint = " (the agent is not installed yet: apply first)" if "No such file" in exc.stderr else ""
-            # What a server says is logged: never the secrets it was sent (a broken agent may echo its request).
-            said = _sent_secrets(req)(exc.stderr.strip()[-300:], structural=True)
-            raise ReportError(f"the agent exited {exc.code}{hint}: {said}") from None
-
-    def _trust(self, cluster: Cluster) -> Trust:
-        """How this interval's reports are believed: each server only about the users the last answers sent to it
-        (their failover orders as the last two snapshots give them, so a server that left rotation for an interval,
-        an engine's restart, still counts what its users carried; after a start or a takeover, as the restored
-        state gives them), each user's orders decided at most once per interval."""
-        orders: dict[str, frozenset[str]] = {}
-
-        def reach(server: str, names: list[str]) -> np.ndarray:
-            if self._reach is None or self._reach.cluster is not cluster:  # a start, a takeover or a reload
-                now = self.clock.time()
-                made = snapshot(cluster, self.learned, with_reality_keys(self.facts, cluster, self.secret), now,
-                                self.learned.current_verdicts(cluster, now))
-                self._reach_before, self._reach = self._reach, made
-            answers = [a for a in (self._reach, self._reach_before) if a is not None]
-            out = np.zeros(len(names), bool)
-            for i, name in enumerate(names):
-                found = orders.get(name)
-                if found is None:
-                    found = orders[name] = frozenset().union(*(failover_servers(a, name) for a in answers))
-                out[i] = server in found
-            return out
-        return Trust(self._mark_key, reach, self._device_store_key, device_epoch=self._device_day)
-
-    def _tell_refused(self) -> None:
-        """Log a server whose report claims traffic of users the controller never sent to it (once, and when it
-        stops): such rows are not counted (a server is believed only about itself)."""
-        now = {server: users for server, (users, _nbytes) in self.learned.ledger.refused.items()}
-        for server, users in now.items():
-            if server not in self._refused:
-                log.warning("%s reports traffic of %d user(s) the controller did not send to it, or no longer serves "
-                            "(%s): not counted; a server that does this every interval may be compromised", server,
-                            users, size_text(self.learned.ledger.refused[server][1]))
-        for server in [s for s in self._refused if s not in now]:
-            log.info("%s reports only its own users' traffic again", server)
-        self._refused = now
-
-    def _tell_sessions(self, reports: dict[str, Report | None]) -> None:
-        """Log, when it starts and when it ends, each pair whose handshake passes while its proxy session fails
-        (HEALTH-16): what kind of censor is at work (a stall, a reset on the server name) is in these lines."""
-        now: dict[tuple[str, str], str] = {}
-        for witness, rep in reports.items():
-            if rep is None:
-                continue
-            local = ""
-            for inbound, result in rep.probes.items():
-                if result.ok and result.app is False:
-                    now[(witness, inbound)] = result.failure
-                elif result.app is None and result.app_error:
-                    local = result.app_error
-            if local and self._local_probe_errors.get(witness) != local:  # its own client: no session was tried
-                log.warning("%s: no app-like probes this interval: %s", witness, local)
-            if local:
-                self._local_probe_errors[witness] = local
-            else:
-                self._local_probe_errors.pop(witness, None)
-        for (witness, inbound), text in now.items():
-            if self._session_failures.get((witness, inbound)) is None:
-                log.info("%s cannot carry a session through %s: %s", witness, inbound, text)
-        for key in [k for k in self._session_failures if k not in now]:
-            rep = reports.get(key[0])
-            probe = rep.probes.get(key[1]) if rep is not None else None
-            if probe is None:
-                continue  # not probed this interval (the plan rotates), or no report: nothing new is known
-            if probe.passed:
-                log.info("%s carries sessions through %s again", *key)
-            del self._session_failures[key]
-        self._session_failures.update(now)
-
-    def _app_probing(self, cluster: Cluster, probe_timeout: float) -> AppProbing:
-        """The app-like probes' inputs (HEALTH-16): the probe credential's outbounds (once per cluster), the targets
-        whose configuration holds it (no change left to apply: older configurations lack it, and a probe refused
-        there says nothing of a censor), and what each engine's build cannot dial."""
-        if self._app_targets is None or self._app_targets[0] is not cluster:
-            lacks: dict[str, frozenset[str]] = {}
-            for name in {cluster.engine_of(s).name for s in cluster.servers}:
-                caps = of_engine(cluster, name)
-                lacks[name] = frozenset() if caps is None else frozenset(c for c in ("reality", "quic") if c not in caps)
-            self._app_targets = (cluster, probe_targets(cluster, self.secret), lacks)
-        _, targets, lacks = self._app_targets
-        applied = frozenset(name for name, pending in self.drift.items() if pending == 0)
-        return AppProbing(targets, applied, lacks, timeout=max(2.0, 2 * probe_timeout))
+    def _trust(self, cluster: Cluster, now: float) -> Trust:
+        """How this interval's reports are believed (``Collection.trust``); after a start, a takeover or a reload,
+        the answers the restored state gives are made first."""
+        start = None
+        if self.collection.needs_start(cluster):
+            start = snapshot(cluster, self.learned, with_reality_keys(self.facts, cluster, self.secret), now,
+                             self.learned.current_verdicts(cluster, now))
+        return self.collection.trust(cluster, start)
 
     def _fleet_view(self, cluster: Cluster, verdicts: Verdicts, snap: Snapshot) -> FleetView:
         loads = snap.loads
@@ -533,10 +407,11 @@ class Loop:
                          traffic_mbps={k: v.traffic_mbps for k, v in loads.items()},
                          connected={k: v.users for k, v in loads.items()},
                          capacity_mbps={k: v.capacity_mbps for k, v in loads.items()}, assigned=assigned, rtt_ms=rtt,
-                         drift=dict(self.drift), cluster_digest=self._digest, traffic_bytes=dict(self.learned.bytes_total),
+                         drift=dict(self.healer.drift), cluster_digest=self._digest, traffic_bytes=dict(self.learned.bytes_total),
                          usage=snap.usage, usage_unavailable=dict(self.learned.ledger.unavailable),
                          user_bytes_by_server={k: (v[0], v[1]) for k, v in self.learned.ledger.by_server.items()},
-                         user_bytes_by_route={k: (v[0], v[1]) for k, v in self.learned.ledger.by_route.items()})
+                         user_bytes_by_route={k: (v[0], v[1]) for k, v in self.learned.ledger.by_route.items()},
+                         unreported=dict(self.collection.unreported))
 
     def _tell(self, verdicts: Verdicts, snap: Snapshot) -> None:
         """What the interval tells (``fleet.tell``, pure), done: the log lines, the webhook's events, a plan now."""
@@ -568,85 +443,12 @@ class Loop:
             self.plan_now.clear()
 
     async def plan_and_heal(self) -> None:
-        if self.election is not None:  # only the leader plans and applies; a new one first takes over the state
-            if not self.election.is_leader:
-                return
-            await self._complete_takeover()
-        async with self._busy:
-            cluster = self.cluster
-            observed = await self._observe_all(cluster)
-            if observed is None:
-                return
-            pending = [o for o in observed if o.plan.changes and not (o.plan.error or o.plan.problems)]
-            if not pending:
-                return
-            what = ", ".join(f"{o.plan.server} ({len(o.plan.actions)})" for o in pending)
-            if not cluster.settings.self_heal:
-                log.warning("drift: %s; self_heal is off — run `reconciler plan` and `reconciler apply`", what)
-                return
-            log.info("applying: %s", what)
-            await self._heal(cluster, pending)
-
-    async def _observe_all(self, cluster: Cluster) -> list[Observed] | None:
-        """Every server observed and planned (due ACME certificates ordered first); None (logged) when it failed."""
-        started = self.clock.monotonic()
-        try:
-            if cluster.settings.self_heal:  # ACME certificates due for renewal are renewed before the plan
-                failed = await ensure_certificates(cluster, self.pool, self.base_dir, backoff=self.acme_backoff)
-                for inbound, why in failed.items():
-                    log.warning("no certificate for inbound %s: %s", inbound, why)
-            # GITOPS-7: a server that left the file is removed like in `apply` (`retired:` keeps one)
-            managed = await asyncio.to_thread(self.state.managed) if cluster.settings.self_heal else {}
-            usage = self.learned.ledger.view(cluster, self.clock.time())  # over-quota users stay out
-            observed = await observe(cluster, self.secret, self.pool, self.base_dir, True, managed, usage=usage)
-        except Exception:  # logged with traceback; the next plan tries again
-            log.exception("plan failed")
-            self.stats.record("plan", False, self.clock.monotonic() - started, self.clock.time())
-            return None
-        errors = [o.plan for o in observed if o.plan.error or o.plan.problems]
-        for p in errors:
-            log.warning("plan: %s: %s", p.server, p.error or "; ".join(p.problems))
-        self.stats.record("plan", not errors, self.clock.monotonic() - started, self.clock.time())
-        self.drift = {o.plan.server: len(o.plan.actions) for o in observed}
-        return observed
-
-    async def _heal(self, cluster: Cluster, pending: list[Observed]) -> None:
-        """Apply what drifted, under the state folder's lock and the leader's fence; results recorded and told."""
-        started = self.clock.monotonic()
-        progress = Progress([o.plan.server for o in pending], log=lambda line: log.info("apply %s", line))
-        try:
-            with self.state.lock("run (self-heal)"):  # not while an `apply` from this folder runs
-                # the leader's fence goes with it; stepping down cancels what is left of it
-                self._applying: asyncio.Future[list[ServerResult]] | None = asyncio.ensure_future(
-                    apply_all(pending, self.pool, progress, fence=self._fence()))
-                try:
-                    results = await self._applying  # adds generated public keys to `pending`
-                finally:
-                    self._applying = None
-                await asyncio.to_thread(remember, self.state, cluster, pending, results)
-        except LockHeld as exc:
-            log.warning("self-heal waits for the next plan: %s", exc)
+        """One pass of plan → heal (``Healer``): only a leader's, after it took over the state."""
+        if not self.role.leads():
             return
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():
-                raise  # the loop stops
-            log.warning("apply stopped: this controller is no longer the leader (servers finish or roll back a "
-                        "started commit on their own)")
-            self.stats.record("apply", False, self.clock.monotonic() - started, self.clock.time())
-            return
-        except Exception:
-            log.exception("apply failed")
-            self.stats.record("apply", False, self.clock.monotonic() - started, self.clock.time())
-            return
-        finally:
-            progress.close()
-        for r in results:
-            (log.info if r.ok else log.error)("apply %s: %s", r.server, r.message)
-        self.stats.record("apply", all(r.ok for r in results), self.clock.monotonic() - started, self.clock.time())
-        for r in results:
-            if r.ok:
-                self.drift[r.server] = 0
+        await self._take_over()
+        await self.healer.pass_(self.pool, self.cluster, lambda: self.learned.ledger.view(self.cluster, self.clock.time()),
+                                self.role.fence())
 
     # ------------------------------------------------------------------ the file: watch and git pull
 
@@ -717,176 +519,56 @@ class Loop:
 
     # ------------------------------------------------------------------ standby controllers
 
-    def _leader_init(self) -> None:
-        """With ``settings.leader.etcd``: this controller's election and the channel of the learned state
-        (``reconciler.loop.leader``), started by ``run``; without, none — it leads alone, as before."""
-        self.election: Election | None = None
-        self.channel: StateChannel | None = None
-        self._state_generation: str | None = None  # the published state this controller has (read or written)
-        self._state_seen = 0.0  # when (monotonic) a leader's state last arrived here, as a standby
-        self._state_pointer: dict[str, Any] = {}  # that state's pointer: by whom, its fence, ticks, when
-        self._state_error = ""  # the last failure to read or publish it ("" after a success)
-        self._takeover_lock = asyncio.Lock()
-        self._takeover_pending = False
-        self._applying = None  # the apply in progress (plan_and_heal), cancelled when this controller steps down
-        settings = self.cluster.settings.leader
-        if not settings.etcd:
-            return
-        from reconciler.loop.leader import Election, Etcd, LeaderCollector, StateChannel
+    def leadership_changed(self, leading: bool) -> None:
+        """The role's news: a new leader plans now (it reconciles whatever its predecessor left half done); one
+        that steps down stops the apply in progress."""
+        if leading:
+            self.plan_now.set()
+        else:
+            self.healer.stop_applying()
 
-        calls = max(0.5, min(5.0, settings.lease / 4))  # an etcd request of the election never outlasts a round
-        self.election = Election(Etcd.from_settings(settings, self.base_dir, calls), settings.prefix, settings.lease,
-                                 on_change=self._on_leadership)
-        self.channel = StateChannel(Etcd.from_settings(settings, self.base_dir, 30.0), settings.prefix, self.secret)
-        self.registry.register(LeaderCollector(self.election))
-        self.http._pages["/status.json"] = self._status_json  # the status document says who leads
-        log.info("standby controllers: etcd %s, lease %gs, keys under %s; this one is %s", ", ".join(settings.etcd),
-                 settings.lease, settings.prefix, self.election.identity)
+    def saved_bytes(self) -> bytes | None:
+        """The bytes the last save wrote, when they are the current learned state's (given once: then forgotten)."""
+        kept, self._serialized = self._serialized, None
+        return kept[2] if kept is not None and kept[0] is self.learned and kept[1] == self.learned.ticks else None
 
     async def _status_json(self, request: web.BaseRequest) -> web.Response:
         from aiohttp import web
 
         doc = status_document(self.view)
-        if self.election is not None:
-            doc["leader"] = {**self.election.status(), "state": {
-                "generation": self._state_generation, "ticks": self.learned.ticks,
-                "published_by": self._state_pointer.get("by"), "error": self._state_error}}
+        leader = self.role.status()
+        if leader is not None:
+            doc["leader"] = leader
         return web.json_response(doc, dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
-    async def _elect(self) -> None:
-        assert self.election is not None
-        await self.election.run(self.stop)
-
-    def _on_leadership(self, leading: bool) -> None:
-        if leading:  # the state it continues from is read before its first interval or plan (_complete_takeover)
-            self._takeover_pending = True
-            self.plan_now.set()  # plan now: the new leader reconciles whatever its predecessor left half done
-            return
-        if self._applying is not None and not self._applying.done():
-            log.warning("stopping the apply in progress: its next steps are not this controller's to take")
-            self._applying.cancel()
-
-    def _fence(self) -> Fence | None:
-        """What this leader's applies carry (none without an election: not fenced, as before)."""
-        election = self.election
-        if election is None:
-            return None
-        return Fence(election.fence, lambda: election.is_leader)
+    async def _take_over(self) -> None:
+        """Once per election won, before the new leader's first interval or plan: its first interval tells the
+        webhook every server customers miss."""
+        if await self.role.take_over():
+            self._told = self._told.after_takeover()
 
     async def _tick_by_role(self) -> Verdicts | None:
         """The leader's interval collects (``tick``) and then publishes its learned state; a standby's follows it."""
-        if self.election is None:
-            return await self.tick()
-        if not self.election.is_leader:
+        if not self.role.leads():
             return await self._follow_tick()
-        await self._complete_takeover()
+        await self._take_over()
         verdicts = await self.tick()
         if verdicts is not None:
-            await self._publish_state()
+            await self.role.publish()
         return verdicts
-
-    async def _complete_takeover(self) -> None:
-        """Once per election won: continue from the last state the previous leader published (it can publish
-        no more: its writes are guarded by the key it lost) — capacities, streaks, assignments, the usage ledger."""
-        async with self._takeover_lock:
-            if not self._takeover_pending:
-                return
-            self._takeover_pending = False
-            self._told = self._told.after_takeover()  # its first interval tells the webhook every server customers miss
-            fresh = await self._read_state()
-            pointer = self._state_pointer
-            log.warning("leading from interval %d of the learned state (%s)", self.learned.ticks,
-                        f"published by {pointer.get('by')} at fence {pointer.get('fence')}" if fresh or pointer
-                        else "none published yet: this controller's own")
-
-    async def _read_state(self) -> bool:
-        """The leader's newest published state, when there is one newer than ours: it becomes ours."""
-        assert self.channel is not None
-        from reconciler.loop.leader import EtcdFailure, failure, unpack
-
-        try:
-            got = await self.channel.read(self._state_generation)
-        except EtcdFailure as exc:
-            self._state_trouble(f"cannot read the leader's published state: {failure(exc)}")
-            return False
-        if got is None:
-            return False
-        where = f"the state {got.pointer.get('by')} published"
-        try:
-            data, extras = unpack(got.blob)
-        except ValueError as exc:
-            self._state_generation = got.generation  # not read again; the next one may be good
-            self._state_trouble(f"ignoring {where}: {exc}")
-            return False
-        learned, note = Learned.restore(data, self.cluster, where)
-        self._state_generation = got.generation
-        if note:
-            self._state_trouble(note)
-            return False
-        self._state_error = ""
-        self.learned, self._state_seen, self._state_pointer = learned, self.clock.monotonic(), got.pointer
-        await asyncio.to_thread(self._adopt_published, extras)
-        return True
-
-    def _state_trouble(self, text: str) -> None:
-        if text != self._state_error:
-            log.warning("%s", text)
-        self._state_error = text
-
-    def _adopt_published(self, extras: dict[str, Any]) -> None:
-        """The leader's managed servers and public facts, kept in this controller's state folder: a takeover
-        prunes and pins as the leader would have."""
-        try:
-            managed, facts = extras.get("managed"), extras.get("facts")
-            if isinstance(managed, dict) and managed != self.state.managed():
-                self.state.write_managed(managed)
-            if isinstance(facts, dict) and facts and facts != self.facts:
-                self.facts = self.state.remember_facts({k: v for k, v in facts.items() if isinstance(v, dict)})
-        except OSError as exc:
-            log.error("cannot keep the leader's managed servers and facts in %s: %s", self.state.path, exc)
-
-    def _bundle(self) -> bytes:
-        from reconciler.loop.leader import pack
-
-        kept, self._serialized = self._serialized, None
-        data = kept[2] if kept is not None and kept[0] is self.learned and kept[1] == self.learned.ticks else None
-        return pack(data or self.learned.to_bytes(), {"managed": self.state.managed(), "facts": self.facts})
-
-    async def _publish_state(self) -> None:
-        """The leader's learned state after its interval, for a standby to serve from and take over."""
-        election, channel = self.election, self.channel
-        if election is None or channel is None or not election.is_leader:
-            self._serialized = None  # not published after all: the ~40 MB are not kept
-            return
-        from reconciler.loop.leader import EtcdFailure, failure
-
-        try:
-            blob = await asyncio.to_thread(self._bundle)
-            meta = {"by": election.identity, "ticks": self.learned.ticks, "last_tick": self.learned.last_tick}
-            generation = await channel.publish(election.guard(), election.fence, blob, meta)
-        except EtcdFailure as exc:
-            self._state_trouble(f"cannot publish the learned state: {failure(exc)}")
-            return
-        if generation is None:
-            self._state_trouble("the learned state was not published: this controller no longer leads")
-            return
-        self._state_error = ""
-        self._state_generation, self._state_pointer = generation, {**meta, "generation": generation, "fence": election.fence}
-        self._state_seen = self.clock.monotonic()  # the newest state is ours: a deposed leader stays healthy as long as a standby
 
     async def _follow_tick(self) -> Verdicts | None:
         """A standby's interval: the leader's newest published state, served read-only — the live answers, the
         files, the metrics view — from this controller's own checkout of the file; no collection, plan or apply."""
         self._tick_index += 1
-        fresh = await self._read_state()
+        fresh = await self.role.follow()
         cluster, now = self.cluster, self.clock.time()
         try:
             verdicts = self.learned.current_verdicts(cluster, now)
             snap = snapshot(cluster, self.learned, with_reality_keys(self.facts, cluster, self.secret), now, verdicts)
             self.answers.publish(snap)
-            live = getattr(self, "live", None)  # worker processes answering the public port, when there are
-            if live is not None:
-                live.publish(snap)
+            if self.live is not None:  # worker processes answering the public port, when there are
+                self.live.publish(snap)
             self.view = self._fleet_view(cluster, verdicts, snap)
         except Exception as exc:  # as an interval's: logged, told by /healthz, tried again
             log.exception("standby interval %d failed", self._tick_index)
@@ -901,52 +583,6 @@ class Loop:
         if fresh:
             await asyncio.to_thread(_gc_paused, self._save, True)
         return verdicts
-
-    def _standby_health(self) -> tuple[bool, str]:
-        """A standby is healthy while the leader's state keeps arriving (it serves from it)."""
-        assert self.election is not None
-        interval = self.cluster.settings.health.report_interval
-        leader = self.election.leader or "none yet"
-        if not self._state_seen:
-            late = self.clock.time() - self._started > 3 * interval + 60
-            return (not late, f"standby (leader: {leader}): no state published yet" + (" (late)" if late else ""))
-        age = self.clock.monotonic() - self._state_seen
-        if age > 3 * interval + 30:
-            return False, (f"standby (leader: {leader}): the newest published state arrived {age:.0f}s ago "
-                           f"(interval {interval:g}s){'; ' + self._state_error if self._state_error else ''}")
-        return True, (f"ok: standby (leader: {leader}); state of interval {self._state_pointer.get('ticks')} "
-                      f"arrived {age:.0f}s ago")
-
-    async def _leader_stop(self) -> None:
-        """On the way out: a leader publishes its last state and resigns, so a standby leads at its next look."""
-        election, channel = self.election, self.channel
-        if election is None or channel is None:
-            return
-        if election.is_leader:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._publish_state(), max(5.0, election.ttl))
-            await election.resign()
-        election.close()
-        channel.close()
-
-
-def _sent_secrets(req: Mapping[str, Any]) -> Redactor:
-    """A redactor of the secrets an agent request carries: the clash API's, the device salt, and every string of
-    the app probes' client configuration (the probe credential)."""
-    found = [str(req.get("clash_secret") or ""), str(req.get("device_salt") or "")]
-
-    def strings(value: object) -> None:
-        if isinstance(value, str):
-            found.append(value)
-        elif isinstance(value, Mapping):
-            for v in value.values():
-                strings(v)
-        elif isinstance(value, list | tuple):
-            for v in value:
-                strings(v)
-
-    strings(req.get("app"))
-    return Redactor.of(v for v in found if len(v) >= 8)
 
 
 def _resolved(host: str) -> str:

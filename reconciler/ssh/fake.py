@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from reconciler.errors import ConnectError, RemoteCommandError
+from reconciler.errors import ConnectError, RemoteCommandError, SessionLost
 from reconciler.ssh.runner import Script
 from reconciler.ssh.types import Result, Target
 
@@ -164,7 +164,7 @@ class FakeRunner:
         except TimeoutError:
             proc.kill()
             await proc.wait()
-            raise ConnectError(f"{target.name}: the {script.name} script timed out after {timeout}s", target.name) from None
+            raise SessionLost(f"{target.name}: the {script.name} script timed out after {timeout}s", target.name) from None
         except asyncio.CancelledError:  # the caller stopped waiting (the loop stops): nothing of ours keeps running
             proc.kill()
             await asyncio.shield(proc.wait())

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import asyncssh
 
 from reconciler.backoff import Backoff
-from reconciler.errors import ConnectError, HostKeyChanged, RemoteCommandError, RemoteError
+from reconciler.errors import ConnectError, HostKeyChanged, RemoteCommandError, RemoteError, SessionLost
 from reconciler.safe_read import read_regular_file
 from reconciler.ssh.types import Result, Target
 from reconciler.state.files import write_atomic
@@ -245,7 +245,7 @@ class SSHPool:
             except _RETRYABLE as exc:
                 if self._conns.get(target.name) is conn:  # lost, or hung: the next run connects afresh
                     del self._conns[target.name]
-                raise ConnectError(f"{target.name}: connection lost while running a command: {exc}") from exc
+                raise SessionLost(f"{target.name}: connection lost while running a command: {exc}") from exc
             finally:
                 self._busy[conn] -= 1
                 if not self._busy[conn]:
@@ -282,8 +282,8 @@ class SSHPool:
                 try:
                     res = await _execute(conn, command, timeout, data)
                 except (*_RETRYABLE, asyncssh.Error) as exc:
-                    raise ConnectError(f"{target.name}: a fresh connection failed while running {script.name}: {exc}",
-                                       target.name) from exc
+                    raise SessionLost(f"{target.name}: a fresh connection failed while running {script.name}: {exc}",
+                                      target.name) from exc
                 finally:
                     conn.close()
         if res.code != 0:

@@ -1,0 +1,293 @@
+"""This controller's role among its peers: it leads alone, or it leads or stands by through an etcd election.
+
+The loop is given a ``Role`` (``role_for`` makes the one the settings ask for) and asks it four things: whether it
+may collect, plan and apply now (``leads``), what its applies carry (``fence``), what to do once per election won
+before it acts (``take_over``: continue from the last state the previous leader published), and what to do after
+a leader's interval (``publish``). A standby serves, read-only, what the leader publishes (``follow``).
+
+``Alone`` leads always and publishes nothing. ``Elected`` (``settings.leader.etcd``) runs the election and the
+channel of the learned state (``reconciler.loop.leader``): the leader publishes its state after each interval,
+a standby reads it every interval, and a new leader continues from the newest one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any, Protocol
+
+from reconciler.credentials import Secret
+from reconciler.fleet.learned import Learned
+from reconciler.loop.clock import Clock
+from reconciler.model import Cluster
+from reconciler.plan.lock import Fence
+from reconciler.state.folder import StateFolder
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from reconciler.loop.leader import Election, StateChannel
+    from reconciler.model.cluster import LeaderSettings
+
+log = logging.getLogger("reconciler.loop")
+
+
+class Led(Protocol):
+    """What a role reads and replaces of the loop it serves."""
+
+    cluster: Cluster
+    learned: Learned
+    facts: dict[str, Any]
+    state: StateFolder
+    clock: Clock
+
+    def leadership_changed(self, leading: bool) -> None: ...
+
+    def saved_bytes(self) -> bytes | None: ...
+
+
+class Role(Protocol):
+    election: Election | None
+
+    def attach(self, led: Led) -> None: ...
+
+    def leads(self) -> bool: ...
+
+    def publishing(self) -> bool: ...
+
+    def fence(self) -> Fence | None: ...
+
+    async def run(self, stop: asyncio.Event) -> None: ...
+
+    async def take_over(self) -> bool: ...
+
+    async def publish(self) -> None: ...
+
+    async def follow(self) -> bool: ...
+
+    def health(self, interval: float, started: float) -> tuple[bool, str] | None: ...
+
+    def status(self) -> dict[str, Any] | None: ...
+
+    async def close(self) -> None: ...
+
+
+class Alone:
+    """The one controller: it leads, unfenced, and publishes nothing."""
+
+    election: Election | None = None
+
+    def attach(self, led: Led) -> None:
+        pass
+
+    def leads(self) -> bool:
+        return True
+
+    def publishing(self) -> bool:
+        return False
+
+    def fence(self) -> Fence | None:
+        return None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        pass
+
+    async def take_over(self) -> bool:
+        return False
+
+    async def publish(self) -> None:
+        pass
+
+    async def follow(self) -> bool:
+        return False
+
+    def health(self, interval: float, started: float) -> tuple[bool, str] | None:
+        return None
+
+    def status(self) -> dict[str, Any] | None:
+        return None
+
+    async def close(self) -> None:
+        pass
+
+
+class Elected:
+    """Lead or stand by through an etcd election, the learned state handed over through etcd (see the module)."""
+
+    def __init__(self, election: Election, channel: StateChannel) -> None:
+        self.election: Election | None = election
+        self._election = election
+        self.channel = channel
+        self._led: Led | None = None
+        self._generation: str | None = None  # the published state this controller has (read or written)
+        self._seen = 0.0  # when (monotonic) a leader's state last arrived here, as a standby
+        self._pointer: dict[str, Any] = {}  # that state's pointer: by whom, its fence, ticks, when
+        self._error = ""  # the last failure to read or publish it ("" after a success)
+        self._takeover_lock = asyncio.Lock()
+        self._takeover_pending = False
+
+    @property
+    def led(self) -> Led:
+        assert self._led is not None, "a role serves the loop it is attached to"
+        return self._led
+
+    def attach(self, led: Led) -> None:
+        self._led = led
+        self._election.on_change = self._on_change
+
+    def leads(self) -> bool:
+        return self._election.is_leader
+
+    def publishing(self) -> bool:
+        return self._election.is_leader
+
+    def fence(self) -> Fence | None:
+        election = self._election
+        return Fence(election.fence, lambda: election.is_leader)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self._election.run(stop)
+
+    def _on_change(self, leading: bool) -> None:
+        if leading:  # the state it continues from is read before its first interval or plan (take_over)
+            self._takeover_pending = True
+        self.led.leadership_changed(leading)
+
+    async def take_over(self) -> bool:
+        """Once per election won: continue from the last state the previous leader published (it can publish
+        no more: its writes are guarded by the key it lost) — capacities, streaks, assignments, the usage ledger.
+        True the first time after a win."""
+        async with self._takeover_lock:
+            if not self._takeover_pending:
+                return False
+            self._takeover_pending = False
+            fresh = await self.follow()
+            pointer = self._pointer
+            log.warning("leading from interval %d of the learned state (%s)", self.led.learned.ticks,
+                        f"published by {pointer.get('by')} at fence {pointer.get('fence')}" if fresh or pointer
+                        else "none published yet: this controller's own")
+            return True
+
+    async def follow(self) -> bool:
+        """The leader's newest published state, when there is one newer than ours: it becomes ours."""
+        from reconciler.loop.leader import EtcdFailure, failure, unpack
+
+        led = self.led
+        try:
+            got = await self.channel.read(self._generation)
+        except EtcdFailure as exc:
+            self._trouble(f"cannot read the leader's published state: {failure(exc)}")
+            return False
+        if got is None:
+            return False
+        where = f"the state {got.pointer.get('by')} published"
+        try:
+            data, extras = unpack(got.blob)
+        except ValueError as exc:
+            self._generation = got.generation  # not read again; the next one may be good
+            self._trouble(f"ignoring {where}: {exc}")
+            return False
+        learned, note = Learned.restore(data, led.cluster, where)
+        self._generation = got.generation
+        if note:
+            self._trouble(note)
+            return False
+        self._error = ""
+        led.learned, self._seen, self._pointer = learned, led.clock.monotonic(), got.pointer
+        await asyncio.to_thread(self._adopt, extras)
+        return True
+
+    def _trouble(self, text: str) -> None:
+        if text != self._error:
+            log.warning("%s", text)
+        self._error = text
+
+    def _adopt(self, extras: dict[str, Any]) -> None:
+        """The leader's managed servers and public facts, kept in this controller's state folder: a takeover
+        prunes and pins as the leader would have."""
+        led = self.led
+        try:
+            managed, facts = extras.get("managed"), extras.get("facts")
+            if isinstance(managed, dict) and managed != led.state.managed():
+                led.state.write_managed(managed)
+            if isinstance(facts, dict) and facts and facts != led.facts:
+                led.facts = led.state.remember_facts({k: v for k, v in facts.items() if isinstance(v, dict)})
+        except OSError as exc:
+            log.error("cannot keep the leader's managed servers and facts in %s: %s", led.state.path, exc)
+
+    def bundle(self) -> bytes:
+        """The learned state and what goes with it, as published (the last save's bytes when they are this state's)."""
+        from reconciler.loop.leader import pack
+
+        led = self.led
+        return pack(led.saved_bytes() or led.learned.to_bytes(), {"managed": led.state.managed(), "facts": led.facts})
+
+    async def publish(self) -> None:
+        """The leader's learned state after its interval, for a standby to serve from and take over."""
+        election, led = self._election, self.led
+        if not election.is_leader:
+            led.saved_bytes()  # not published after all: the ~40 MB are not kept
+            return
+        from reconciler.loop.leader import EtcdFailure, failure
+
+        try:
+            blob = await asyncio.to_thread(self.bundle)
+            meta = {"by": election.identity, "ticks": led.learned.ticks, "last_tick": led.learned.last_tick}
+            generation = await self.channel.publish(election.guard(), election.fence, blob, meta)
+        except EtcdFailure as exc:
+            self._trouble(f"cannot publish the learned state: {failure(exc)}")
+            return
+        if generation is None:
+            self._trouble("the learned state was not published: this controller no longer leads")
+            return
+        self._error = ""
+        self._generation, self._pointer = generation, {**meta, "generation": generation, "fence": election.fence}
+        self._seen = led.clock.monotonic()  # the newest state is ours: a deposed leader stays healthy as a standby
+
+    def health(self, interval: float, started: float) -> tuple[bool, str] | None:
+        """A standby is healthy while the leader's state keeps arriving (it serves from it); None for a leader."""
+        if self._election.is_leader:
+            return None
+        leader = self._election.leader or "none yet"
+        led = self.led
+        if not self._seen:
+            late = led.clock.time() - started > 3 * interval + 60
+            return (not late, f"standby (leader: {leader}): no state published yet" + (" (late)" if late else ""))
+        age = led.clock.monotonic() - self._seen
+        if age > 3 * interval + 30:
+            return False, (f"standby (leader: {leader}): the newest published state arrived {age:.0f}s ago "
+                           f"(interval {interval:g}s){'; ' + self._error if self._error else ''}")
+        return True, (f"ok: standby (leader: {leader}); state of interval {self._pointer.get('ticks')} "
+                      f"arrived {age:.0f}s ago")
+
+    def status(self) -> dict[str, Any] | None:
+        """Who leads, and the state this controller has (the status document's ``leader``)."""
+        return {**self._election.status(), "state": {
+            "generation": self._generation, "ticks": self.led.learned.ticks,
+            "published_by": self._pointer.get("by"), "error": self._error}}
+
+    async def close(self) -> None:
+        """On the way out: a leader publishes its last state and resigns, so a standby leads at its next look."""
+        election = self._election
+        if election.is_leader:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.publish(), max(5.0, election.ttl))
+            await election.resign()
+        election.close()
+        self.channel.close()
+
+
+def role_for(settings: LeaderSettings, base_dir: str, secret: Secret, registry: CollectorRegistry) -> Role:
+    """The role the settings ask for: ``Elected`` with ``settings.leader.etcd``, else ``Alone``."""
+    if not settings.etcd:
+        return Alone()
+    from reconciler.loop.leader import Election, Etcd, LeaderCollector, StateChannel
+
+    calls = max(0.5, min(5.0, settings.lease / 4))  # an etcd request of the election never outlasts a round
+    election = Election(Etcd.from_settings(settings, base_dir, calls), settings.prefix, settings.lease)
+    channel = StateChannel(Etcd.from_settings(settings, base_dir, 30.0), settings.prefix, secret)
+    registry.register(LeaderCollector(election))
+    log.info("standby controllers: etcd %s, lease %gs, keys under %s; this one is %s", ", ".join(settings.etcd),
+             settings.lease, settings.prefix, election.identity)
+    return Elected(election, channel)
