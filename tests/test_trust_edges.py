@@ -348,13 +348,12 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("items", [100_000, 7_000_000], ids=["ruamel", "libyaml-16MB"])
+@pytest.mark.parametrize("items", [100_000, 7_000_000], ids=["small", "16MB"])
 def test_a_huge_value_under_an_unknown_key_is_refused_before_it_is_composed(tmp_path, events, items):
     # Attack: a cluster file (16 MB, one list of seven million scalars) under a top-level key the schema does not
     # have. The loader composed and converted all of it (54 s, 2.7 GB) before the schema said "unknown key 'a'".
     path = tmp_path / "cluster.yaml"
     path.write_text("a: [" + "0, " * items + "]\n")
-    assert (path.stat().st_size > yamlread.RUAMEL_BYTES) == (items > 1_000_000)
     result = load_cluster(str(path))
     assert [(d.line, d.col, d.message) for d in result.errors] == [(1, 1, "unknown key 'a'")]
     assert "allowed keys here: settings, servers" in (result.errors[0].hint or "")

@@ -1,11 +1,12 @@
 """Loading at scale (issue 17): a million users on one controller, as safely as 5 000 were.
 
-A file of up to ``RUAMEL_BYTES`` is still parsed by ruamel's pure parser (word for word
-the diagnostics it always gave); a larger one by libyaml, whose events the same composer
-turns into the same nodes. These tests pin what that promises: positions in a 100 000-user
-file, the two parsers' identical data and source maps on tricky YAML (and both identical
-to ruamel's own composer, the pipeline before), and the hostile cases — deep nesting,
-alias bombs, floods — refused by either parser, with budgets that grow with honest bytes.
+Every file is parsed by libyaml, whatever its size (ruamel's pure parser only where libyaml
+is missing), and the same composer turns either parser's events into the same nodes. These
+tests pin what that promises: positions in a 100 000-user file, the two parsers' identical
+data and source maps on tricky YAML (and both identical to ruamel's own composer, the
+pipeline before), one diagnostic for a slip whatever the file's size, and the hostile
+cases — deep nesting, alias bombs, floods — refused by either parser, with budgets that
+grow with honest bytes.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from reconciler import gcpause
 from reconciler.config import yamlread
 from reconciler.config.diagnostics import SourceMap
 from reconciler.config.loader import load_cluster
-from reconciler.config.yamlread import MAX_DEPTH, MAX_NODES, RUAMEL_BYTES, Budget, parse_yaml
+from reconciler.config.yamlread import MAX_DEPTH, MAX_NODES, Budget, parse_yaml
 from reconciler.errors import Problem
 from tests.conftest import example_text
 
@@ -56,7 +57,6 @@ def test_100k_users_load_with_their_positions(tmp_path):
     text = example_text() + "".join(lines)
     path = tmp_path / "cluster.yaml"
     path.write_text(text)
-    assert len(text) > RUAMEL_BYTES  # read by libyaml
     result = load_cluster(str(path))
     assert [(d.line, d.col) for d in result.errors] == [
         (example_text().count("\n") + bad + 1, lines[bad].index("100XB") + 1)]
@@ -200,18 +200,26 @@ def test_deep_nesting_is_refused_without_recursion(parser, text, line):
     assert d.message == f"YAML syntax: nesting is deeper than {MAX_DEPTH} levels" and d.line == line
 
 
-def test_a_tab_in_indentation_is_refused_in_a_large_file_too(tmp_path):
+@pytest.mark.parametrize("users", [0, 20_000], ids=["small", "large"])
+def test_a_slip_gets_the_same_diagnostic_whatever_the_size_of_its_file(tmp_path, users):
+    # One parser for every size: a tab in indentation, a ':' in a plain value, a tab where YAML allows white space
     path = tmp_path / "cluster.yaml"
-    text = example_text() + _users(20_000) + "  - name: tabbed\n\tdata_limit: 1GB\n"
+    text = example_text() + _users(users) + "  - name: tabbed\n\tdata_limit: 1GB\n"
     path.write_text(text)
-    assert len(text) > RUAMEL_BYTES
     [error] = load_cluster(str(path)).errors
     assert (error.line, error.col, error.code) == (text.count("\n"), 1, "tab")
     assert error.message == "YAML syntax: tab character in indentation"
+    slipped = example_text() + _users(users) + "  - name: a: b\n"
+    path.write_text(slipped)
+    [error] = load_cluster(str(path)).errors
+    assert error.message == "YAML syntax: mapping values are not allowed in this context"
+    assert (error.line, error.col) == (slipped.count("\n"), len("  - name: a") + 1)
+    path.write_text(example_text() + _users(users) + "  - {name: spaced,\tdata_limit: 1GB}\n")  # white space in flow
+    assert load_cluster(str(path)).ok
 
 
 def test_deep_nesting_in_a_large_file_is_refused():
-    text = "a: " + "[" * 300_000 + "\n" + "# " + "x" * RUAMEL_BYTES + "\n"  # unclosed, and too deep long before that
+    text = "a: " + "[" * 300_000 + "\n" + "# " + "x" * (1 << 20) + "\n"  # unclosed, and too deep long before that
     with pytest.raises(Problem, match="nesting is deeper than"):
         _parsed(text)
 

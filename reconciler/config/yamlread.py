@@ -19,19 +19,19 @@ Called by the loader for the cluster file and each include (and for any document
   (``!!int abc``, ``2026-13-01``) is a ``Problem`` at the node's ``file:line:col``,
   never an exception.
 
-Events come from one of two parsers, composed by the same code into the same nodes. A
-file of up to ``RUAMEL_BYTES`` (the old cap of one file) is parsed by ruamel's pure
-parser, as it always was, so every such file loads, or fails with the diagnostic, word
-for word and position for position, as before. A larger file is parsed by libyaml (the C
-parser, through PyYAML): its events come thirty times as fast as ruamel's, and 100 000
-users (3.8 MB) are composed and converted in 2 s of one core, not 10 (17 before this
-composer). The two scanners differ in corners, and there libyaml's reading holds for a
-large file: it takes a tab as white space where YAML allows one (ruamel refuses any tab
-outside quotes, block scalars, comments and flow collections; both refuse tabs in
-indentation), counts NEL, LS and PS as line breaks, reads a BOM inside the text, an
-anchor name ending in ``:`` and tags such as ``!!!int`` its own way, refuses a few
-things ruamel reads (``: x`` with no key, ``[:7]``), and words its errors (and sometimes
-places them) differently. The bounds (depth, nodes, bytes) are the composer's and the
+Events come from one parser for every file, whatever its size: libyaml (the C parser,
+through PyYAML, a dependency), so a file reads, and fails with a diagnostic, the same
+way at 1 KB and at 40 MB. Its events come thirty times as fast as ruamel's pure
+parser's, and 100 000 users (3.8 MB) are composed and converted in 2 s of one core. Where
+libyaml cannot be had (a PyYAML built without it) or cannot read the text (a lone
+surrogate in an override's text: libyaml reads UTF-8 only), ruamel's pure parser gives
+the events instead, composed by the same code into the same nodes. The two scanners
+differ in corners, and libyaml's reading is the one that holds: it takes a tab as white
+space where YAML allows one (ruamel refuses any tab outside quotes, block scalars,
+comments and flow collections; both refuse tabs in indentation), counts NEL, LS and PS
+as line breaks, reads a BOM inside the text, an anchor name ending in ``:`` and tags
+such as ``!!!int`` its own way, refuses a few things ruamel reads (``: x`` with no key,
+``[:7]``), and words its errors (and sometimes places them) differently. The bounds (depth, nodes, bytes) are the composer's and the
 converter's, the same for both. Where the two agree on the text, the composer makes them
 agree on the nodes: plain scalars are resolved by ruamel's own YAML 1.2 rule table (1.1
 under a ``%YAML 1.1`` directive), so ``yes``, ``on``, ``0o17`` and ``1:30`` mean what
@@ -99,9 +99,6 @@ MAX_DEPTH = 64
 #: Items of a list of records (``TopLevel.records``) that are not mappings, past which the composer stops the file:
 #: fewer are the loader's to tell (the first of them, and how many), more would be millions of nodes to tell it.
 MAX_NOT_RECORDS = 10_000
-#: Texts up to this size are parsed by ruamel's pure parser, as every file was while this was the cap of one
-#: file (the same data, positions and diagnostics; at most about 1 s), larger ones by libyaml.
-RUAMEL_BYTES = 512 * 1024
 
 #: Seconds a load may take for each MB of YAML it may read, besides the caller's base (``load_seconds``):
 #: a million users (39 MB) take about 30 s of one core here, parsed, converted and validated.
@@ -261,8 +258,7 @@ def parse_yaml(text: str, display: str, budget: Budget, *, parser: str | None = 
                top: TopLevel | None = None) -> tuple[Any, SourceMap]:
     """``text`` → plain data and its source map, paid from ``budget``; ``Problem`` on any failure.
 
-    ``parser``: ``"ruamel"`` or ``"libyaml"`` for the events; by default the size of the text decides
-    (``compose_yaml``). ``top``: as for ``compose_yaml``.
+    ``parser``: ``"ruamel"`` or ``"libyaml"`` for the events; by default libyaml (``compose_yaml``). ``top``: as for ``compose_yaml``.
     """
     with gcpause.paused():  # composing a million users makes ~20 million objects that all live on
         node = compose_yaml(text, display, budget, parser=parser, top=top)
@@ -281,13 +277,13 @@ def compose_yaml(text: str, display: str, budget: Budget, *, parser: str | None 
                  top: TopLevel | None = None) -> Node | None:
     """The document's root node (None for an empty stream), every node paid from ``budget``; ``Problem`` on failure.
 
-    A text of up to ``RUAMEL_BYTES`` is parsed by ruamel's pure parser, as every file
-    always was; a larger one by libyaml (``parser`` forces either). The nodes' start
+    Every text is parsed by libyaml (ruamel's pure parser where libyaml is missing, or for a
+    text with a lone surrogate; ``parser`` forces either). The nodes' start
     marks are the ``Pos`` each will have in the source map (``display``, 1-based).
     ``top``: the composer stops at the first top-level key or value it does not allow.
     """
     if parser is None:
-        parser = "libyaml" if _C_LOADER is not None and len(text) > RUAMEL_BYTES else "ruamel"
+        parser = "libyaml" if _C_LOADER is not None else "ruamel"
     if parser == "libyaml":
         if _C_LOADER is None:
             raise ValueError("libyaml is not available")
@@ -377,11 +373,8 @@ def _line(text: str, line: int) -> str:
     """Line ``line`` (1-based) of ``text`` as ``str.splitlines`` counts lines, without splitting all of a large text."""
     if line < 1:
         return ""
-    if len(text) <= RUAMEL_BYTES:  # as ruamel's diagnostics always counted them
-        lines = text.splitlines()
-        return lines[line - 1] if line <= len(lines) else ""
     start = 0
-    for _ in range(line - 1):  # libyaml's line breaks (\r, \n, \r\n) are the ones a large file is counted by
+    for _ in range(line - 1):  # libyaml's line breaks (\r, \n, \r\n) are the ones a file is counted by
         nl = text.find("\n", start)
         if nl < 0:
             return ""
