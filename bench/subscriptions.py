@@ -433,7 +433,7 @@ def main() -> int:
     results["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     targets = {"live_share_of_nginx": (results["live_share_of_nginx"], ">=", 0.25), "live_p99_ms": (results["live_p99_ms"], "<=", 20.0),
                "files_full_s": (results["files_full_s"], "<=", 20.0), "files_noop_s": (results["files_noop_s"], "<=", 1.0),
-               # issue 17: the live endpoint on every core, the files on tmpfs
+               # the live endpoint on every core, the files on tmpfs
                f"live_vs_nginx_workers{n}": (results[f"live_vs_nginx_workers{n}"], ">=", 0.5),
                f"live_p99_ms_workers{n}": (results[f"live_p99_ms_workers{n}"], "<=", 5.0),
                f"files_{args.users // 1000}k_write_s_{kind}": (results["files_full_s"], "<=", 10.0),

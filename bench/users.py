@@ -1,4 +1,4 @@
-"""Users benchmark (issue 16): what counting every user's traffic costs the controller per report interval.
+"""Users benchmark: what counting every user's traffic costs the controller per report interval.
 
 U users across S servers, every one of them carrying traffic in every interval (the worst case: a quiet user
 has no counter rows). Each server's agent report holds the kernel's per-user counters for its users (both

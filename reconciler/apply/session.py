@@ -40,7 +40,7 @@ def first_contact_warnings(cluster: Cluster, state: StateFolder, prune: bool = F
 
 def remember(state: StateFolder, cluster: Cluster, observed: list[Any], results: list[Any]) -> None:
     """After an apply: which servers are managed (removed once they leave the file and an apply removed them).
-    Nothing else is learnt from servers since issue 14: keys and pins are derived from the master secret."""
+    Nothing else is learnt from servers: keys and pins are derived from the master secret."""
     managed = state.managed()
     for s in cluster.servers:
         managed[s.name] = {"name": s.name, "host": s.host, "port": s.ssh.port, "user": s.ssh.user,

@@ -31,7 +31,7 @@ def register(sub: Any) -> None:
     ap.add_argument("plan", nargs="?", help="a plan saved with `plan --out`; refused when stale")
     add_file(ap)
     ap.add_argument("--keep", action="append", default=[], metavar="SERVER", help=KEEP)
-    ap.add_argument("--prune", action="store_true", help=argparse.SUPPRESS)  # the default since issue 15
+    ap.add_argument("--prune", action="store_true", help=argparse.SUPPRESS)  # always on now: kept so older scripts still run
     ap.add_argument("--server", action="append", default=[], metavar="NAME", help=SERVER)
     ap.add_argument("--auto-approve", action="store_true", help="apply without showing the plan and asking (CI)")
     ap.add_argument("--wave", metavar="SPEC", help="apply in waves, e.g. 1,25%%,rest; `all` at once (default: "

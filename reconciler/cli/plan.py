@@ -25,7 +25,7 @@ def register(sub: Any) -> None:
     pl.add_argument("--out", help="save the plan, to apply exactly it with `apply PLAN`")
     pl.add_argument("--comment", metavar="FILE", help="also write counts per server for a PR/MR comment (no address, no diff)")
     pl.add_argument("--keep", action="append", default=[], metavar="SERVER", help=KEEP)
-    pl.add_argument("--prune", action="store_true", help=argparse.SUPPRESS)  # the default since issue 15
+    pl.add_argument("--prune", action="store_true", help=argparse.SUPPRESS)  # always on now: kept so older scripts still run
     pl.add_argument("--strict-host-keys", action="store_true", help=STRICT)
     pl.add_argument("--server", action="append", default=[], metavar="NAME", help=SERVER)
     pl.set_defaults(run=cmd_plan)

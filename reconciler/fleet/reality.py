@@ -4,7 +4,7 @@ Whoever holds the master secret knows every REALITY inbound's public key (``reco
 and every self-signed certificate's pins (``reconciler.certificates.derived_certificate``): the CLI's
 ``fleet_snapshot`` and the loop merge them over the facts on record, so subscriptions carry REALITY and pinned
 TLS entries from the first render, with no apply and no facts file. A derived value wins over a remembered one
-(a key or certificate that a server generated itself, before issue 14, is replaced at its next apply).
+(a key or certificate that a server generated itself, in older versions, is replaced at its next apply).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The client's address of a live request behind trusted proxies (STEER-4, issue 15). Pure.
+"""The client's address of a live request behind trusted proxies (STEER-4). Pure.
 
 A request's peer is the client unless the peer is one of the operator's trusted proxies
 (``settings.outputs.trusted_proxies``: addresses or networks). Only then are the headers read:

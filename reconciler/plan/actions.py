@@ -222,7 +222,7 @@ def _prune_actions(desired: DesiredServer, facts: Facts) -> list[Action]:
     for path in facts.extra:
         if path.endswith((".reconciler-new", ".reconciler-old", ".tmp")):
             continue
-        if path.startswith(f"{engine.config_dir}/reality/"):  # generated there by versions before issue 14
+        if path.startswith(f"{engine.config_dir}/reality/"):  # generated there by older versions
             actions.append(Action("-", "remove-file", path, "REALITY keys are derived on the controller now (prune)"))
         elif path.startswith(f"{engine.tls_dir}/") and path not in wanted:
             actions.append(Action("-", "remove-file", path, "its inbound left the cluster file (prune)"))

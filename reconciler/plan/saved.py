@@ -34,7 +34,7 @@ class SavedPlan:
 
     fingerprint: str
     cluster_file: str  # absolute path of the cluster file it was computed from
-    prune: bool  # always true since issue 15 (GITOPS-7: what left the file is removed)
+    prune: bool  # always true (GITOPS-7: what left the file is removed)
     keep: tuple[str, ...]  # servers that left the file and were kept this time (`--keep`)
     digests: dict[str, tuple[str, str]]  # server → (desired digest, facts digest)
     document: dict[str, Any]  # the whole file, as saved (actions, summary, ...)

@@ -1,7 +1,7 @@
 """One transaction on one server, in one round trip (request: JSON on stdin; answer: one JSON line).
 
-Writes the changed small files it carries (certificates and keys among them: derived on the controller since
-issue 14), renders the engine's configuration from the template (a copy: nothing is substituted), runs the
+Writes the changed small files it carries (certificates and keys among them: derived on the
+controller), renders the engine's configuration from the template (a copy: nothing is substituted), runs the
 engine's own check (``check``: an argv, e.g. ``sing-box check -c`` or ``mihomo -t``) with the staged engine,
 keeps the old files (hard links), swaps the new ones in with atomic renames, stops the engines it ``retire``s
 (a server that changed engines), reloads or restarts, and verifies the listeners within a timeout; on any
