@@ -30,7 +30,7 @@ ED25519_CUT = base64.b64encode(base64.b64decode(ED25519)[:-5]).decode()
 
 INTERVAL = "    report_interval: 60s"
 HOST = "    host: 203.0.113.12"
-SSH = "    ssh: {user: root, port: 22, identity: ~/.ssh/id_ed25519}"
+SSH = "    ssh: {user: root, port: 22}"
 PORT = "        port: 8388\n"
 LISTEN = "    listen: 127.0.0.1:8080"
 EXPIRES = "    expires: 2027-06-30"
@@ -39,7 +39,7 @@ COEF = "    coefficient: 2.0 "
 
 
 def _ssh(extra: str) -> tuple[str, str]:
-    return SSH, "    ssh: {user: root, port: 22, identity: ~/.ssh/id_ed25519, " + extra + "}"
+    return SSH, "    ssh: {user: root, port: 22, " + extra + "}"
 
 
 # (id, text planted, replacement, what the error must say, line of the error relative to the planted line)

@@ -139,8 +139,9 @@ def test_two_workers_answer_like_the_files_follow_new_snapshots_survive_a_crash_
         seen = list(pool.pids)
         try:
             assert len(set(seen)) == 2 and all(alive(p) for p in seen)
-            # No snapshot yet: nobody is known (as the single process before its first interval).
-            assert (await asyncio.to_thread(fetch, port, f"/sub/{token('u0')}/links"))[0] == 404
+            # No snapshot yet: every token is asked to come back (as the single process before its first interval),
+            # never a 404 an app could take for a deleted subscription.
+            assert (await asyncio.to_thread(fetch, port, f"/sub/{token('u0')}/links"))[0] == 503
             pool.publish(snap)
             await until(lambda: _all_at(pool, 1), what="both workers at generation 1")
             for name in (CLUSTER_FILE, SNAPSHOT_FILE):

@@ -12,6 +12,7 @@ import asyncio
 import shutil
 import struct
 import subprocess
+import tempfile
 import threading
 import zlib
 from collections.abc import Iterator
@@ -46,14 +47,18 @@ pytestmark = pytest.mark.skipif(not (CHROMIUM and ZBARIMG), reason="needs chromi
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[str]:
-    """The example cluster's live endpoint on loopback (its own event loop in a thread); yields its /sub/ root."""
-    cluster = load_cluster(str(EXAMPLE)).cluster
-    assert cluster is not None
+    """The example cluster's live endpoint on loopback (its own event loop in a thread), its public_url this
+    endpoint's address; yields its /sub/ root."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "cluster.yaml"
+        path.write_text(EXAMPLE.read_text().replace("public_url: http://127.0.0.1:8080", f"public_url: http://127.0.0.1:{port}"))
+        cluster = load_cluster(str(path)).cluster
+    assert cluster is not None and cluster.settings.outputs.public_url == f"http://127.0.0.1:{port}"
     usage = {"bob": UserUsage(up=30_000_000_000, down=90_500_000_000, next_reset=datetime(2026, 6, 1, tzinfo=UTC).timestamp())}
     answers = LiveAnswers(SECRET, Tokens(SECRET))
     answers.publish(Snapshot(cluster=cluster, now=NOW, usage=usage))
     http = HttpOutlet(answers, CollectorRegistry(), lambda: None, lambda: (True, "ok"))
-    port = free_port()
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()

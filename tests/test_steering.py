@@ -199,6 +199,8 @@ def test_the_live_endpoint_steers_by_the_forwarded_address(tmp_path):
     asked: list[str] = []
 
     class Answers:
+        snapshot = object()  # started: a snapshot is published
+
         def user_of(self, token):
             return "u1"
 

@@ -303,3 +303,26 @@ def test_the_page_believes_forwarding_headers_from_trusted_proxies_only_and_pref
     answers.publish(snapshot(Cluster.model_validate({**cluster().model_dump(mode="json", exclude_defaults=True),
                                                      "settings": {"outputs": {"public_url": "https://sub.example.org/"}}})))
     assert asyncio.run(plain_url(outlet(("127.0.0.0/8",)))) == f"https://sub.example.org/sub/{alice}"
+
+
+def test_the_page_explains_an_entry_a_format_cannot_carry():
+    # An app reading share links shows 1 entry where sing-box and Clash show 2: the page says which and why
+    # (a self-signed Trojan certificate that share links cannot pin), beside the links' QR code only.
+    from reconciler.fleet import snapshot as fleet_snapshot
+    from reconciler.fleet.learned import Learned
+    from reconciler.fleet.reality import with_reality_keys
+
+    c = Cluster.model_validate({"servers": [{"name": "a", "host": "198.18.0.10", "country": "DE", "inbounds": [
+        {"id": "a-t", "name": "Berlin TLS", "protocol": "trojan", "port": 8443, "tls": {"server_name": "a.vpn.test"},
+         "route": "tls"},
+        {"id": "a-ss", "name": "Berlin SS", "protocol": "shadowsocks-2022", "port": 8388, "route": "plain"}]}],
+        "routes": [{"id": "tls", "name": "TLS"}, {"id": "plain", "name": "Plain"}], "users": [{"name": "alice"}]})
+    snap = fleet_snapshot(c, Learned.fresh(c), with_reality_keys({}, c, SECRET), NOW)
+    answers = LiveAnswers(SECRET, Tokens(SECRET))
+    answers.publish(snap)
+    gaps = answers.left_out("alice")
+    assert gaps == {"links": ["Berlin TLS"]}, gaps
+    for lang, says in (("en", "Not here: Berlin TLS"), ("ru", "Здесь нет: Berlin TLS")):
+        html = render_page(snap, "alice", user_token(SECRET, "alice"), BASE, lang, gaps).decode()
+        figures = dict(re.findall(r'<figure data-format="([^"]+)">(.*?)</figure>', html, re.S))
+        assert says in figures["links"] and "left-out" not in figures["sing-box"] + figures["clash"]

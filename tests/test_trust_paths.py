@@ -42,7 +42,10 @@ def _layout(tmp_path: Path, key: str | None = None) -> tuple[Path, Path, int, in
     (private / "id_ed25519").write_text(SECRET_TEXT)
     (repo / "certs" / "ber-1.pem").write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
     (repo / "certs" / "ber-1.key").write_text("-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n")
-    text, line = plant(capable_example_text(), KEY_LINE, f"          key: {key}" if key else KEY_LINE)
+    example = capable_example_text().replace(  # the example's commented pair, set
+        "          # certificate: certs/ber-1.pem", "          certificate: certs/ber-1.pem  #").replace(
+        "          # key: certs/ber-1.key           #", KEY_LINE + "  #")
+    text, line = plant(example, KEY_LINE, f"          key: {key}" if key else KEY_LINE)
     (repo / "cluster.yaml").write_text(text)
     return repo / "cluster.yaml", private / "id_ed25519", line, len("          key: ") + 1
 

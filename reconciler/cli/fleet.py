@@ -49,10 +49,11 @@ def cmd_subscription(args: argparse.Namespace) -> int:
     region = _region(path, cluster.settings.steering.geoip_database, args.address) if args.address else None
     snap = fleet_snapshot(path, cluster, secret=secret)
     doc = render(snap, args.user, args.format, secret, region=region)
-    if doc.refused:
-        print(f"note: {args.user} is refused (HTTP {doc.status} from the live endpoint): {doc.body.decode().strip()}",
+    if doc.refused:  # no document: the refusal's sentence is not one, so nothing goes to stdout (a file it fills)
+        print(f"error: {args.user} is refused (HTTP {doc.status} from the live endpoint): {doc.body.decode().strip()}",
               file=sys.stderr)
-    elif not doc.entries:
+        return 1
+    if not doc.entries:
         print(f"note: {args.user} gets no entries (no route has a usable inbound)", file=sys.stderr)
     if args.headers:
         for k, v in doc.headers.items():

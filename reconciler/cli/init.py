@@ -1,4 +1,4 @@
-"""``init``: scaffold a minimal valid cluster file, and its schema beside it, for the engine of choice."""
+"""``init``: scaffold a minimal valid cluster file for the engine of choice (that one file, nothing beside it)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from reconciler.cli.commands import HELP
 from reconciler.cli.common import add_command, add_file, cluster_file
-from reconciler.config.schema import SCHEMA_PATH, schema_text
+from reconciler.config.schema import SCHEMA_PATH
 from reconciler.errors import InvalidInput
 
 #: What `init` writes for each engine: the official release, fetched by the servers, pinned by `engine pin`.
@@ -34,6 +34,9 @@ settings:
     url: "{url}"
   health:
     report_interval: 60s
+  outputs:
+    listen: 127.0.0.1:8080          # public: /sub/<token> and /healthz (put your https reverse proxy in front)
+    public_url: http://127.0.0.1:8080   # where users' apps reach `listen`: your https address in production
 
 servers:
   - name: vps-1
@@ -76,10 +79,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     engine = args.engine
     path.write_text(INIT_TEMPLATE.format(file=path, engine=engine, version=ENGINE_VERSIONS[engine],
                                          url=INIT_ENGINES[engine].format()), encoding="utf-8")
-    schema = path.parent / SCHEMA_PATH
-    if not schema.exists():
-        schema.parent.mkdir(parents=True, exist_ok=True)
-        schema.write_text(schema_text(), encoding="utf-8")
-        print(f"wrote {schema}")
     print(f"wrote {path}; next: reconciler engine pin -f {path}, then reconciler validate -f {path}")
+    if not (path.parent / SCHEMA_PATH).exists():  # written only when asked: `init` writes the one file it was given
+        print(f"editors complete and check it with its schema: cd {path.parent} && reconciler schema")
     return 0

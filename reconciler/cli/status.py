@@ -10,6 +10,7 @@ Verdicts come from the state the loop keeps (the state folder), evaluated as of 
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 import time
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from reconciler.cli.commands import HELP
 from reconciler.cli.common import add_command, add_file, cluster_file, load, state_of, user_named, warn
 from reconciler.cli.output import emit
+from reconciler.errors import InvalidInput
 from reconciler.text import plural
 
 
@@ -51,6 +53,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         warn(note)
     now = time.time()
     verdicts = learned.current_verdicts(cluster, now)
+    if name and not args.user_option and not any(s.name == name for s in cluster.servers) \
+            and not any(u.name == name for u in cluster.users):
+        close = difflib.get_close_matches(name, [s.name for s in cluster.servers] + [u.name for u in cluster.users], n=1)
+        raise InvalidInput(f"no server or user {name!r} in {path}" + (f"; did you mean {close[0]!r}?" if close else ""))
     if args.user_option or (name and not any(s.name == name for s in cluster.servers)):
         return _user(args, path, cluster, user_named(cluster, str(name)).name, fmt)
     if name:

@@ -14,6 +14,7 @@ from typing import Any
 from reconciler.cli.commands import HELP
 from reconciler.cli.common import add_command, add_file, cluster_file, fleet_snapshot, load, secret_of, user_named, warn
 from reconciler.errors import InvalidInput
+from reconciler.model.cluster import PUBLIC_URL
 from reconciler.subscriptions.urls import subscription_url
 
 
@@ -26,6 +27,8 @@ def register(sub: Any) -> None:
     url.add_argument("name", help="the user's name")
     url.add_argument("--format", choices=["links", "sing-box", "clash"], help="pin a format (default: the app chooses)")
     url.add_argument("--qr", action="store_true", help="also draw the URL as a QR code in the terminal")
+    url.add_argument("--base", metavar="URL", help="the address users' apps reach the endpoint at, for this once "
+                                                   "(default: settings.outputs.public_url)")
     add_file(url)
     url.set_defaults(run=cmd_url)
 
@@ -35,10 +38,13 @@ def cmd_url(args: argparse.Namespace) -> int:
 
     cluster = load(cluster_file(args))
     user = user_named(cluster, args.name)
-    base = cluster.settings.outputs.public_url
+    base = args.base or cluster.settings.outputs.public_url
     if not base:
-        raise InvalidInput("settings.outputs.public_url is not set: add the address users' apps reach the endpoint at, "
-                           "e.g. `public_url: https://vpn.example.com`")
+        raise InvalidInput(f"{cluster_file(args)}: settings.outputs.public_url is not set: under `settings: outputs:` add "
+                           "`public_url: https://vpn.example.com` (the address users' apps reach `listen` at, through "
+                           "your reverse proxy), or pass --base URL")
+    if not PUBLIC_URL.match(base):
+        raise InvalidInput(f"--base {base!r} is not an http(s) URL without a query (e.g. https://vpn.example.com)")
     secret = secret_of(cluster)
     url = subscription_url(base, user_token(secret, user.name, user.rotate), args.format)
     standing = fleet_snapshot(cluster_file(args), cluster, secret=secret).standing(user)  # with the measured usage

@@ -13,6 +13,7 @@ run, which load the file the same way, refuse it.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 from collections.abc import Iterator
 
@@ -36,7 +37,27 @@ def _did_you_mean(value: str, options: list[str]) -> str | None:
 
 def check(cluster: Cluster, source: SourceMap, cluster_file: str) -> list[Diagnostic]:
     """The rules of ``cluster``, loaded from ``cluster_file`` (whose folder is the repository)."""
-    return list(_confined(cluster, source, cluster_file)) + list(_errors(cluster, source)) + list(_warnings(cluster, source))
+    return (list(_confined(cluster, source, cluster_file)) + list(_missing(cluster, source, cluster_file))
+            + list(_errors(cluster, source)) + list(_warnings(cluster, source)))
+
+
+def _missing(cluster: Cluster, source: SourceMap, cluster_file: str) -> Iterator[Diagnostic]:
+    """An error at each file that plan and apply read and that is not there: an inbound's certificate and key (from
+    the cluster's folder) and a server's SSH identity (from the working directory, ``~`` expanded), as they read them."""
+    base = os.path.dirname(os.path.abspath(cluster_file))
+    for where, what, value, from_cwd in named_files(cluster):
+        if where[-2:-1] == ("tls",) and where[0] == "servers":
+            full = safe_read.named(value, os.getcwd() if from_cwd else base)
+            if not os.path.isfile(full):
+                yield at("error", source.value(where), f"{what}: {shown(value)} is not a file here",
+                         "check the path; a relative path is taken from the cluster file's folder", "file")
+    for si, server in enumerate(cluster.servers):
+        identity = server.ssh.identity
+        if identity and not os.path.isfile(os.path.expanduser(identity)):
+            yield at("error", source.value(("servers", si, "ssh", "identity")),
+                     f"ssh.identity of server {server.name!r}: {shown(identity)} is not a file here",
+                     "check the path (taken from the working directory; ~ is your home), or leave it out to use the "
+                     "SSH agent and ~/.ssh keys", "file")
 
 
 # The fields that name a local file the controller reads and sends on (uploads to a server, sends to etcd) or decides
@@ -229,11 +250,57 @@ def _route_pools(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
 
 
 def _warnings(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
+    yield from _placeholders(cluster, source)
     yield from _unserved(cluster, source)
     yield from _insecure_tls(cluster, source)
     yield from _unpinned_engines(cluster, source)
     yield from _torrent_heuristics(cluster, source)
     yield from _route_warnings(cluster, source)
+
+
+#: Addresses and names kept for documentation (RFC 5737, RFC 3849, RFC 2606): a file holding one holds a placeholder.
+_DOC_NETWORKS = tuple(ipaddress.ip_network(n) for n in ("192.0.2.0/24", "198.51.100.0/24", "203.0.113.0/24", "2001:db8::/32"))
+_DOC_NAMES = ("example.com", "example.net", "example.org", "example", "invalid", "test")
+
+
+def placeholder(value: str) -> str | None:
+    """What makes ``value`` (an address or a DNS name) a placeholder, or None."""
+    try:
+        address = ipaddress.ip_address(value)
+    except ValueError:
+        name = value.rstrip(".").lower()
+        return next(("a name reserved for examples" for d in _DOC_NAMES if name == d or name.endswith("." + d)), None)
+    return "a documentation address" if any(address in n for n in _DOC_NETWORKS) else None
+
+
+def _placeholders(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
+    """One warning for the server addresses and one for the REALITY camouflages that are placeholders (what `init`
+    and the example write), at the first of them: nothing answers there, so nothing would be served."""
+    hosts: list[tuple[Path, str]] = []
+    sites: list[tuple[Path, str]] = []
+    for si, server in enumerate(cluster.servers):
+        why = placeholder(server.host)
+        if why:
+            hosts.append((("servers", si, "host"), f"{server.name} ({server.host}: {why})"))
+        for ii, inbound in enumerate(server.inbounds):
+            camouflage = getattr(inbound, "camouflage", None)
+            why = placeholder(camouflage) if isinstance(camouflage, str) else None
+            if why:
+                sites.append((("servers", si, "inbounds", ii, "camouflage"), f"{inbound.id} ({camouflage}: {why})"))
+
+    def listed(items: list[tuple[Path, str]]) -> str:
+        shown_ = ", ".join(text for _, text in items[:4])
+        return shown_ + (f" and {len(items) - 4} more" if len(items) > 4 else "")
+
+    if hosts:
+        yield at("warning", source.value(hosts[0][0]),
+                 f"{plural(len(hosts), 'server')} {verb(len(hosts), 'has', 'have')} a placeholder for an address, "
+                 f"where no server answers: {listed(hosts)}", "put your servers' addresses there", "placeholder")
+    if sites:
+        yield at("warning", source.value(sites[0][0]),
+                 f"{plural(len(sites), 'REALITY inbound')} {verb(len(sites), 'has', 'have')} a placeholder for a "
+                 f"camouflage, so strangers probing would see no real site: {listed(sites)}",
+                 "name a real site that serves TLS 1.3, near each server", "placeholder")
 
 
 def _inbound_pos(cluster: Cluster, inbound_id: str) -> tuple[str | int, ...]:
@@ -265,7 +332,7 @@ def _unserved(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
 
 
 def _insecure_tls(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
-    for si, server in enumerate(cluster.servers):  # issue 14: no unverified TLS entry that nobody was told of
+    for si, server in enumerate(cluster.servers):  # no unverified TLS entry that nobody was told of
         for ii, inbound in enumerate(server.inbounds):
             tls = getattr(inbound, "tls", None)
             if tls is not None and tls.insecure:
@@ -278,7 +345,7 @@ def _insecure_tls(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
 
 def _unpinned_engines(cluster: Cluster, source: SourceMap) -> Iterator[Diagnostic]:
     used = {cluster.engine_of(s).name for s in cluster.servers}
-    for name in sorted(used):  # issue 14: a downloaded engine is pinned, or apply refuses to install it
+    for name in sorted(used):  # a downloaded engine is pinned, or apply refuses to install it
         eng = cluster.settings.engine_named(name)
         where = ("settings", "engine") if name == cluster.settings.engine.name else ("settings", "engines", name)
         if eng.install == "download" and eng.sha256 is None:

@@ -3,7 +3,9 @@
 - ``GET|HEAD /sub/<token>[/<format>]`` (or ``?format=``): the user's subscription
   from the current snapshot — the same ``render`` as the files, cached per
   snapshot — with the headers clients read and an ETag (``If-None-Match`` → 304).
-  Unknown tokens get 404 and nothing else; a disabled or expired user gets 403 with
+  Unknown tokens get 404 and nothing else, but before the first snapshot every token gets
+  503 with ``Retry-After`` (an app may take a 404 for a deleted subscription); no answer
+  names the server (no ``Server`` header). A disabled or expired user gets 403 with
   a one-line reason (the renderer's refusal), never a profile. A browser (no format
   asked for, HTML preferred, a browser's User-Agent: ``subscriptions.page.wants_page``)
   gets the subscription page instead, in the language of ``?lang=`` or ``Accept-Language``,
@@ -51,6 +53,9 @@ from reconciler.subscriptions.page import choose_language, page_headers, render_
 from reconciler.subscriptions.urls import request_base
 from reconciler.topology import colour_of, svg
 
+#: Seconds an app is asked to wait (``Retry-After``) while the endpoint starts, before its first snapshot: the first
+#: interval, which a start runs at once, takes a few seconds even for a million users.
+STARTING_RETRY_AFTER = 10
 _FORMAT_ALIASES = {"links.txt": "links", "sing-box.json": "sing-box", "clash.yaml": "clash", "singbox": "sing-box",
                    "mihomo": "clash", "base64": "links"}
 
@@ -140,6 +145,9 @@ class HttpOutlet:
     # ------------------------------------------------------------------ subscriptions
 
     async def sub(self, request: web.BaseRequest, token: str, fmt_in_path: str | None) -> web.StreamResponse:
+        if self.answers.snapshot is None:  # just started: no token is known yet, and an app may take a 404 for a
+            raise web.HTTPServiceUnavailable(text="starting; try again shortly\n",  # deleted subscription
+                                             headers={"Retry-After": str(STARTING_RETRY_AFTER)})
         user = self.answers.user_of(token)
         if user is None:
             raise web.HTTPNotFound(text="not found\n")
@@ -182,7 +190,8 @@ class HttpOutlet:
         if base is None:
             raise web.HTTPBadRequest(text="bad Host header\n")
         lang = choose_language(request.headers.get("Accept-Language"), request.query.get("lang"))
-        return web.Response(body=render_page(snapshot, user, token, base, lang), headers=page_headers(lang))
+        gaps = self.answers.left_out(user)
+        return web.Response(body=render_page(snapshot, user, token, base, lang, gaps), headers=page_headers(lang))
 
     # ------------------------------------------------------------------ operations
 

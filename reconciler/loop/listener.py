@@ -224,11 +224,23 @@ class _QuietLogger:
     debug = info = warning = error = exception = _one
 
 
+class _Unnamed(web.BaseRequest):
+    """A request whose answer does not name the server: aiohttp adds ``Server: Python/3.x aiohttp/3.x`` to every
+    response, which would tell a censor scanning for subscription endpoints what answers here."""
+
+    async def _prepare_hook(self, response: web.StreamResponse) -> None:
+        response.headers.popall("Server", None)
+
+
 class _Server(web.Server):
     def __init__(self, listener: Listener, handler: Handler, **kwargs: Any):
         super().__init__(handler, **kwargs)
         self._listener = listener
         self._handler_kwargs = kwargs
+
+    def _make_request(self, message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> web.BaseRequest:
+        """Every request, an ill-formed one's error answer too, is one whose answer names no server."""
+        return _Unnamed(message, payload, protocol, writer, task, self._loop)
 
     def __call__(self) -> RequestHandler:
         proto = _Handler(self, loop=self._loop, logger=_QuietLogger(self._listener),  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import calendar
 import difflib
 import functools
+import re
 from datetime import UTC, date, datetime, time, timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
@@ -312,6 +313,10 @@ class FailoverSettings(_Model):
                              "flow. Each check costs this per member.")
 
 
+#: What ``settings.outputs.public_url`` (and ``user url --base``) may be: an http(s) base URL, no query or fragment.
+PUBLIC_URL = re.compile(r"^https?://[^\s/?#]+(/[^\s?#]*)?$")
+
+
 class OutputSettings(_Model):
     """Where the reconciler writes and serves what it computes."""
 
@@ -345,7 +350,7 @@ class OutputSettings(_Model):
     operations_auth: OperationsAuth | None = Field(
         None, description="Ask for a bearer token or basic credentials on the operations endpoint (set it when it is not on loopback).")
     public_url: str | None = Field(
-        None, pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$", max_length=2048,
+        None, pattern=PUBLIC_URL.pattern, max_length=2048,
         description="External base URL of the subscription endpoint, as users' apps reach it (https://vpn.example.com); "
                     "`reconciler user url` prints each user's URL under it.")
     profile_title: str = Field("VPN", description="Title clients show for the subscription.")

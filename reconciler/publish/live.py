@@ -7,7 +7,7 @@ from reconciler.credentials import Secret
 from reconciler.gcpause import freeze_survivors, thaw_and_collect
 from reconciler.publish.tokens import Tokens
 from reconciler.subscriptions import Document, render
-from reconciler.subscriptions.document import render_formats
+from reconciler.subscriptions.document import left_out, render_formats
 
 
 class LiveAnswers:
@@ -42,6 +42,14 @@ class LiveAnswers:
         if self.snapshot is None:
             return None
         return self.tokens.index(self.snapshot.cluster).get(token)
+
+    def left_out(self, user: str) -> dict[str, list[str]]:
+        """Format → the user's entries it cannot carry (the page explains them beside that format's QR code)."""
+        snapshot = self.snapshot
+        assert snapshot is not None
+        entries = decide(snapshot, user)
+        return {fmt: names for fmt in ("sing-box", "clash", "links")
+                if (names := left_out(snapshot, entries, fmt, self.secret))}
 
     def answer(self, user: str, fmt: str, region: str | None = None) -> Document:
         snapshot = self.snapshot

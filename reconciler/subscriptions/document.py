@@ -265,6 +265,12 @@ def _template(snapshot: Snapshot, entries: list[Entry], fmt: str, secret: Secret
     return body
 
 
+def left_out(snapshot: Snapshot, entries: list[Entry], fmt: str, secret: Secret) -> list[str]:
+    """The names of the entries ``fmt`` cannot carry (``formats.omission``: a server it cannot verify), in order."""
+    stand_in = _stand_in(secret)
+    return [e.name for e in entries if omission(client_outbound(e, snapshot, secret, stand_in), fmt) is not None]
+
+
 _warned: set[tuple[str, str, str]] = set()  # (inbound, format, why) already logged by this process
 
 

@@ -20,6 +20,7 @@ import hashlib
 import json
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from urllib.parse import quote
@@ -170,9 +171,19 @@ def reason_text(lang: str, standing: str, limit: int | None, date: str | None, d
     return ""
 
 
-def render_page(snapshot: Snapshot, user_name: str, token: str, base_url: str, lang: str) -> bytes:
+def _left_out_note(t: dict[str, str], names: list[str], fmt: str) -> str:
+    """Why an app reading ``fmt`` shows fewer entries than the others (its format cannot verify those servers)."""
+    if not names:
+        return ""
+    others = t["qr_singbox"] if fmt != "sing-box" else t["qr_clash"]
+    return t["left_out"].format(entries=", ".join(names), apps=others)
+
+
+def render_page(snapshot: Snapshot, user_name: str, token: str, base_url: str, lang: str,
+                left_out: Mapping[str, list[str]] | None = None) -> bytes:
     """The user's page in ``lang`` (a ``LANGUAGES`` code). ``token`` is the user's (already checked), ``base_url``
-    what their URLs start with; a user who is not served gets the reason and no URL, QR code or import link."""
+    what their URLs start with; a user who is not served gets the reason and no URL, QR code or import link.
+    ``left_out``: format → the entries it cannot carry (``document.left_out``), explained beside its QR code."""
     t = catalog(lang)
     user = snapshot.cluster.user(user_name)
     standing = snapshot.standing(user)
@@ -197,6 +208,7 @@ def render_page(snapshot: Snapshot, user_name: str, token: str, base_url: str, l
         urls = {fmt: subscription_url(base_url, token, fmt) for fmt in ("sing-box", "clash", "links")}
         captions = {"sing-box": t["qr_singbox"], "clash": t["qr_clash"], "links": t["qr_links"]}
         context["imports"] = import_links(urls, title)
-        context["codes"] = [{"format": fmt, "svg": qr_svg(url), "caption": captions[fmt]} for fmt, url in urls.items()]
+        context["codes"] = [{"format": fmt, "svg": qr_svg(url), "caption": captions[fmt],
+                             "note": _left_out_note(t, (left_out or {}).get(fmt, []), fmt)} for fmt, url in urls.items()]
         context["url"] = subscription_url(base_url, token)
     return _environment().get_template("page.html").render(context).encode()
