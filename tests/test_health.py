@@ -1,4 +1,5 @@
-"""The verdict engine, rule by rule, through scenario files in tests/scenarios (HEALTH-1..13)."""
+"""The verdict engine, rule by rule, through scenario files: those the package ships (reconciler/health/examples, run by
+`reconciler simulate --example NAME`) and the tests' own in tests/scenarios (HEALTH-1..13)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import reconciler.health
 from reconciler.config import load_cluster, load_document
 from reconciler.health import HealthEngine, HealthState, Topology
 from reconciler.health.simulate import Scenario, World, inline_topology, run
 from reconciler.model.cluster import HealthSettings
 
-SCENARIOS = Path(__file__).parent / "scenarios"
+
+class _Scenarios:
+    """The scenarios the package ships (``reconciler simulate --example NAME``), then the tests' own."""
+
+    roots = (Path(reconciler.health.__file__).parent / "examples", Path(__file__).parent / "scenarios")
+
+    def __truediv__(self, name: str) -> Path:
+        return next((root / name for root in self.roots if (root / name).exists()), self.roots[-1] / name)
+
+    def glob(self, pattern: str) -> list[Path]:
+        return [p for root in self.roots for p in root.glob(pattern)]
+
+
+SCENARIOS = _Scenarios()
 F = HealthSettings().failure_streak
 
 
@@ -23,7 +38,7 @@ def load(name: str, **overrides) -> tuple[Scenario, Topology, HealthSettings]:
     if overrides:
         scenario = Scenario.model_validate({**scenario.model_dump(by_alias=True, exclude_none=True), **overrides})
     if scenario.cluster:
-        cluster = load_cluster(str((SCENARIOS / scenario.cluster).resolve())).cluster
+        cluster = load_cluster(str(((SCENARIOS / name).parent / scenario.cluster).resolve())).cluster
         return scenario, Topology.from_cluster(cluster), scenario.health or cluster.settings.health
     return scenario, inline_topology(scenario.servers), scenario.health or HealthSettings()
 
@@ -40,7 +55,7 @@ def first_tick(tl, server: str, status: str, start: int = 0) -> int | None:
 
 def test_country_block_is_caught_by_the_witnesses_in_that_country():
     # spec: HEALTH-7, HEALTH-5
-    tl = timeline("country_block.yaml")
+    tl = timeline("block.yaml")
     hit = first_tick(tl, "de-1", "unreachable")
     assert hit is not None and 10 <= hit <= 10 + F  # detection within failure streak + 1 observations
     verdict = tl[hit]["de-1"]
@@ -219,7 +234,7 @@ def test_best_available_never_empty_and_prefers_rotation():
 
 def test_same_inputs_same_outputs_and_persisted_state_resumes_identically(tmp_path):
     # spec: HEALTH-12; the loop persists state (GITOPS-5)
-    scenario, topology, settings = load("country_block.yaml")
+    scenario, topology, settings = load("block.yaml")
     world = World(scenario, topology, settings.report_interval)
     observations = [world.observe(t) for t in range(scenario.ticks)]
     a = HealthEngine(topology, settings)
@@ -239,7 +254,7 @@ def test_same_inputs_same_outputs_and_persisted_state_resumes_identically(tmp_pa
 
 def test_simulate_json_replays_identically(cli):
     # spec: HEALTH-12 (deterministic replay)
-    path = str(SCENARIOS / "country_block.yaml")
+    path = str(SCENARIOS / "block.yaml")
     one = cli("simulate", path, "--json")
     two = cli("simulate", path, "--json")
     assert one.rc == 0 and one.out == two.out

@@ -18,16 +18,16 @@ from reconciler.topology import RENDERERS
 
 def register(sub: Any) -> None:
     r = add_command(sub, "route", HELP["route"],
-                    "reconciler route assign de-1-reality europe --pool central")
+                    "reconciler route assign ber-1-ss europe --pool central")
     rsub = r.add_subparsers(dest="route_command", metavar="ACTION", help="what to do")
     r.set_defaults(group_parser=r)
-    ra = add_command(rsub, "assign", "put an inbound into a route (moving it if needed)", "reconciler route assign de-1-reality europe")
+    ra = add_command(rsub, "assign", "put an inbound into a route (moving it if needed)", "reconciler route assign ber-1-ss usa")
     ra.add_argument("inbound", help="the inbound's id")
     ra.add_argument("route", help="the route's id")
     ra.add_argument("--pool", help="the pool, when the route has pools")
     add_file(ra)
     ra.set_defaults(run=cmd_route)
-    ru = add_command(rsub, "unassign", "take an inbound out of its route", "reconciler route unassign de-1-reality")
+    ru = add_command(rsub, "unassign", "take an inbound out of its route", "reconciler route unassign fra-1-hy2")
     ru.add_argument("inbound", help="the inbound's id")
     add_file(ru)
     ru.set_defaults(run=cmd_route)

@@ -36,9 +36,11 @@ def register(sub: Any) -> None:
     rn.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="how much to log")
     rn.set_defaults(run=cmd_run)
 
-    sim = add_command(sub, "simulate", HELP["simulate"],
-                      "reconciler simulate tests/scenarios/block.yaml")
-    sim.add_argument("scenario", help="the scenario file (YAML)")
+    sim = add_command(sub, "simulate", HELP["simulate"], "reconciler simulate --example block")
+    source = sim.add_mutually_exclusive_group(required=True)
+    source.add_argument("scenario", nargs="?", help="the scenario file (YAML)")
+    source.add_argument("--example", choices=example_scenarios(), metavar="NAME",
+                        help="a scenario shipped with the reconciler: " + ", ".join(example_scenarios()))
     sim.add_argument("--json", action="store_true", help="one JSON object per line per tick")
     sim.add_argument("--all", action="store_true", help="table: every server every tick, not only changes")
     add_allow_path(sim)  # the scenario's cluster file names files too
@@ -77,10 +79,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     return uvloop.run(coro)
 
 
+def example_scenarios() -> list[str]:
+    """The scenarios shipped in the package (``reconciler/health/examples``), by name."""
+    from importlib import resources
+
+    folder = resources.files("reconciler.health") / "examples"
+    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from reconciler.health.simulate import Scenario, check_expectations, check_names, expectations, inline_topology, run
     from reconciler.health.topology import Topology
 
+    if args.example:
+        from importlib import resources
+
+        args.scenario = str(resources.files("reconciler.health") / "examples" / f"{args.example}.yaml")
     scenario, diagnostics, source = load_document(args.scenario, Scenario)
     if scenario is None:
         raise ConfigError(f"{args.scenario}: invalid scenario", diagnostics)
