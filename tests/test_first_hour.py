@@ -235,3 +235,57 @@ def test_status_names_why_a_server_is_silent_and_health_and_metrics_count_it(tmp
     ok, why = loop._healthy()
     assert not ok and why.startswith("no server reported in interval 3: a: SSH unreachable"), why
     assert 'reconciler_reconcile_total{kind="collect",result="error"} 1.0' in generate_latest(loop.registry).decode()
+
+
+#: Help examples that need a real server, root or the network: shown by the lab tests, not run here.
+NEEDS_SERVERS = ("reconciler apply", "reconciler plan", "reconciler show", "reconciler run", "reconciler lab",
+                 "reconciler demo", "reconciler engine pin", "reconciler hostkeys pin")
+
+
+def test_every_help_example_runs_on_the_example_cluster(cli, tmp_path, monkeypatch, secret):
+    # Each command's `example:` line, as an operator copies it, in a folder holding the example as cluster.yaml
+    # (the default file); the scenarios come from the package (`simulate --example`), not from this checkout.
+    examples = sorted({line.strip() for text in _helps(cli).values()
+                       for line in text.split("example:\n", 1)[-1].splitlines() if line.strip().startswith("reconciler ")})
+    assert "reconciler simulate --example block" in examples
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cluster.yaml").write_text(example_text())
+    assert cli("schema").rc == 0  # what `schema --check` checks
+    ran = []
+    for example in examples:
+        if example.startswith(NEEDS_SERVERS):
+            continue
+        words = example.split()[1:]
+        for redirect in (">>", ">"):  # a shell redirection: the command before it
+            if redirect in words:
+                words = words[:words.index(redirect)]
+        if words[0] == "init":
+            words[-1] = str(tmp_path / "new" / "cluster.yaml")
+        run = cli(*words)
+        assert run.rc == 0 and "Traceback" not in run.err, (example, run.out[-500:], run.err[-500:])
+        ran.append(example)
+    assert len(ran) >= 12, ran
+
+
+def test_the_status_of_a_cluster_that_never_ran_says_so(cli, tmp_path, monkeypatch, secret):
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cluster.yaml").write_text(example_text())
+    run = cli("status", "alice")
+    assert run.rc == 0 and "has not run with cluster.yaml's state folder yet" in run.err
+    assert "kept from the last assignment" not in run.out and "ok " not in run.out  # nothing was ever assigned
+    doc = json.loads(cli("status", "alice", "-o", "json").out)
+    assert doc["run_yet"] is False and {e["status"] for e in doc["entries"]} == {"not run yet"}
+    fleet = json.loads(cli("status", "-o", "json").out)
+    assert {s["why"] for s in fleet["servers"]} == {
+        "no data — not collected yet: `reconciler run` has not run with this state folder (never reported)"}
+    run = cli("status", "nobody")
+    assert run.rc == 1 and "no server or user 'nobody'" in run.err
+    assert "did you mean 'fra-1'?" in cli("status", "fra1").err
+    users = json.loads(cli("users", "-o", "json").out)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", users["time"])
+    bob = next(u for u in users["users"] if u["name"] == "bob")
+    assert bob["expires"] == "2027-06-30T23:59:59Z" and bob["next_reset"].endswith("T00:00:00Z")
+    assert "1 of 4 user(s) listed are not served" in cli("users").err  # dave is disabled
+    assert "4 users (1 disabled)" in cli("validate").out

@@ -56,6 +56,11 @@ def routes_table(cluster: Cluster) -> Table:
 
 
 def summary(cluster: Cluster) -> dict[str, int]:
+    """What a file holds, in counts; the users counted whatever their standing, with how many of them are disabled
+    and how many expired (by the clock now: usage is not known here)."""
+    import time
+
+    now = time.time()
     return {
         "servers": len(cluster.servers),
         "inbounds": len(cluster.inbounds),
@@ -63,6 +68,8 @@ def summary(cluster: Cluster) -> dict[str, int]:
         "empty_routes": sum(1 for r in cluster.effective_routes if not cluster.members[r.id]),
         "unassigned_inbounds": len(cluster.unassigned),
         "users": len(cluster.users),
+        "users_disabled": sum(not u.enabled for u in cluster.users),
+        "users_expired": sum(u.enabled and u.expires_at is not None and u.expires_at < now for u in cluster.users),
     }
 
 

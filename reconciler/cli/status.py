@@ -78,12 +78,19 @@ def cmd_status(args: argparse.Namespace) -> int:
                 "unreliable_witness": sv.unreliable_witness, "censored_witness": sv.censored_witness, "sees": sv.sees,
                 "seconds_since_report": sv.seconds_since_report,
                 "traffic_mbps": learned.traffic_mbps.get(name, 0.0), "connected": len(learned.connected.get(name, ())),
-                "inbounds": inbounds}
+                "inbounds": inbounds,
+                "history": [{"since": _iso(c.at), "status": c.status, "for_seconds": round(lasted), "reason": c.reason}
+                            for c, lasted in learned.history.of(name, now)]}
         title = f"{name} ({server.host}): {sv.label}, in rotation: {sv.rotation} — {sv.reason}"
         emit(fmt, data, title,
              ["inbound", "protocol", "port", "status", "in_rotation", "reason", "marks", "failing_witnesses"], inbounds)
         if fmt == "table" and sv.sees and sv.sees not in sv.reason:
             print(f"as a witness: {sv.sees}")
+        if fmt == "table":
+            history = learned.history.of(name, now)
+            print("verdicts of the last 7 days:" if history else "verdicts of the last 7 days: none recorded yet")
+            for c, lasted in history:
+                print(f"  {_iso(c.at)}  {c.status:<11}  for {_lasted(lasted)}  — {c.reason}")
         return 0
     assigned = held_by_server(cluster, learned.assignments)
     rows = []
@@ -110,8 +117,11 @@ def _user(args: argparse.Namespace, path: str, cluster: Any, name: str, fmt: str
     snap = fleet_snapshot(path, cluster)
     user = cluster.user(name)
     entries = decide(snap, name)
+    never = snap.verdicts is None  # the loop never ran with this state folder: nothing was assigned or measured yet
     rows = [{"route": e.route.id, "entry": e.name, "server": e.ref.server.name, "inbound": e.ref.inbound.id,
-             "pool": e.pool, "status": e.status, "in_rotation": e.in_rotation, "why": e.why, "health": e.health}
+             "pool": e.pool, "status": "not run yet" if never else e.status, "in_rotation": e.in_rotation,
+             "why": e.why.replace("kept from the last assignment", "what the first interval would assign") if never
+             else e.why, "health": e.health}
             for e in entries]
     shown = {e.route.id for e in entries}
     hidden = [r.id for r in cluster.effective_routes if r.id not in shown]
@@ -120,10 +130,29 @@ def _user(args: argparse.Namespace, path: str, cluster: Any, name: str, fmt: str
     n = len(rows)
     usage = {"used_bytes": used.used, "limit_bytes": user.data_limit, "devices": used.devices,
              "next_reset": used.next_reset} if used else {}
+    if never and fmt == "table":
+        warn(f"`reconciler run` has not run with {path}'s state folder yet: these are the entries its first interval "
+             "would give, with no health data")
     emit(fmt, {"user": name, "active": standing == "active", "state": standing, "usage": usage, "entries": rows,
-               "hidden_routes": hidden},
+               "hidden_routes": hidden, "run_yet": not never},
          f"{name}: {n} entr{'y' if n == 1 else 'ies'}" + ("" if standing == "active" else f" ({standing.replace('_', ' ')})"),
          ["route", "entry", "server", "status", "why", "health"], rows)
     if hidden and fmt == "table":
         print(f"hidden routes (empty or nothing usable yet): {', '.join(hidden)}")
     return 0
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def _lasted(seconds: float) -> str:
+    """``45s``, ``12m``, ``3h 05m``, ``2d 04h``."""
+    s = int(seconds)
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m"
+    if s < 172800:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 86400}d {s % 86400 // 3600:02d}h"

@@ -32,6 +32,11 @@ def _day(t: float | None) -> str:
     return time.strftime("%Y-%m-%d", time.gmtime(t)) if t else "-"
 
 
+def _iso(t: float | None) -> str | None:
+    """A moment as JSON and YAML give it: ISO 8601 in UTC to the second (``2027-06-30T23:59:59Z``); None: never."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t)) if t else None
+
+
 def _ago(t: float | None, now: float) -> str:
     if not t:
         return "never"
@@ -57,8 +62,9 @@ def cmd_users(args: argparse.Namespace) -> int:
     chosen = [(u, used, st) for u, used, st in chosen if not args.state or st == args.state]
     users = [{
         "name": u.name, "state": st, "upload_bytes": used.up, "download_bytes": used.down, "used_bytes": used.used,
-        "limit_bytes": u.data_limit, "period_start": used.period_start or None, "next_reset": used.next_reset,
-        "expires": u.expires_at, "devices": used.devices, "device_limit": u.device_limit, "last_seen": used.last_seen,
+        "limit_bytes": u.data_limit, "period_start": _iso(used.period_start), "next_reset": _iso(used.next_reset),
+        "expires": _iso(u.expires_at), "devices": used.devices, "device_limit": u.device_limit,
+        "last_seen": _iso(used.last_seen),
         "servers": list(used.servers), "total_bytes": used.total, "demand_mbps": round(used.demand_mbps, 3)}
         for u, used, st in chosen]
     fmt = "json" if args.json else args.output
@@ -69,5 +75,8 @@ def cmd_users(args: argparse.Namespace) -> int:
              "DEVICES": f"{used.devices}/{u.device_limit}" if u.device_limit else str(used.devices),
              "LAST SEEN": _ago(used.last_seen, now), "SERVERS": ",".join(used.servers) or "-"} for u, used, st in chosen]
     columns = ["USER", "STATE", "USED", "LIMIT", "USE", "RESETS", "EXPIRES", "DEVICES", "LAST SEEN", "SERVERS"]
-    emit(fmt, {"time": now, "users": users}, "Users", columns, rows)
+    served = sum(st == "active" for _, _, st in chosen)
+    if fmt == "table" and served != len(chosen):  # the count the table's title gives counts every user it lists
+        warn(f"{len(chosen) - served} of {len(chosen)} user(s) listed are not served (disabled, expired, over a limit)")
+    emit(fmt, {"time": _iso(now), "users": users}, "Users", columns, rows)
     return 0

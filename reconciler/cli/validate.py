@@ -61,7 +61,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     s = summary(cluster)
     warn = f"; {plural(len(result.warnings), 'warning')}" if result.warnings else ""
     print(f"{file}: valid — {plural(s['servers'], 'server')}, {plural(s['inbounds'], 'inbound')}, "
-          f"{plural(s['routes'], 'route')} ({s['empty_routes']} empty), {plural(s['users'], 'user')}{warn}")
+          f"{plural(s['routes'], 'route')} ({s['empty_routes']} empty), {plural(s['users'], 'user')}{_not_served(s)}{warn}")
     return 0
 
 
@@ -82,3 +82,9 @@ def cmd_schema(args: argparse.Namespace) -> int:
     out.write_text(text, encoding="utf-8")
     print(f"wrote {out}")
     return 0
+
+
+def _not_served(s: dict[str, int]) -> str:
+    """`` (1 disabled, 2 expired)`` after the users' count: those it counts that no server serves."""
+    parts = [f"{s[k]} {word}" for k, word in (("users_disabled", "disabled"), ("users_expired", "expired")) if s[k]]
+    return f" ({', '.join(parts)})" if parts else ""

@@ -36,6 +36,7 @@ from reconciler.balance import RTTProfile, ServerLoad
 from reconciler.balance.assignments import Assignments
 from reconciler.balance.capacity import CapacityEstimator
 from reconciler.errors import StateRefused
+from reconciler.fleet.history import History
 from reconciler.fleet.reports import Counter, Report, observation, traffic_rate
 from reconciler.fleet.usage import Ledger, Trust
 from reconciler.health.engine import HealthEngine, HealthState
@@ -49,6 +50,10 @@ READS = (1, 2, FORMAT)
 _HEALTH_AXES = {"fail": "sm", "hazard": "s", "cont": "s", "hazard_n": "s", "cont_n": "s", "judged": "s", "last_report": "s",
                 "last_service_ok": "s", "last_listener_ok": "m", "unreach_on": "m", "unreach_clear": "m",
                 "unreach_scope": "m", "blocked_on": "m", "blocked_clear": "m", "flap": "m"}
+
+
+#: Why a server has no data when the loop never ran with this state (a new checkout, `status` before `run`).
+NOT_RUN = "not collected yet: `reconciler run` has not run with this state folder"
 
 
 @dataclass
@@ -68,6 +73,7 @@ class Learned:
     last_tick: float = 0.0
     ticks: int = 0
     silent: dict[str, str] = field(default_factory=dict)  # server → why the controller had no report from it
+    history: History = field(default_factory=History)  # each server's verdict changes, the last week of them
 
     @classmethod
     def fresh(cls, cluster: Cluster) -> Learned:
@@ -91,6 +97,7 @@ class Learned:
         engine = HealthEngine(topo, cluster.settings.health, self.health)
         verdicts = engine.evaluate(obs)
         verdicts.silence = self.silent
+        self.history.observe(verdicts, now)
         rates = np.zeros(topo.n)
         valid = np.zeros(topo.n, dtype=bool)
         for i, name in enumerate(topo.servers):
@@ -131,7 +138,7 @@ class Learned:
         """Verdicts as of ``now`` from the persisted state, without new reports (for `status`; state untouched)."""
         obs = observation(self.topology, cluster, {}, now)
         verdicts = HealthEngine(self.topology, cluster.settings.health, self.health.copy()).evaluate(obs)
-        verdicts.silence = self.silent
+        verdicts.silence = self.silent if self.ticks else dict.fromkeys(self.topology.servers, NOT_RUN)
         return verdicts
 
     # ------------------------------------------------------------------ what decisions read
@@ -234,6 +241,7 @@ class Learned:
             {k: v for k, v in held.items() if v in inbounds}
         new.last_tick, new.ticks = self.last_tick, self.ticks
         new.silent = {k: v for k, v in self.silent.items() if k in keep}
+        new.history = self.history.keep(keep)
         new.ledger = self.ledger
         new.ledger.adopt(cluster)
         return new
@@ -252,7 +260,7 @@ class Learned:
             "connected": self.connected, "bytes_total": self.bytes_total,
             "assignment_keys": list(held.columns), "assignment_inbounds": list(held.inbounds),
             "last_tick": self.last_tick, "ticks": self.ticks, "capacity_half_life": self.capacity.half_life,
-            "usage": ledger_meta, "silent": self.silent,
+            "usage": ledger_meta, "silent": self.silent, "history": self.history.to_json(),
         }
         arrays: dict[str, Any] = {f"h_{k}": v for k, v in vars(self.health).items() if isinstance(v, np.ndarray)}
         arrays.update(cap_peak=self.capacity.peak, cap_time=self.capacity.peak_time, rtt_ewma=self.rtt_ewma,
@@ -290,7 +298,7 @@ class Learned:
                    traffic_mbps=meta["traffic_mbps"], connected=meta["connected"],
                    bytes_total={str(k): int(v) for k, v in (meta.get("bytes_total") or {}).items()},
                    assignments=assignments, last_tick=meta["last_tick"], ticks=meta["ticks"], ledger=ledger,
-                   silent=_silent(meta.get("silent"), topo))
+                   silent=_silent(meta.get("silent"), topo), history=History.from_json(meta.get("history"), topo.servers))
 
     @classmethod
     def restore(cls, data: bytes | None, cluster: Cluster, where: str = "the learned state") -> tuple[Learned, str | None]:
