@@ -88,3 +88,22 @@ class PrintableFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         return printable(super().format(record))
+
+
+def iso_time(t: float) -> str:
+    """A moment as JSON and YAML give it: ISO 8601 in UTC to the second (``2027-06-30T23:59:59Z``)."""
+    import time
+
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def lasted_text(seconds: float) -> str:
+    """How long something lasted, as people read it: ``45s``, ``12m``, ``3h 05m``, ``2d 04h``."""
+    s = int(seconds)
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m"
+    if s < 172800:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 86400}d {s % 86400 // 3600:02d}h"

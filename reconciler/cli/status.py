@@ -19,7 +19,7 @@ from reconciler.cli.commands import HELP
 from reconciler.cli.common import add_command, add_file, cluster_file, load, state_of, user_named, warn
 from reconciler.cli.output import emit
 from reconciler.errors import InvalidInput
-from reconciler.text import plural
+from reconciler.text import iso_time, lasted_text, plural
 
 
 def register(sub: Any) -> None:
@@ -79,7 +79,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 "seconds_since_report": sv.seconds_since_report,
                 "traffic_mbps": learned.traffic_mbps.get(name, 0.0), "connected": len(learned.connected.get(name, ())),
                 "inbounds": inbounds,
-                "history": [{"since": _iso(c.at), "status": c.status, "for_seconds": round(lasted), "reason": c.reason}
+                "history": [{"since": iso_time(c.at), "status": c.status, "for_seconds": round(lasted), "reason": c.reason}
                             for c, lasted in learned.history.of(name, now)]}
         title = f"{name} ({server.host}): {sv.label}, in rotation: {sv.rotation} — {sv.reason}"
         emit(fmt, data, title,
@@ -90,7 +90,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             history = learned.history.of(name, now)
             print("verdicts of the last 7 days:" if history else "verdicts of the last 7 days: none recorded yet")
             for c, lasted in history:
-                print(f"  {_iso(c.at)}  {c.status:<11}  for {_lasted(lasted)}  — {c.reason}")
+                print(f"  {iso_time(c.at)}  {c.status:<11}  for {lasted_text(lasted)}  — {c.reason}")
         return 0
     assigned = held_by_server(cluster, learned.assignments)
     rows = []
@@ -141,18 +141,3 @@ def _user(args: argparse.Namespace, path: str, cluster: Any, name: str, fmt: str
         print(f"hidden routes (empty or nothing usable yet): {', '.join(hidden)}")
     return 0
 
-
-def _iso(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
-
-
-def _lasted(seconds: float) -> str:
-    """``45s``, ``12m``, ``3h 05m``, ``2d 04h``."""
-    s = int(seconds)
-    if s < 120:
-        return f"{s}s"
-    if s < 7200:
-        return f"{s // 60}m"
-    if s < 172800:
-        return f"{s // 3600}h {s % 3600 // 60:02d}m"
-    return f"{s // 86400}d {s % 86400 // 3600:02d}h"

@@ -13,7 +13,7 @@ from typing import Any
 
 from reconciler.cli.commands import HELP
 from reconciler.cli.common import add_command, add_file, cluster_file, load, state_of, warn
-from reconciler.text import size_text
+from reconciler.text import iso_time, size_text
 
 STATES = ("active", "over_quota", "expired", "disabled", "device_limit")
 
@@ -33,8 +33,8 @@ def _day(t: float | None) -> str:
 
 
 def _iso(t: float | None) -> str | None:
-    """A moment as JSON and YAML give it: ISO 8601 in UTC to the second (``2027-06-30T23:59:59Z``); None: never."""
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t)) if t else None
+    """``text.iso_time``, or None for never."""
+    return iso_time(t) if t else None
 
 
 def _ago(t: float | None, now: float) -> str:
