@@ -56,15 +56,15 @@ def test_validate_finds_the_missing_files_plan_would(cli, tmp_path):
     path = tmp_path / "cluster.yaml"
     path.write_text(text.replace("    ssh: {user: root, port: 22", "    ssh: {user: root, identity: keys/none, port: 22", 1))
     run = cli("validate", "-f", str(path))
-    assert run.rc == 1, run.out
-    assert re.search(r"cluster\.yaml:\d+:\d+: error: ssh.identity of server '[^']+': 'keys/none' is not a file here",
-                     run.out + run.err), run.out + run.err
+    assert run.rc == 0, run.out  # the controller's credential: CI may validate before it installs it; plan fails
+    assert re.search(r"cluster\.yaml:\d+:\d+: warning: ssh.identity of server '[^']+': 'keys/none' is not a file here: "
+                     r"plan and apply cannot reach the server with it", run.out + run.err), run.out + run.err
     (tmp_path / "keys").mkdir()
     (tmp_path / "keys" / "none").write_text("a key\n")
     monkeypatch = pytest.MonkeyPatch()
     try:
         monkeypatch.chdir(tmp_path)  # an identity is read from the working directory, as the SSH pool reads it
-        assert cli("validate", "-f", str(path)).rc == 0
+        assert "keys/none" not in (lambda r: r.out + r.err)(cli("validate", "-f", str(path)))
     finally:
         monkeypatch.undo()
 

@@ -42,8 +42,9 @@ def check(cluster: Cluster, source: SourceMap, cluster_file: str) -> list[Diagno
 
 
 def _missing(cluster: Cluster, source: SourceMap, cluster_file: str) -> Iterator[Diagnostic]:
-    """An error at each file that plan and apply read and that is not there: an inbound's certificate and key (from
-    the cluster's folder) and a server's SSH identity (from the working directory, ``~`` expanded), as they read them."""
+    """What plan and apply read and is not there, as they read it: an inbound's certificate and key (an error: they
+    live in the repository, from the cluster's folder) and a server's SSH identity (a warning: from the working
+    directory, ``~`` expanded)."""
     base = os.path.dirname(os.path.abspath(cluster_file))
     for where, what, value, from_cwd in named_files(cluster):
         if where[-2:-1] == ("tls",) and where[0] == "servers":
@@ -51,13 +52,15 @@ def _missing(cluster: Cluster, source: SourceMap, cluster_file: str) -> Iterator
             if not os.path.isfile(full):
                 yield at("error", source.value(where), f"{what}: {shown(value)} is not a file here",
                          "check the path; a relative path is taken from the cluster file's folder", "file")
+    # A server's SSH identity is the controller's credential, kept out of git (GITOPS-6): a CI job often validates
+    # before it installs the key (or without secrets at all), so its absence warns here, and plan is what fails.
     for si, server in enumerate(cluster.servers):
         identity = server.ssh.identity
         if identity and not os.path.isfile(os.path.expanduser(identity)):
-            yield at("error", source.value(("servers", si, "ssh", "identity")),
-                     f"ssh.identity of server {server.name!r}: {shown(identity)} is not a file here",
-                     "check the path (taken from the working directory; ~ is your home), or leave it out to use the "
-                     "SSH agent and ~/.ssh keys", "file")
+            yield at("warning", source.value(("servers", si, "ssh", "identity")),
+                     f"ssh.identity of server {server.name!r}: {shown(identity)} is not a file here: plan and apply "
+                     "cannot reach the server with it", "install the key there before plan (taken from the working "
+                     "directory; ~ is your home), or leave it out to use the SSH agent and ~/.ssh keys", "file")
 
 
 # The fields that name a local file the controller reads and sends on (uploads to a server, sends to etcd) or decides
