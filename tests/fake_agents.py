@@ -8,8 +8,11 @@ runner, parsing, logging and backoff as a real server's.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+from reconciler.config import load_cluster
 from reconciler.engine.base import AGENT
+from reconciler.model import Cluster
 from reconciler.ssh.fake import FakeRunner
 
 #: An agent that answers every probe it is asked with a success and every listener as open.
@@ -39,3 +42,15 @@ def install_agent(runner: FakeRunner, server: str, source: str = HEALTHY) -> Non
     path = runner.host(server).root / AGENT.lstrip("/")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(source)
+
+
+def shadowsocks_fleet(folder: Path, names: str) -> tuple[Path, Cluster, FakeRunner]:
+    """A cluster file in ``folder`` of one Shadowsocks server per letter of ``names`` (self_heal off, one-minute
+    intervals, one user), loaded, and a fake runner for its hosts (no agent installed yet)."""
+    path = folder / "cluster.yaml"
+    path.write_text("settings:\n  self_heal: false\n  health: {report_interval: 60s}\nservers:\n" + "".join(
+        f"  - {{name: {n}, host: 198.18.0.{10 + i}, country: DE, inbounds: [{{id: {n}-in, name: {n.upper()}, "
+        f"protocol: shadowsocks-2022, port: 8388}}]}}\n" for i, n in enumerate(names)) + "users:\n  - name: alice\n")
+    cluster = load_cluster(str(path)).cluster
+    assert cluster is not None
+    return path, cluster, FakeRunner(folder / "hosts")

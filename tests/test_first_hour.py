@@ -187,20 +187,12 @@ def test_status_names_why_a_server_is_silent_and_health_and_metrics_count_it(tmp
     # "agent not answering" for a server that SSH never reached.
     from prometheus_client import generate_latest
 
-    from reconciler.config import load_cluster
     from reconciler.fleet.learned import Learned
     from reconciler.loop.clock import FakeClock
     from reconciler.loop.service import Loop
-    from reconciler.ssh.fake import FakeRunner
-    from tests.fake_agents import HEALTHY, answering, install_agent
+    from tests.fake_agents import HEALTHY, answering, install_agent, shadowsocks_fleet
 
-    path = tmp_path / "cluster.yaml"
-    path.write_text("settings:\n  self_heal: false\n  health: {report_interval: 60s}\nservers:\n" + "".join(
-        f"  - {{name: {n}, host: 198.18.0.{10 + i}, country: DE, inbounds: [{{id: {n}-in, name: {n.upper()}, "
-        f"protocol: shadowsocks-2022, port: 8388}}]}}\n" for i, n in enumerate("abcd")) + "users:\n  - name: alice\n")
-    cluster = load_cluster(str(path)).cluster
-    assert cluster is not None
-    runner = FakeRunner(tmp_path / "hosts")
+    path, cluster, runner = shadowsocks_fleet(tmp_path, "abcd")
     install_agent(runner, "a", HEALTHY)
     runner.host("b").reachable = False
     install_agent(runner, "c", answering(["not", "a", "report"]))

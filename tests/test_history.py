@@ -10,7 +10,6 @@ import re
 
 import numpy as np
 
-from reconciler.config import load_cluster
 from reconciler.credentials import Secret
 from reconciler.fleet.history import KEEP_CHANGES, KEEP_SECONDS, History
 from reconciler.fleet.learned import Learned
@@ -18,8 +17,7 @@ from reconciler.health.topology import Topology
 from reconciler.health.verdicts import NO_DATA, OK, STATUS_NAMES, UNREACHABLE
 from reconciler.loop.clock import FakeClock
 from reconciler.loop.service import Loop
-from reconciler.ssh.fake import FakeRunner
-from tests.fake_agents import HEALTHY, install_agent
+from tests.fake_agents import HEALTHY, install_agent, shadowsocks_fleet
 
 SECRET = Secret(b"history-test-secret-0123456789abcdef")
 
@@ -63,13 +61,7 @@ def test_a_flapping_server_over_weeks_of_intervals_keeps_a_bounded_week():
 
 
 def test_the_history_survives_a_restart_and_status_shows_it(tmp_path, cli):
-    path = tmp_path / "cluster.yaml"
-    path.write_text("settings:\n  self_heal: false\n  health: {report_interval: 60s}\nservers:\n" + "".join(
-        f"  - {{name: {n}, host: 198.18.0.{10 + i}, country: DE, inbounds: [{{id: {n}-in, name: {n.upper()}, "
-        f"protocol: shadowsocks-2022, port: 8388}}]}}\n" for i, n in enumerate("ab")) + "users:\n  - name: alice\n")
-    cluster = load_cluster(str(path)).cluster
-    assert cluster is not None
-    runner = FakeRunner(tmp_path / "hosts")
+    path, cluster, runner = shadowsocks_fleet(tmp_path, "ab")
     for name in "ab":
         install_agent(runner, name, HEALTHY)
     runner.host("b").reachable = False
