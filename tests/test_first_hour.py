@@ -51,7 +51,7 @@ def test_both_starter_files_give_a_users_url(cli, tmp_path, secret):
     assert run.rc == 1 and "not an http(s) URL" in run.err
 
 
-def test_validate_finds_the_missing_files_plan_would(cli, tmp_path):
+def test_validate_finds_the_missing_files_plan_would(cli, tmp_path, monkeypatch):
     text = example_text()
     path = tmp_path / "cluster.yaml"
     path.write_text(text.replace("    ssh: {user: root, port: 22", "    ssh: {user: root, identity: keys/none, port: 22", 1))
@@ -61,12 +61,8 @@ def test_validate_finds_the_missing_files_plan_would(cli, tmp_path):
                      r"plan and apply cannot reach the server with it", run.out + run.err), run.out + run.err
     (tmp_path / "keys").mkdir()
     (tmp_path / "keys" / "none").write_text("a key\n")
-    monkeypatch = pytest.MonkeyPatch()
-    try:
-        monkeypatch.chdir(tmp_path)  # an identity is read from the working directory, as the SSH pool reads it
-        assert "keys/none" not in (lambda r: r.out + r.err)(cli("validate", "-f", str(path)))
-    finally:
-        monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)  # an identity is read from the working directory, as the SSH pool reads it
+    assert "keys/none" not in (lambda r: r.out + r.err)(cli("validate", "-f", str(path)))
 
 
 def test_validate_finds_a_missing_certificate_and_key(cli, tmp_path):

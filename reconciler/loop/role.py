@@ -48,7 +48,8 @@ class Led(Protocol):
 
 
 class Role(Protocol):
-    election: Election | None
+    @property
+    def election(self) -> Election | None: ...
 
     def attach(self, led: Led) -> None: ...
 
@@ -116,8 +117,7 @@ class Elected:
     """Lead or stand by through an etcd election, the learned state handed over through etcd (see the module)."""
 
     def __init__(self, election: Election, channel: StateChannel) -> None:
-        self.election: Election | None = election
-        self._election = election
+        self.election = election
         self.channel = channel
         self._led: Led | None = None
         self._generation: str | None = None  # the published state this controller has (read or written)
@@ -134,20 +134,20 @@ class Elected:
 
     def attach(self, led: Led) -> None:
         self._led = led
-        self._election.on_change = self._on_change
+        self.election.on_change = self._on_change
 
     def leads(self) -> bool:
-        return self._election.is_leader
+        return self.election.is_leader
 
     def publishing(self) -> bool:
-        return self._election.is_leader
+        return self.election.is_leader
 
     def fence(self) -> Fence | None:
-        election = self._election
+        election = self.election
         return Fence(election.fence, lambda: election.is_leader)
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self._election.run(stop)
+        await self.election.run(stop)
 
     def _on_change(self, leading: bool) -> None:
         if leading:  # the state it continues from is read before its first interval or plan (take_over)
@@ -225,7 +225,7 @@ class Elected:
 
     async def publish(self) -> None:
         """The leader's learned state after its interval, for a standby to serve from and take over."""
-        election, led = self._election, self.led
+        election, led = self.election, self.led
         if not election.is_leader:
             led.saved_bytes()  # not published after all: the ~40 MB are not kept
             return
@@ -247,9 +247,9 @@ class Elected:
 
     def health(self, interval: float, started: float) -> tuple[bool, str] | None:
         """A standby is healthy while the leader's state keeps arriving (it serves from it); None for a leader."""
-        if self._election.is_leader:
+        if self.election.is_leader:
             return None
-        leader = self._election.leader or "none yet"
+        leader = self.election.leader or "none yet"
         led = self.led
         if not self._seen:
             late = led.clock.time() - started > 3 * interval + 60
@@ -263,13 +263,13 @@ class Elected:
 
     def status(self) -> dict[str, Any] | None:
         """Who leads, and the state this controller has (the status document's ``leader``)."""
-        return {**self._election.status(), "state": {
+        return {**self.election.status(), "state": {
             "generation": self._generation, "ticks": self.led.learned.ticks,
             "published_by": self._pointer.get("by"), "error": self._error}}
 
     async def close(self) -> None:
         """On the way out: a leader publishes its last state and resigns, so a standby leads at its next look."""
-        election = self._election
+        election = self.election
         if election.is_leader:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.publish(), max(5.0, election.ttl))
