@@ -23,7 +23,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import get_args
 
 import numpy as np
@@ -32,8 +32,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from reconciler import __version__
-from reconciler.balance import Snapshot
-from reconciler.health.verdicts import STATUS_NAMES, Verdicts
+from reconciler.fleet.view import FleetView
+from reconciler.health.verdicts import STATUS_NAMES
 from reconciler.model import Cluster, UserUsage
 from reconciler.model.roster import STANDINGS, Standing
 from reconciler.model.usage import UsageView
@@ -46,30 +46,6 @@ STATES: tuple[str, ...] = get_args(Standing)  # a user's standing (User.standing
 DIRECTIONS = ("up", "down")  # up: client → server, down: server → client
 UNASSIGNED = "unassigned"  # the route label of user bytes not attributable to a route
 OTHER = "other"  # the user label that sums the users without series of their own
-
-
-@dataclass(frozen=True)
-class FleetView:
-    """What the loop knew after its last interval; replaced whole, never mutated."""
-
-    cluster: Cluster
-    verdicts: Verdicts | None = None
-    snapshot: Snapshot | None = None
-    traffic_mbps: Mapping[str, float] = field(default_factory=dict)
-    connected: Mapping[str, int] = field(default_factory=dict)
-    capacity_mbps: Mapping[str, float | None] = field(default_factory=dict)
-    assigned: Mapping[str, int] = field(default_factory=dict)  # server → users assigned to its inbounds
-    rtt_ms: Mapping[tuple[str, str], float] = field(default_factory=dict)  # (witness region, inbound) → EWMA
-    drift: Mapping[str, int] = field(default_factory=dict)  # server → pending changes seen by the last plan
-    traffic_bytes: Mapping[str, int] = field(default_factory=dict)  # server → bytes carried (a counter)
-    cluster_digest: str = ""
-    # Users: each user's usage as of this interval (snapshot.usage has it too), and the users' bytes
-    # summed per server and per route since the controller began counting ([up, down], counters).
-    usage: Mapping[str, UserUsage] = field(default_factory=dict)
-    user_bytes_by_server: Mapping[str, tuple[int, int]] = field(default_factory=dict)
-    user_bytes_by_route: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # "" = not assigned there
-    usage_unavailable: Mapping[str, str] = field(default_factory=dict)  # server → why no per-user counters
-    unreported: Mapping[str, str] = field(default_factory=dict)  # server → why the last interval had no report of it
 
 
 #: The first words of a silent server's reason (``loop.collect.silence``) → the metric's ``cause`` label.

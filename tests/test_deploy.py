@@ -52,7 +52,7 @@ def collector_scrape(per_user: bool = True) -> str:
     """One scrape of the collector with a realistic view: five servers, one inbound failing for two witnesses,
     a capacity estimate, users with usage (issue 16); per-user series on unless asked (off by default in a file)."""
     from reconciler.fleet.learned import Learned
-    from reconciler.metrics import FleetView
+    from reconciler.fleet.view import FleetView
     from reconciler.model import Cluster, UserUsage
     from tests.test_loop import LoopStats, cluster, collector_text, snapshot_after  # the collector with a realistic view
 

@@ -25,8 +25,9 @@ from reconciler.errors import ReportError
 from reconciler.fleet import snapshot
 from reconciler.fleet.learned import Learned
 from reconciler.fleet.reports import Counter, Probe, Report, agent_request, observation, parse_report, traffic_rate
+from reconciler.fleet.view import FleetView
 from reconciler.health.topology import Topology
-from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
+from reconciler.metrics import LoopStats, ReconcilerCollector
 from reconciler.model import Cluster, UserUsage
 from reconciler.publish import FileOutlet, LiveAnswers, PublishedTable, Tokens, WriteStats
 from reconciler.state.folder import StateFolder
@@ -168,8 +169,9 @@ def test_observation_maps_probes_and_listeners():
 
 
 def run_intervals(c: Cluster, learned: Learned, ticks: int, start: float, blocked: dict[str, set[str]] | None = None,
-                  silent: set[str] = frozenset(), rng=None, loss: float = 0.0):
-    """Fold simulated reports; ``blocked``: witness → targets it cannot reach. Returns the server statuses per tick."""
+                  silent: set[str] = frozenset(), rng=None, loss: float = 0.0, every_listener: bool = False):
+    """Fold simulated reports; ``blocked``: witness → targets it cannot reach; ``every_listener``: each server reports
+    every inbound's port listening (else 443/tcp only). Returns the server statuses per tick."""
     interval = c.settings.health.report_interval
     history = []
     for k in range(ticks):
@@ -182,7 +184,8 @@ def run_intervals(c: Cluster, learned: Learned, ticks: int, start: float, blocke
             failing = set((blocked or {}).get(s.name, set()))
             if rng is not None and loss:
                 failing |= {r.inbound.id for r in c.inbounds if rng.random() < loss}
-            reports[s.name] = report(s.name, c, now, failing=failing, traffic=int(now * 1000))
+            listeners = {f"{ib.port}/{t}": True for ib in s.inbounds for t in ib.transports} if every_listener else None
+            reports[s.name] = report(s.name, c, now, failing=failing, traffic=int(now * 1000), listeners=listeners)
         v = learned.fold(c, reports, now)
         history.append({name: sv.status for name, sv in v.servers().items()})
     return history
@@ -670,11 +673,11 @@ def test_http_outlet_serves_subscriptions_metrics_health_and_status():
                     assert r.status == 200
                 async with s.get(f"{base}/metrics") as r:
                     assert "reconciler_server_status" in await r.text()
-                async with s.get(f"{base}/") as r:
+                async with s.get(f"{base}/routes") as r:  # the console's routes and topology
                     page = await r.text()
                     # Only the DE witnesses lose s0 (HEALTH-15): the page says from where, and for whom it is out.
                     assert "<svg" in page and 'data-server="s0" data-status="unreachable from DE"' in page
-                    assert "s0-in (not for WEU)" in page
+                    assert ">s0-in</a> — In rotation: not for WEU" in page
                 async with s.get(f"{base}/status.json") as r:
                     st = await r.json()
                     assert st["servers"]["s0"]["status"] == "unreachable" and st["routes"]["r"]["active"]

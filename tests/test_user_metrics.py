@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from reconciler.balance import Snapshot
-from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
+from reconciler.fleet.view import FleetView
+from reconciler.metrics import LoopStats, ReconcilerCollector
 from reconciler.model import Cluster, UserUsage
 
 NOW = 1_760_000_000.0  # 2025-10-09 UTC

@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 
 from reconciler.config import load_cluster
+from reconciler.console import answer
 from reconciler.fleet.events import verdict_events
 from reconciler.fleet.learned import Learned
-from reconciler.loop.http import status_document, status_html
-from reconciler.metrics import FleetView, LoopStats
+from reconciler.fleet.view import FleetView
+from reconciler.loop.http import status_document
+from reconciler.metrics import LoopStats
 from reconciler.model import Cluster
 from reconciler.state.folder import StateFolder
 from reconciler.topology import dot, mermaid, svg
@@ -94,9 +96,10 @@ def test_regional_verdicts_and_marks_show_in_the_page_the_topology_and_the_metri
     assert doc["servers"]["de-1"]["label"] == "unreachable from RU" and doc["servers"]["de-1"]["rotation"] == "not for EEU"
     assert doc["servers"]["us-1"]["marks"][0]["witness"] == "de-1" and doc["servers"]["us-1"]["marks"][0]["witness_country"] == "DE"
     assert doc["routes"]["r"]["regional"] == {"de-1-in": "EEU", "nl-1-in": "EEU", "fr-1-in": "EEU"}
-    page = status_html(view)
+    page = answer("/", {}, None, view, now, lambda user, rotate: "t").body.decode()  # the console's fleet
     assert "unreachable from RU" in page and "<b>not for EEU</b>" in page and "de-1 cannot reach us-1 (one direction)" in page
-    assert "de-1-in (not for EEU)" in page and 'data-status="pair-unreachable"' in page
+    routes = answer("/routes", {}, None, view, now, lambda user, rotate: "t").body.decode()
+    assert ">de-1-in</a> — In rotation: not for EEU" in routes and 'data-status="pair-unreachable"' in routes
 
     labels = v.labels()
     assert labels["de-1"] == labels["de-1-in"] == "unreachable from RU" and labels["us-1"] == "pair-unreachable"

@@ -151,7 +151,7 @@ def run_lab_demo(console: Console, out: Path, hosts_wanted: int, duration: float
             console.print("[red]the loop did not report every server ok in time[/red]")
             return 1
         _print_status(console, ready)
-        console.print(f"metrics: {loop.operations}/metrics · status page: {loop.operations}/ · "
+        console.print(f"metrics: {loop.operations}/metrics · console: {loop.operations}/ · "
                       f"subscriptions: http://{listen}/sub/<token> and files under {out / 'subscriptions-lab'}")
         code = 0
         if scenario == "block":

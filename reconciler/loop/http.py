@@ -19,9 +19,10 @@ operations pages live on their own listener (``settings.outputs.operations_liste
 loopback by default, optionally behind a bearer token or basic credentials):
 
 - ``/metrics``: Prometheus exposition of the custom collector;
-- ``/``: the status page — the topology coloured by health (ROUTE-8, HEALTH-13),
-  servers with their verdicts and reasons, routes with their active inbounds;
-- ``/status.json``: the same as JSON.
+- ``/``, ``/server/<name>``, ``/user/<name>``, ``/users``, ``/routes``: the read-only console
+  (``reconciler.console``) — the fleet, each server's and user's card, the topology coloured by health
+  (ROUTE-8, HEALTH-13);
+- ``/status.json``: the fleet's verdicts and routes as JSON.
 
 With ``settings.outputs.workers`` above 1 the public side runs in worker processes sharing the
 port (``reconciler.loop.workers``), each with this class's ``public`` over its own copy of the
@@ -38,20 +39,19 @@ import ipaddress
 import json
 import time
 from collections.abc import Callable
-from html import escape
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from reconciler.console import answer, is_console
+from reconciler.fleet.view import FleetView
 from reconciler.loop.client_address import Network, client_address
 from reconciler.loop.listener import Credential, Handler, Limits, Listener
-from reconciler.metrics import FleetView
 from reconciler.publish import LiveAnswers
 from reconciler.subscriptions import FORMATS, choose_format
 from reconciler.subscriptions.page import choose_language, page_headers, render_page, wants_page
 from reconciler.subscriptions.urls import request_base
-from reconciler.topology import colour_of, svg
 
 #: Seconds an app is asked to wait (``Retry-After``) while the endpoint starts, before its first snapshot: the first
 #: interval, which a start runs at once, takes a few seconds even for a million users.
@@ -72,8 +72,7 @@ class HttpOutlet:
         self.region_of = region_of
         # aiohttp's low-level server with a dispatch of our own: a few fixed paths do not need the router
         # and middleware machinery, and skipping it serves ~25% more subscription requests per core.
-        self._pages = {"/healthz": self.healthz, "/metrics": self.metrics, "/": self.status_page,
-                       "/status.json": self.status_json}
+        self._pages = {"/healthz": self.healthz, "/metrics": self.metrics, "/status.json": self.status_json}
         self.credential: Credential | None = None
         self.listeners: list[Listener] = []
 
@@ -93,14 +92,16 @@ class HttpOutlet:
         raise web.HTTPNotFound(text="not found\n")
 
     async def operations(self, request: web.BaseRequest) -> web.StreamResponse:
-        """The operations listener: health with reasons, metrics, the status page; behind the credential if one is set."""
+        """The operations listener: health with reasons, metrics, status.json, the console; behind the credential if one is set."""
         if request.method not in ("GET", "HEAD"):
             raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
         page = self._pages.get(request.path)
-        if page is None:
+        if page is None and not is_console(request.path):
             raise web.HTTPNotFound(text="not found\n")
         if self.credential is not None and not self.credential.accepts(request.headers.get("Authorization")):
             raise web.HTTPUnauthorized(text="unauthorized\n", headers={"WWW-Authenticate": self.credential.challenge})
+        if page is None:
+            return self.console(request)
         return await page(request)
 
     async def both(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -206,8 +207,12 @@ class HttpOutlet:
     async def status_json(self, request: web.BaseRequest) -> web.Response:
         return web.json_response(status_document(self.view()), dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
-    async def status_page(self, request: web.BaseRequest) -> web.Response:
-        return web.Response(text=status_html(self.view()), content_type="text/html", charset="utf-8")
+    def console(self, request: web.BaseRequest) -> web.Response:
+        """The read-only console (``reconciler.console``): its pages carry a user's subscription URL at most, which
+        this listener's credential already guards."""
+        page = answer(request.path, request.query, request.headers.get("Accept-Language"), self.view(), time.time(),
+                      lambda user, rotate: self.answers.tokens.token(user, rotate))
+        return web.Response(status=page.status, body=page.body, headers=page.headers)
 
 
 def none_match(header: str | None, etag: str) -> bool:
@@ -247,39 +252,3 @@ def status_document(view: FleetView | None) -> dict[str, Any]:
         routes[route.id] = {"inbounds": [m.inbound.id for m in members], "active": active, "regional": regional,
                             "best_available_only": bool(members) and not active and not regional}
     return {"ready": True, "time": v.now if v is not None else time.time(), "servers": servers, "routes": routes}
-
-
-def status_html(view: FleetView | None) -> str:
-    if view is None:
-        return "<!doctype html><title>reconciler</title><p>Starting: no interval has finished yet.</p>"
-    doc = status_document(view)
-    # Each server's and inbound's own verdict (ROUTE-8), marks and regional verdicts included.
-    health = view.verdicts.labels() if view.verdicts is not None else {}
-    rows = []
-    for name, s in doc["servers"].items():
-        rotation = escape(s["rotation"]) if s["in_rotation"] else f"<b>{escape(s['rotation'])}</b>"
-        marks = "".join(f"<li>{escape(m['text'])}</li>" for m in s["marks"])
-        rows.append(f"<tr data-server='{escape(name)}'><td>{escape(name)}</td><td>{escape(s['country'])}</td>"
-                    f"<td><span class=dot style='background:{colour_of(s['label'])}'></span>{escape(s['label'])}</td>"
-                    f"<td>{rotation}</td><td>{s['traffic_mbps']:g}</td>"
-                    f"<td>{s['connected_users']}</td><td>{s['assigned_users']}</td><td>{escape(s['reason'])}"
-                    f"{f'<ul class=marks>{marks}</ul>' if marks else ''}</td></tr>")
-    route_rows = []
-    for rid, r in doc["routes"].items():
-        flag = " ⚠ best available only" if r["best_available_only"] else ""
-        elsewhere = "; ".join(f"{i} (not for {region})" for i, region in r["regional"].items())
-        route_rows.append(f"<tr><td>{escape(rid)}</td><td>{len(r['active'])}/{len(r['inbounds'])}{flag}</td>"
-                          f"<td>{escape(', '.join(r['active']))}{escape(('; ' if r['active'] else '') + elsewhere) if elsewhere else ''}"
-                          f"</td></tr>")
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(doc["time"])))
-    return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="15">
-<title>reconciler status</title><style>
-body{{font-family:system-ui,sans-serif;margin:1.5em}} table{{border-collapse:collapse;margin:1em 0}}
-td,th{{border:1px solid #ddd;padding:4px 8px;text-align:left;font-size:14px}} .dot{{display:inline-block;width:10px;height:10px;
-border-radius:5px;margin-right:6px}}</style></head><body>
-<h1>Cluster status</h1><p>As of {stamp}. Metrics: <a href="/metrics">/metrics</a> · <a href="/status.json">status.json</a></p>
-{svg(view.cluster, health)}
-<h2>Servers</h2><table><tr><th>server</th><th>country</th><th>status</th><th>in rotation</th><th>Mbps</th>
-<th>connected</th><th>assigned</th><th>why</th></tr>{''.join(rows)}</table>
-<h2>Routes</h2><table><tr><th>route</th><th>active inbounds</th><th>in rotation</th></tr>{''.join(route_rows)}</table>
-</body></html>"""

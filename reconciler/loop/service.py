@@ -50,6 +50,7 @@ from reconciler.fleet.learned import Learned
 from reconciler.fleet.reality import with_reality_keys
 from reconciler.fleet.tell import Told, tell
 from reconciler.fleet.usage import Trust
+from reconciler.fleet.view import FleetView
 from reconciler.health.verdicts import Verdicts
 from reconciler.loop.client_address import networks
 from reconciler.loop.clock import Clock, SystemClock
@@ -59,7 +60,7 @@ from reconciler.loop.http import HttpOutlet, status_document
 from reconciler.loop.listener import load_credential
 from reconciler.loop.role import Role, role_for
 from reconciler.loop.workers import LiveWorkers, worker_count
-from reconciler.metrics import FleetView, LoopStats, ReconcilerCollector
+from reconciler.metrics import LoopStats, ReconcilerCollector
 from reconciler.model import Cluster
 from reconciler.model.types import parse_listen
 from reconciler.publish import FileOutlet, LiveAnswers, Tokens, cluster_digest
@@ -248,7 +249,7 @@ class Loop:
             log.warning("the operations pages on %s name servers and addresses and have no credential: set "
                         "settings.outputs.operations_auth", self.operations_listen)
         log.info("listening on http://%s (subscriptions /sub/<token>, /healthz) and http://%s (operations: /metrics, "
-                 "/status.json, status page /, /healthz)", self.listen, self.operations_listen)
+                 "/status.json, the console /, /healthz)", self.listen, self.operations_listen)
         return True
 
     def _start_tasks(self) -> None:
@@ -411,7 +412,8 @@ class Loop:
                          usage=snap.usage, usage_unavailable=dict(self.learned.ledger.unavailable),
                          user_bytes_by_server={k: (v[0], v[1]) for k, v in self.learned.ledger.by_server.items()},
                          user_bytes_by_route={k: (v[0], v[1]) for k, v in self.learned.ledger.by_route.items()},
-                         unreported=dict(self.collection.unreported))
+                         unreported=dict(self.collection.unreported),
+                         history={k: tuple(v) for k, v in self.learned.history.changes.items()})
 
     def _tell(self, verdicts: Verdicts, snap: Snapshot) -> None:
         """What the interval tells (``fleet.tell``, pure), done: the log lines, the webhook's events, a plan now."""

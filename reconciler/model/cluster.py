@@ -340,8 +340,9 @@ class OutputSettings(_Model):
     state_dir: str = Field(".reconciler", description="Learned state, known host keys and locks of the controller.")
     listen: Listen = Field("127.0.0.1:8080", description="Public HTTP endpoint HOST:PORT: /sub/<token> and /healthz only.")
     operations_listen: Listen = Field(
-        "127.0.0.1:9180", description="Operations HTTP endpoint HOST:PORT: /metrics, /status.json, the status page, /healthz "
-        "with reasons. Loopback by default; the same address as `listen` serves both on one port.")
+        "127.0.0.1:9180", description="Operations HTTP endpoint HOST:PORT: /metrics, /status.json, the read-only console "
+        "(/, /server/NAME, /user/NAME, /users, /routes), /healthz with reasons. Loopback by default; the same address "
+        "as `listen` serves both on one port.")
     workers: Annotated[int, Field(ge=0, le=256)] | Literal["auto"] = Field(
         1, description="Processes answering `listen` (subscriptions, /healthz): 1 answers it in the loop's own process; "
                        "more start that many worker processes sharing the port (SO_REUSEPORT), each answering from the "
