@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -23,7 +22,7 @@ import jinja2
 
 from reconciler.console import views
 from reconciler.fleet.view import FleetView
-from reconciler.subscriptions.page import choose_language, qr_svg
+from reconciler.subscriptions.page import choose_language, qr_svg, read_catalog
 
 _PACKAGE = "reconciler.console"
 LANGUAGES = ("en", "ru")
@@ -39,10 +38,7 @@ class Answer:
 @functools.cache
 def catalog(lang: str) -> dict[str, str]:
     """The console's words in ``lang`` (``i18n/<lang>.json``)."""
-    if lang not in LANGUAGES:
-        raise KeyError(lang)
-    data: dict[str, str] = json.loads(resources.files(_PACKAGE).joinpath(f"i18n/{lang}.json").read_text("utf-8"))
-    return data
+    return read_catalog(_PACKAGE, LANGUAGES, lang)
 
 
 def language(accept_language: str | None, query: str | None) -> str:

@@ -94,9 +94,14 @@ def _weighted(header: str) -> list[tuple[str, float]]:
 @functools.cache
 def catalog(lang: str) -> dict[str, str]:
     """The page's strings in ``lang`` (``i18n/<lang>.json``)."""
-    if lang not in LANGUAGES:
+    return read_catalog(_PACKAGE, LANGUAGES, lang)
+
+
+def read_catalog(package: str, languages: tuple[str, ...], lang: str) -> dict[str, str]:
+    """A package's strings in ``lang``, one of its ``languages`` (``<package>/i18n/<lang>.json``)."""
+    if lang not in languages:
         raise KeyError(lang)
-    data: dict[str, str] = json.loads(resources.files(_PACKAGE).joinpath(f"i18n/{lang}.json").read_text("utf-8"))
+    data: dict[str, str] = json.loads(resources.files(package).joinpath(f"i18n/{lang}.json").read_text("utf-8"))
     return data
 
 
