@@ -11,9 +11,11 @@ BIN := $(VENV)/bin
 # TLS 1.3 site REALITY presents in the tests; chromium and zbar-tools: the subscription page opened in a real
 # headless browser, its screenshot's QR codes decoded by zbarimg (tests/test_page_browser.py); etcd-server: the
 # coordination service of standby controllers — the tests start their own `etcd` on loopback ports (tests/test_leader.py),
-# so the package's system service is disabled and stopped below (`apt`), never left running.
+# so the package's system service is disabled and stopped below (`apt`), never left running; postgresql: the users'
+# database the tests start on their own loopback ports (tests/postgres.py), its system cluster stopped when this
+# recipe installed it (one the machine already ran is left alone).
 APT_PACKAGES := graphviz openssh-client curl iproute2 nftables systemd-container debootstrap prometheus wrk nginx-light pebble openssl git rsync \
-	chromium zbar-tools etcd-server
+	chromium zbar-tools etcd-server postgresql
 
 .PHONY: setup apt test demo bench schema clean
 
@@ -35,6 +37,8 @@ apt:
 	  if [ "$$(id -u)" != 0 ]; then echo "make setup: need root to install:$$missing"; exit 1; fi; \
 	  echo "installing Debian packages:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	  case " $$missing " in *" postgresql "*) if command -v systemctl >/dev/null; then \
+	    systemctl disable --now postgresql >/dev/null 2>&1 || true; fi;; esac; \
 	fi
 	@# etcd-server's package enables (and, under systemd, starts) a system etcd: not ours to run. Idempotent; without
 	@# systemd as init (containers, CI) the package starts nothing. Never by process name: a test's etcd may be running.

@@ -162,6 +162,16 @@ class WorkerStartError(ReconcilerError, OSError):
     temporary = True
 
 
+class DatabaseError(ReconcilerError):
+    """The users' database cannot be reached or read; names the database by host, port and name, never its password."""
+
+    temporary = True
+
+
+class SchemaTooNew(InvalidInput):
+    """The users' database holds a schema a later release wrote: this one refuses to read or migrate it."""
+
+
 class LabError(ReconcilerError):
     """The lab could not do what was asked; says what and what to do."""
 

@@ -34,19 +34,20 @@ def engine_diagnostics(cluster: Cluster, source: SourceMap) -> list[Diagnostic]:
                for r in refusals(cluster, of_engine(cluster))])
 
 
-def load_servable(path: str, display: str | None = None) -> LoadResult:
+def load_servable(path: str, display: str | None = None, migrate_users: bool = False) -> LoadResult:
     """``load_cluster`` and what the engines cannot serve. ``ok`` only when both pass; ``cluster`` is kept when
     only the engines refuse it, for the commands that show a file without serving it (``demo``)."""
-    result = load_cluster(path, display)
+    result = load_cluster(path, display, migrate_users=migrate_users)
     if result.cluster is not None:
         result.diagnostics.extend(engine_diagnostics(result.cluster, result.source))
         result.diagnostics.sort(key=lambda d: (d.severity != "error", d.file != result.path, d.file, d.line, d.col))
     return result
 
 
-def servable(path: str) -> Cluster:
-    """The cluster in ``path`` when it can be served, else ``ConfigError`` with the diagnostics ``validate`` shows."""
-    result = load_servable(path)
+def servable(path: str, migrate_users: bool = False) -> Cluster:
+    """The cluster in ``path`` when it can be served, else ``ConfigError`` with the diagnostics ``validate`` shows
+    (``migrate_users``: as ``load_cluster``'s)."""
+    result = load_servable(path, migrate_users=migrate_users)
     if result.cluster is None or result.errors:
         raise ConfigError(f"{path}: invalid — {plural(len(result.errors), 'error')}", result.errors)
     return result.cluster

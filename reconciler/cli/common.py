@@ -69,6 +69,9 @@ def load(path: str) -> Cluster:
     if result.cluster is None:
         n = len(result.errors)
         raise ConfigError(f"{path}: invalid — {n} error{'s' if n != 1 else ''}", result.errors)
+    for d in result.warnings:
+        if d.code == "bad-row":  # a user the database holds but no command can serve: said wherever users are read
+            warn(d.message)
     return result.cluster
 
 

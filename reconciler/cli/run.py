@@ -69,7 +69,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level)
     path = cluster_file(args)
-    cluster = servable(path)  # what plan refuses is not served either
+    cluster = servable(path, migrate_users=True)  # what plan refuses is not served either; a users' schema migrated
     coro = run_loop(path, cluster, secret_of(cluster), listen=args.listen, operations_listen=args.operations_listen,
                     duration=args.duration, max_ticks=args.ticks, watch=not args.no_watch)
     try:

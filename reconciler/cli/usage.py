@@ -13,6 +13,7 @@ from typing import Any
 
 from reconciler.cli.commands import HELP
 from reconciler.cli.common import add_command, add_file, cluster_file, load, state_of, warn
+from reconciler.errors import InvalidInput
 from reconciler.text import iso_time, size_text
 
 STATES = ("active", "over_quota", "expired", "disabled", "device_limit")
@@ -20,7 +21,10 @@ STATES = ("active", "over_quota", "expired", "disabled", "device_limit")
 
 def register(sub: Any) -> None:
     us = add_command(sub, "users", HELP["users"],
-                     "reconciler users --state over_quota")
+                     "reconciler users --state over_quota\n  reconciler users import   # the file's users into the database")
+    us.add_argument("action", nargs="?", choices=["import"],
+                    help="import: copy the file's `users:` into the database settings.users.database names (its schema "
+                         "created or migrated), then set settings.users.source: postgres and delete the list")
     add_file(us)
     us.add_argument("--state", choices=STATES, help="only the users in this state")
     us.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table", help="the output format")
@@ -44,10 +48,32 @@ def _ago(t: float | None, now: float) -> str:
     return f"{s}s ago" if s < 120 else f"{s // 60}m ago" if s < 7200 else f"{s // 3600}h ago" if s < 172800 else _day(t)
 
 
+def cmd_import(path: str) -> int:
+    """The file's users into the database (upserted by name, in one transaction); the file is left as it is."""
+    from reconciler.userdb import UserDatabase, dsn_of
+
+    cluster = load(path)
+    if cluster.settings.users.source == "postgres":
+        raise InvalidInput(f"{path} already reads its users from the database (settings.users.source: postgres): "
+                           "there is no list in the file to import")
+    if not cluster.users:
+        raise InvalidInput(f"{path} lists no users to import")
+    db = UserDatabase(dsn_of(cluster.settings.users))
+    found, now = db.migrate()
+    if found != now:
+        warn(f"the {db.name}: schema {'created' if found == 0 else f'migrated from version {found}'} (version {now})")
+    n = db.put(cluster.users)
+    print(f"imported {n} user(s) into the {db.name}; next: set settings.users.source: postgres in {path} and delete "
+          "its `users:` list (the database is their home from then on)")
+    return 0
+
+
 def cmd_users(args: argparse.Namespace) -> int:
     from reconciler.balance import Snapshot
     from reconciler.cli.output import emit
 
+    if args.action == "import":
+        return cmd_import(cluster_file(args))
     path = cluster_file(args)
     cluster = load(path)
     state = state_of(path, cluster)

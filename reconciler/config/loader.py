@@ -26,8 +26,10 @@ from reconciler.config import includes, yamlread
 from reconciler.config.diagnostics import Diagnostic, Path, Pos, SourceMap, at, shown, unknown_key, wrong_kind
 from reconciler.config.semantic import check
 from reconciler.config.yamlread import Budget, TopLevel, read_yaml
-from reconciler.errors import Problem
+from reconciler.errors import DatabaseError, Problem, SchemaTooNew, SecretError
 from reconciler.model import Cluster
+from reconciler.model.cluster import UserSettings
+from reconciler.userdb import UserDatabase, dsn_of
 
 if TYPE_CHECKING:
     from pydantic_core import ErrorDetails  # pydantic's own dependency: the type of ValidationError.errors()
@@ -293,14 +295,16 @@ def load_document(path: str, model: type[BaseModel], display: str | None = None)
         return None, [_pydantic_diagnostic(e, data, source, model) for e in exc.errors()], source
 
 
-def load_cluster(path: str, display: str | None = None, overrides: dict[str, str] | None = None) -> LoadResult:
+def load_cluster(path: str, display: str | None = None, overrides: dict[str, str] | None = None,
+                 migrate_users: bool = False) -> LoadResult:
     """Load, merge includes, validate the schema and the semantics. Never raises for bad input.
 
-    ``overrides``: absolute path → text to use instead of that file's content.
+    ``overrides``: absolute path → text to use instead of that file's content. ``migrate_users``: a users' database
+    with an older schema is migrated first (a start does; the commands that only read refuse it instead).
     """
     display = display or path
     result = LoadResult(path=display, cluster=None)
-    _load_into(result, path, display, overrides)
+    _load_into(result, path, display, overrides, migrate_users)
     result.diagnostics.sort(key=lambda d: (d.severity != "error", d.file != display, d.file, d.line, d.col))
     return result
 
@@ -328,7 +332,43 @@ def _not_records(result: LoadResult, data: dict[str, Any], source: SourceMap) ->
     return False
 
 
-def _load_into(result: LoadResult, path: str, display: str, overrides: dict[str, str] | None) -> None:
+def _database_users(result: LoadResult, data: dict[str, Any], source: SourceMap, migrate: bool) -> bool:
+    """With ``settings.users.source: postgres`` the users are the database's rows: read them into ``data`` (a bad row
+    left out with a warning naming its key). False, with the error said, when they cannot be read; True otherwise."""
+    settings = data.get("settings")
+    raw = settings.get("users") if isinstance(settings, dict) else None
+    if not isinstance(raw, dict) or raw.get("source") != "postgres":
+        return True
+    try:
+        chosen = UserSettings.model_validate(raw)
+    except ValidationError:
+        return True  # the model's own diagnostics say what is wrong with these settings
+    where = source.value(("settings", "users", "source"))
+    if data.get("users"):
+        result.diagnostics.append(at("error", source.key(("users",)), "the file lists users, but settings.users.source "
+                                     "is postgres: the users are the database's rows",
+                                     "move them with `reconciler users import`, then delete the list", "users-source"))
+        return False
+    try:
+        db = UserDatabase(dsn_of(chosen))
+        if migrate:
+            db.migrate()
+        loaded = db.load()
+    except (DatabaseError, SchemaTooNew, SecretError) as exc:
+        result.diagnostics.append(at("error", where, str(exc), "the users cannot be known without it; nothing was "
+                                     "changed", "database"))
+        return False
+    for key, why in loaded.bad[:MAX_ERRORS]:
+        result.diagnostics.append(at("warning", where, f"the database's user {key!r} is left out: {why}",
+                                     "fix that row; every other user is served", "bad-row"))
+    if len(loaded.bad) > MAX_ERRORS:
+        result.diagnostics.append(at("warning", where, f"… and {len(loaded.bad) - MAX_ERRORS} more bad rows", None,
+                                     "bad-row"))
+    data["users"] = loaded.users
+    return True
+
+
+def _load_into(result: LoadResult, path: str, display: str, overrides: dict[str, str] | None, migrate_users: bool) -> None:
     budget = Budget()  # shared by the main file and its includes
     try:
         data, source = read_yaml(path, display, overrides, budget, top=CLUSTER_TOP)
@@ -348,7 +388,7 @@ def _load_into(result: LoadResult, path: str, display: str, overrides: dict[str,
         result.diagnostics.append(at("error", source.key((key,)), f"key {shown(key)} must be text", None, "type"))
         return
     result.diagnostics.extend(includes.merge_includes(data, path, display, source, overrides, budget))
-    if _not_records(result, data, source):
+    if _not_records(result, data, source) or not _database_users(result, data, source, migrate_users):
         return
     try:
         with gcpause.paused():  # millions of users: the collector would walk them again and again

@@ -59,6 +59,7 @@ from reconciler.loop.heal import Healer
 from reconciler.loop.http import HttpOutlet, status_document
 from reconciler.loop.listener import load_credential
 from reconciler.loop.role import Role, role_for
+from reconciler.loop.users import UserChanges
 from reconciler.loop.workers import LiveWorkers, worker_count
 from reconciler.metrics import LoopStats, ReconcilerCollector
 from reconciler.model import Cluster
@@ -67,7 +68,8 @@ from reconciler.publish import FileOutlet, LiveAnswers, Tokens, cluster_digest
 from reconciler.servable import load_servable
 from reconciler.ssh import Runner
 from reconciler.state.folder import StateFolder
-from reconciler.text import url_for_log, without_url_secrets
+from reconciler.text import plural, url_for_log, without_url_secrets
+from reconciler.userdb import UserDatabase, dsn_of
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -142,6 +144,7 @@ class Loop:
         self._started = self.clock.time()
         self._failed: dict[str, float] = {}  # supervised task → when it last failed (until it runs cleanly again)
         self._interval_error = ""  # why the last interval failed ("" when it did not)
+        self.users = UserChanges(self.clock)  # the users' database followed (settings.users.source: postgres)
         self._tasks: list[asyncio.Task[None]] = []
         self._posts: set[asyncio.Task[None]] = set()
         # standby controllers: an election when settings.leader names an etcd; else this one leads alone
@@ -175,6 +178,8 @@ class Loop:
         age = self.clock.time() - self._last_tick_end
         if age > 3 * interval + 30:
             return False, f"the last interval finished {age:.0f}s ago (interval {interval:g}s)"
+        if self.users.error is not None:  # subscriptions are still served, from the users last loaded
+            return True, f"ok, but {self.users.error}: serving the {len(self.cluster.users)} user(s) last loaded"
         unreported, servers = self.view.unreported, len(self.view.cluster.servers)
         if unreported:
             first = sorted(unreported.items())[:3]
@@ -258,6 +263,9 @@ class Loop:
             self._tasks.append(self._supervise("watch", self._watcher))
         if self.cluster.settings.git_pull_interval:
             self._tasks.append(self._supervise("git", self._git_puller))
+        if self.cluster.settings.users.source == "postgres":  # its edits reach the loop by LISTEN/NOTIFY
+            self._tasks.append(self._supervise("users", lambda: self.users.run(self.stop, lambda: self.cluster,
+                                                                               self.reload, self.reload_users)))
         if self.role.election is not None:  # lead or stand by
             self._tasks.append(self._supervise("leader", lambda: self.role.run(self.stop)))
         if self.duration is not None:
@@ -468,21 +476,42 @@ class Loop:
         if result.cluster is None or result.errors:
             for d in result.errors:
                 log.error("%s", d.render())
-            log.error("the changed file is invalid%s: keeping the last good version until it is fixed",
-                      "" if result.cluster is None else " (plan and apply refuse it too)")
+            if any(d.code == "database" for d in result.errors):
+                log.error("the users cannot be read from their database: keeping the %d user(s) last loaded",
+                          len(self.cluster.users))
+            else:
+                log.error("the changed file is invalid%s: keeping the last good version until it is fixed",
+                          "" if result.cluster is None else " (plan and apply refuse it too)")
             self.stats.record("load", False, self.clock.monotonic() - started, self.clock.time())
             return False
-        digest = cluster_digest(result.cluster)
+        return await self._adopt(result.cluster, started, f"reloaded {self.path}")
+
+    async def reload_users(self, names: set[str]) -> bool:
+        """Only these users again, from their database (``settings.users.source: postgres``): the others are kept
+        as loaded, so one edit costs one row, not a million. A row that went bad keeps its user as last loaded."""
+        started = self.clock.monotonic()
+        db = UserDatabase(dsn_of(self.cluster.settings.users))
+        fetched = await asyncio.to_thread(db.fetch, names)
+        for key, why in fetched.bad:
+            log.warning("the %s's user %r is bad now (%s): keeping it as last loaded", db.name, key, why)
+        if not fetched.changed:
+            return False
+        cluster = await asyncio.to_thread(self.cluster.with_users, fetched.changed)
+        return await self._adopt(cluster, started, f"{plural(len(fetched.changed), 'user')} changed in the {db.name}")
+
+    async def _adopt(self, cluster: Cluster, started: float, what: str) -> bool:
+        """``cluster`` in place of the current one, unless nothing changed; a plan follows at once."""
+        digest = await asyncio.to_thread(cluster_digest, cluster)
         if digest == self._digest:
             return False
-        self.cluster = result.cluster
-        self.http.trusted_proxies = networks(result.cluster.settings.outputs.trusted_proxies)
+        self.cluster = cluster
+        self.http.trusted_proxies = networks(cluster.settings.outputs.trusted_proxies)
         self._digest = digest
-        self.learned = self.learned.adopt(result.cluster)
-        self.files.directory = self._out_dir(result.cluster)
+        self.learned = self.learned.adopt(cluster)
+        self.files.directory = self._out_dir(cluster)
         self.stats.record("load", True, self.clock.monotonic() - started, self.clock.time())
-        log.info("reloaded %s: %d server(s), %d inbound(s), %d user(s)", self.path, len(result.cluster.servers),
-                 len(result.cluster.inbounds), len(result.cluster.users))
+        log.info("%s: %d server(s), %d inbound(s), %d user(s)", what, len(cluster.servers), len(cluster.inbounds),
+                 len(cluster.users))
         self.plan_now.set()
         return True
 

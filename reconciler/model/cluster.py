@@ -17,6 +17,7 @@ import calendar
 import difflib
 import functools
 import re
+from collections.abc import Mapping
 from datetime import UTC, date, datetime, time, timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
@@ -362,8 +363,23 @@ class OutputSettings(_Model):
     webhook_url: str | None = Field(None, description="POST a JSON event here when a server is judged blocked (`run`).")
 
 
+class DatabaseSource(_Model):
+    """Where the users' database connection string comes from: it may hold a password, so never the file."""
+
+    env: str = Field("RECONCILER_DATABASE_URL", description="Environment variable holding the connection string "
+                                                           "(postgresql://user@host/db).")
+    file: str | None = Field(None, description="A file holding the connection string; wins over `env` when set." + _OWN)
+
+
 class UserSettings(_Model):
-    """How the fleet counts and watches users (traffic, devices) and what it tells the operator about them."""
+    """Where the users are kept, how the fleet counts and watches them (traffic, devices) and what it tells the
+    operator about them."""
+
+    source: Literal["file", "postgres"] = Field(
+        "file", description="`file`: the users are this file's `users:` list. `postgres`: they are the rows of "
+                            "the database `database` names (move the list there with `reconciler users import`); "
+                            "changes reach the loop by LISTEN/NOTIFY.")
+    database: DatabaseSource = Field(DatabaseSource(), description="The users' database, with `source: postgres`.")
 
     poll: Duration = Field(1.0, description="How often each server's collector reads the engine's connections "
                                             "(shorter: less guessing about connections that close between two reads).")
@@ -920,6 +936,26 @@ class Cluster(_Model):
 
     def user(self, name: str) -> User:
         return self.users[self.roster.index[name]]
+
+    def with_users(self, changed: Mapping[str, User | None]) -> Cluster:
+        """This cluster with some users replaced, added (after the others) or removed (None): the others are
+        carried over as they are, never validated again, so one user's edit costs little at a million users."""
+        index = self.roster.index
+        users = list(self.users)
+        gone: set[int] = set()
+        for name, user in changed.items():
+            i = index.get(name)
+            if user is None:
+                if i is not None:
+                    gone.add(i)
+            elif i is None:
+                users.append(user)
+            else:
+                users[i] = user
+        if gone:
+            users = [u for i, u in enumerate(users) if i not in gone]
+        fields = {name: getattr(self, name) for name in type(self).model_fields}
+        return type(self).model_validate({**fields, "users": users})
 
     @cached_property
     def roster(self) -> Roster:

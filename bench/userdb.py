@@ -1,0 +1,180 @@
+"""Users in PostgreSQL at a million: importing them, loading them, and one user's edit reaching the loop.
+
+A PostgreSQL of its own (Debian's server binaries, a fresh cluster on a loopback port, stopped by its PID at the
+end: ``tests/postgres.py``) is filled with U users of the shapes operators keep (a tenth with a data limit and a
+monthly reset, a tenth expiring, one in fifty disabled, regions spread) by ``UserDatabase.put`` (COPY, one
+transaction). Then, each in a fresh process so that its peak memory is its own:
+
+- ``load``: ``UserDatabase.load()``, every row read and validated into a ``User``;
+- ``anchor``: the same rows fetched by psycopg and nothing else (the floor any loader pays);
+- ``cluster``: ``load_cluster`` of a file whose users are the database's (servers and routes from the example):
+  what ``validate``, ``plan`` and a start pay.
+
+Each reports its wall seconds and its peak RSS above the interpreter with its imports (``ru_maxrss`` minus the
+same process's RSS before it starts). Last, the loop's own path for one edit: a real ``Loop`` over the loaded
+cluster listens (LISTEN/NOTIFY, ``loop.users``), one row is updated, and the seconds until the loop holds the new
+user are measured (median of 5 edits): the edit is in the next interval's subscriptions and plan, so it reaches
+its servers within one interval when this is well under one.
+
+    python bench/userdb.py [--users N] [--json]
+
+Targets at U = 1M: load ≤ 5 s and ≤ 500 MB; an edit reaches the loop well within one 60 s interval.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+REGIONS = ("EEU", "WEU", "ENAM", "WNAM", "SEAS", "NEAS", "ME", "SSAM")
+
+CHILD = r"""
+import json, os, resource, sys, time
+sys.path.insert(0, sys.argv[1])
+kind, dsn, path = sys.argv[2], sys.argv[3], sys.argv[4]
+import psycopg
+from reconciler.config import load_cluster
+from reconciler.userdb import UserDatabase
+from reconciler.userdb.rows import SELECT
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = rss()
+t = time.perf_counter()
+if kind == "load":
+    n = len(UserDatabase(dsn).load().users)
+elif kind == "anchor":
+    with psycopg.connect(dsn) as conn, conn.cursor(binary=True) as cur:
+        cur.execute(SELECT + " ORDER BY name")
+        rows = cur.fetchall()
+    n = len(rows)
+else:
+    loaded = load_cluster(path)
+    assert loaded.cluster is not None, [d.render() for d in loaded.errors][:3]
+    n = len(loaded.cluster.users)
+seconds = time.perf_counter() - t
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"users": n, "seconds": seconds, "peak_mib": (peak - before) / 2**20}))
+"""
+
+
+def users(n: int):  # type: ignore[no-untyped-def]
+    from reconciler.model.cluster import User
+
+    for i in range(n):
+        data: dict[str, object] = {"name": f"u{i:07d}", "region": REGIONS[i % len(REGIONS)]}
+        if i % 10 == 0:
+            data |= {"data_limit": 100_000_000_000, "reset": {"period": "monthly", "day": 1 + i % 28}}
+        if i % 10 == 3:
+            data["expires"] = "2027-06-30"
+        if i % 50 == 7:
+            data["enabled"] = False
+        yield User.model_validate(data)
+
+
+def child(kind: str, dsn: str, path: Path) -> dict[str, float]:
+    env = {**os.environ, "RECONCILER_DATABASE_URL": dsn}
+    run = subprocess.run([sys.executable, "-c", CHILD, str(ROOT), kind, dsn, str(path)], capture_output=True, text=True,
+                         env=env, timeout=1800)
+    if run.returncode != 0:
+        raise SystemExit(f"{kind} failed: {run.stderr[-2000:]}")
+    out: dict[str, float] = json.loads(run.stdout.strip().splitlines()[-1])
+    return out
+
+
+def edit_latency(path: Path, dsn: str, edits: int = 5) -> list[float]:
+    """Seconds from an UPDATE's commit to the loop holding the new user (a real Loop listening)."""
+    import psycopg
+
+    from reconciler.config import load_cluster
+    from reconciler.credentials import Secret
+    from reconciler.loop.clock import SystemClock
+    from reconciler.loop.service import Loop
+    from reconciler.ssh.fake import FakeRunner
+
+    cluster = load_cluster(str(path)).cluster
+    assert cluster is not None
+    loop = Loop(str(path), cluster, Secret(b"userdb-bench-secret-0123456789abcd"), watch=False,
+                runner=FakeRunner(path.parent / "hosts"), clock=SystemClock())
+    seen: list[float] = []
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(loop.users.run(stop, lambda: loop.cluster, loop.reload, loop.reload_users))
+        await asyncio.sleep(1.0)  # listening
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            for k in range(edits):
+                limit = 1_000_000_000 + k
+                t = time.perf_counter()
+                await conn.execute("UPDATE reconciler_users SET data_limit = %s WHERE name = 'u0000042'", (limit,))
+                while loop.cluster.user("u0000042").data_limit != limit:
+                    assert time.perf_counter() - t < 120, "the edit did not reach the loop in 120 s"
+                    await asyncio.sleep(0.01)
+                seen.append(time.perf_counter() - t)
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+    asyncio.run(run())
+    return seen
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--users", type=int, default=1_000_000)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    from tests.postgres import BIN, Postgres
+
+    from reconciler.userdb import UserDatabase
+
+    if BIN is None:
+        print("needs Debian's postgresql package (`make setup` installs it)")
+        return 1
+    pg = Postgres().start()
+    try:
+        dsn = pg.dsn()
+        db = UserDatabase(dsn)
+        db.migrate()
+        t = time.perf_counter()
+        n = db.put(users(args.users))
+        imported = time.perf_counter() - t
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "cluster.yaml"
+            example = (ROOT / "cluster.example.yaml").read_text().split("\nusers:\n")[0] + "\n"
+            path.write_text(example.replace("settings:\n", "settings:\n  users: {source: postgres}\n", 1))
+            os.environ["RECONCILER_DATABASE_URL"] = dsn
+            figures = {"users": n, "import_s": round(imported, 2)}
+            for kind in ("anchor", "load", "cluster"):
+                got = child(kind, dsn, path)
+                assert got["users"] == n, got
+                figures[f"{kind}_s"] = round(got["seconds"], 2)
+                figures[f"{kind}_peak_mib"] = round(got["peak_mib"])
+            figures["load_vs_anchor"] = round(figures["load_s"] / figures["anchor_s"], 2)
+            latencies = edit_latency(path, dsn)
+            figures["edit_to_loop_s_median"] = round(statistics.median(latencies), 2)
+            figures["edit_to_loop_s_max"] = round(max(latencies), 2)
+    finally:
+        pg.close()
+    if args.json:
+        print(json.dumps(figures))
+    else:
+        for key, value in figures.items():
+            print(f"{key:>24}: {value}")
+        print(f"targets at 1M: load ≤ 5 s ({figures['load_s']} s), ≤ 500 MiB ({figures['load_peak_mib']} MiB); "
+              f"an edit within one 60 s interval ({figures['edit_to_loop_s_max']} s at most)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
