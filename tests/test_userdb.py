@@ -21,7 +21,7 @@ from reconciler.loop.clock import SystemClock
 from reconciler.loop.service import Loop
 from reconciler.userdb import SCHEMA_VERSION, UserDatabase
 from tests.conftest import example_text
-from tests.fake_agents import shadowsocks_fleet
+from tests.fake_agents import HEALTHY, install_agent, shadowsocks_fleet
 from tests.postgres import BIN, Postgres
 
 PASSWORD = "pw-never-shown-7f3a"
@@ -149,6 +149,8 @@ def test_the_loop_follows_edits_and_keeps_its_users_while_the_database_is_away(p
     assert cli("users", "import", "-f", str(path)).rc == 0
     sql(pg, "INSERT INTO reconciler_users (name) VALUES ('bob')")
     path.write_text(from_database(text))
+    for name in "ab":
+        install_agent(runner, name, HEALTHY)
     # The system's clock: the reconnection waits its backoff (a second, then two) in real time
     loop = Loop(str(path), UserDatabaseCluster(path), SECRET, watch=False, runner=runner, clock=SystemClock())
     assert [u.name for u in loop.cluster.users] == ["alice", "bob"]
@@ -159,8 +161,10 @@ def test_the_loop_follows_edits_and_keeps_its_users_while_the_database_is_away(p
         try:
             await until(lambda: loop.users.error is None and loop.users.batches == 0, "listening")
             await asyncio.sleep(0.3)  # LISTEN is in place once the generator yielded; give it a moment anyway
+            assert await loop.tick() is not None and not loop.answers.answer("bob", "links").refused
             sql(pg, "UPDATE reconciler_users SET enabled = false WHERE name = 'bob'")
             await until(lambda: not loop.cluster.user("bob").enabled, "bob's edit to reach the loop")
+            assert await loop.tick() is not None and loop.answers.answer("bob", "links").refused  # the next interval
             assert loop.users.batches == 1
             # One row read, not every user: the edit is adopted as a change of one user, never as a reload
             assert any("1 user changed in the database vpn" in r.getMessage() for r in caplog.records)

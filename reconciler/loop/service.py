@@ -65,6 +65,7 @@ from reconciler.metrics import LoopStats, ReconcilerCollector
 from reconciler.model import Cluster
 from reconciler.model.types import parse_listen
 from reconciler.publish import FileOutlet, LiveAnswers, Tokens, cluster_digest
+from reconciler.publish.digests import changed_users_digest
 from reconciler.servable import load_servable
 from reconciler.ssh import Runner
 from reconciler.state.folder import StateFolder
@@ -494,14 +495,20 @@ class Loop:
         fetched = await asyncio.to_thread(db.fetch, names)
         for key, why in fetched.bad:
             log.warning("the %s's user %r is bad now (%s): keeping it as last loaded", db.name, key, why)
-        if not fetched.changed:
+        current = self.cluster
+        changed = {name: user for name, user in fetched.changed.items()
+                   if user != (current.users[i] if (i := current.roster.index.get(name)) is not None else None)}
+        if not changed:
             return False
-        cluster = await asyncio.to_thread(self.cluster.with_users, fetched.changed)
-        return await self._adopt(cluster, started, f"{plural(len(fetched.changed), 'user')} changed in the {db.name}")
+        cluster = await asyncio.to_thread(current.with_users, changed)
+        return await self._adopt(cluster, started, f"{plural(len(changed), 'user')} changed in the {db.name}",
+                                 changed_users_digest(self._digest, changed))
 
-    async def _adopt(self, cluster: Cluster, started: float, what: str) -> bool:
-        """``cluster`` in place of the current one, unless nothing changed; a plan follows at once."""
-        digest = await asyncio.to_thread(cluster_digest, cluster)
+    async def _adopt(self, cluster: Cluster, started: float, what: str, digest: str | None = None) -> bool:
+        """``cluster`` in place of the current one, unless nothing changed; a plan follows at once. ``digest``: the
+        new cluster's, when the caller knows it cheaper than hashing every user (``changed_users_digest``)."""
+        if digest is None:
+            digest = await asyncio.to_thread(cluster_digest, cluster)
         if digest == self._digest:
             return False
         self.cluster = cluster

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -24,6 +25,17 @@ STEP_HEX = 16  # a fingerprint's last characters are the usage step: a step alon
 
 def cluster_digest(cluster: Cluster) -> str:
     return hashlib.sha256(cluster.model_dump_json().encode()).hexdigest()
+
+
+def changed_users_digest(previous: str, changed: Mapping[str, User | None]) -> str:
+    """The digest of a cluster made from one of digest ``previous`` by changing these users only (``with_users``):
+    chained, so it costs the changed users, not a million. Two ways to the same users give two digests; that costs
+    a rewrite of the documents, never a document left stale."""
+    h = hashlib.sha256(previous.encode())
+    for name in sorted(changed):
+        user = changed[name]
+        h.update(b"\0" + name.encode() + b"\0" + (user.model_dump_json().encode() if user is not None else b"-"))
+    return h.hexdigest()
 
 
 def snapshot_digest(snapshot: Snapshot, cluster_hash: str) -> str:
