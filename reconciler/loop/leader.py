@@ -426,7 +426,7 @@ class Published:
         return str(self.pointer.get("generation", ""))
 
 
-def _order(generation: str) -> tuple[int, ...]:
+def generation_order(generation: str) -> tuple[int, ...]:
     """A generation's place in time (``<fence>-<seq>``, as ``publish`` names it); unknown forms sort first."""
     try:
         return tuple(int(x) for x in generation.split("-"))
@@ -490,7 +490,7 @@ class StateChannel:
         if not isinstance(mac, str):
             raise ValueError(f"published state {generation} carries no HMAC (a controller of an older version, or not "
                              "a controller, wrote it): refused")
-        if self._newest is not None and _order(generation) < _order(self._newest):
+        if self._newest is not None and generation_order(generation) < generation_order(self._newest):
             raise ValueError(f"published state {generation} is older than {self._newest}, which this controller already "
                              "read (a replay of an old state in etcd?): refused")
         if (not isinstance(size, int) or not isinstance(n, int) or not 0 <= size <= MAX_PUBLISHED_BYTES

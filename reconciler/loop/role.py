@@ -18,6 +18,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from reconciler.credentials import Secret
+from reconciler.errors import DatabaseError
 from reconciler.fleet.learned import Learned
 from reconciler.loop.clock import Clock
 from reconciler.model import Cluster
@@ -27,10 +28,21 @@ from reconciler.state.folder import StateFolder
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from reconciler.loop.leader import Election, StateChannel
-    from reconciler.model.cluster import LeaderSettings
+    from reconciler.loop.leader import Election, Published
+    from reconciler.model.cluster import LeaderSettings, UserSettings
 
 log = logging.getLogger("reconciler.loop")
+
+
+class Channel(Protocol):
+    """Where the leader's learned state goes and a standby reads it: etcd (``leader.StateChannel``) or the users'
+    PostgreSQL (``pgstate.PgStateChannel``)."""
+
+    async def publish(self, guard: list[dict[str, Any]], fence: int, blob: bytes, meta: dict[str, Any]) -> str | None: ...
+
+    async def read(self, known: str | None = None) -> Published | None: ...
+
+    def close(self) -> None: ...
 
 
 class Led(Protocol):
@@ -116,7 +128,7 @@ class Alone:
 class Elected:
     """Lead or stand by through an etcd election, the learned state handed over through etcd (see the module)."""
 
-    def __init__(self, election: Election, channel: StateChannel) -> None:
+    def __init__(self, election: Election, channel: Channel) -> None:
         self.election = election
         self.channel = channel
         self._led: Led | None = None
@@ -179,6 +191,9 @@ class Elected:
         except EtcdFailure as exc:
             self._trouble(f"cannot read the leader's published state: {failure(exc)}")
             return False
+        except (DatabaseError, ValueError) as exc:  # the users' database holds it (pgstate): away, or refused
+            self._trouble(f"cannot read the leader's published state: {exc}")
+            return False
         if got is None:
             return False
         where = f"the state {got.pointer.get('by')} published"
@@ -238,6 +253,9 @@ class Elected:
         except EtcdFailure as exc:
             self._trouble(f"cannot publish the learned state: {failure(exc)}")
             return
+        except DatabaseError as exc:
+            self._trouble(f"cannot publish the learned state: {exc}")
+            return
         if generation is None:
             self._trouble("the learned state was not published: this controller no longer leads")
             return
@@ -278,15 +296,24 @@ class Elected:
         self.channel.close()
 
 
-def role_for(settings: LeaderSettings, base_dir: str, secret: Secret, registry: CollectorRegistry) -> Role:
-    """The role the settings ask for: ``Elected`` with ``settings.leader.etcd``, else ``Alone``."""
+def role_for(settings: LeaderSettings, base_dir: str, secret: Secret, registry: CollectorRegistry,
+             users: UserSettings | None = None) -> Role:
+    """The role the settings ask for: ``Elected`` with ``settings.leader.etcd``, else ``Alone``. With the users in
+    PostgreSQL (``users.source``) the learned state goes through that database, etcd keeping the election."""
     if not settings.etcd:
         return Alone()
     from reconciler.loop.leader import Election, Etcd, LeaderCollector, StateChannel
 
     calls = max(0.5, min(5.0, settings.lease / 4))  # an etcd request of the election never outlasts a round
     election = Election(Etcd.from_settings(settings, base_dir, calls), settings.prefix, settings.lease)
-    channel = StateChannel(Etcd.from_settings(settings, base_dir, 30.0), settings.prefix, secret)
+    channel: Channel
+    if users is not None and users.source == "postgres":
+        from reconciler.loop.pgstate import PgStateChannel
+        from reconciler.userdb import UserDatabase, dsn_of
+
+        channel = PgStateChannel(UserDatabase(dsn_of(users)), secret)
+    else:
+        channel = StateChannel(Etcd.from_settings(settings, base_dir, 30.0), settings.prefix, secret)
     registry.register(LeaderCollector(election))
     log.info("standby controllers: etcd %s, lease %gs, keys under %s; this one is %s", ", ".join(settings.etcd),
              settings.lease, settings.prefix, election.identity)

@@ -149,7 +149,7 @@ class Loop:
         self._tasks: list[asyncio.Task[None]] = []
         self._posts: set[asyncio.Task[None]] = set()
         # standby controllers: an election when settings.leader names an etcd; else this one leads alone
-        self.role: Role = role or role_for(cluster.settings.leader, self.base_dir, secret, self.registry)
+        self.role: Role = role or role_for(cluster.settings.leader, self.base_dir, secret, self.registry, cluster.settings.users)
         self.role.attach(self)
         if self.role.election is not None:
             self.http._pages["/status.json"] = self._status_json  # the status document says who leads

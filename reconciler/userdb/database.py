@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
+from psycopg.types.json import Jsonb
 
 from reconciler import gcpause
 from reconciler.credentials import read_credential
@@ -22,7 +23,7 @@ from reconciler.errors import DatabaseError, SchemaTooNew
 from reconciler.model.cluster import User, UserSettings
 from reconciler.userdb.rows import COLUMNS, SELECT, row_of, user_of, users_of
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 CHANNEL = "reconciler_users"
 #: Seconds a connection attempt may take (a database that does not answer is down, not slow).
 CONNECT_TIMEOUT = 5
@@ -51,6 +52,17 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
             END $$""",
         """CREATE TRIGGER reconciler_users_changed AFTER INSERT OR UPDATE OR DELETE ON reconciler_users
             FOR EACH ROW EXECUTE FUNCTION reconciler_users_changed()""",
+    ),
+    # The learned state (the usage ledger and every per-user number with it), written by the leader once per
+    # interval in one transaction, fenced: a deposed leader's older fence writes nothing.
+    2: (
+        """CREATE TABLE reconciler_state (
+            id smallint PRIMARY KEY CHECK (id = 1),
+            generation text NOT NULL,
+            fence bigint NOT NULL,
+            pointer jsonb NOT NULL,
+            blob bytea NOT NULL,
+            written_at timestamptz NOT NULL DEFAULT now())""",
     ),
 }
 
@@ -184,6 +196,36 @@ class UserDatabase:
             conn.execute(f"INSERT INTO reconciler_users ({columns}) SELECT {columns} FROM incoming "
                          f"ON CONFLICT (name) DO UPDATE SET {updates}, updated_at = now()")
         return n
+
+    def put_state(self, generation: str, fence: int, pointer: dict[str, Any], blob: bytes) -> bool:
+        """The learned state as generation ``generation``, unless one of a newer fence is there (then False: this
+        controller no longer leads). One transaction: a crash leaves the previous state whole."""
+        with self._connect() as conn:
+            self._checked(conn)
+            cur = conn.execute(
+                "INSERT INTO reconciler_state (id, generation, fence, pointer, blob) VALUES (1, %s, %s, %s, %s) "
+                "ON CONFLICT (id) DO UPDATE SET generation = EXCLUDED.generation, fence = EXCLUDED.fence, "
+                "pointer = EXCLUDED.pointer, blob = EXCLUDED.blob, written_at = now() "
+                "WHERE reconciler_state.fence <= EXCLUDED.fence", (generation, fence, Jsonb(pointer), blob))
+            return cur.rowcount == 1
+
+    def get_state(self, known: str | None, limit: int) -> tuple[dict[str, Any], bytes] | None:
+        """(pointer, blob) of the state there, unless it is generation ``known`` or there is none; a blob over
+        ``limit`` bytes is refused before it is read."""
+        with self._connect() as conn:
+            self._checked(conn)
+            row = conn.execute("SELECT generation, pointer, octet_length(blob) FROM reconciler_state WHERE id = 1").fetchone()
+            if row is None or row[0] == known:
+                return None
+            generation, pointer, size = row
+            if size > limit:
+                raise DatabaseError(f"the learned state in the {self.name} is {size} bytes, more than the {limit} a "
+                                    "controller reads: refused")
+            blob = conn.execute("SELECT blob FROM reconciler_state WHERE id = 1 AND generation = %s",
+                                (generation,)).fetchone()
+            if blob is None:  # replaced between the two reads: the next look reads the newer one
+                return None
+            return (pointer if isinstance(pointer, dict) else {}), bytes(blob[0])
 
     async def changes(self, batch_seconds: float = 0.5) -> AsyncGenerator[set[str], None]:
         """The names of users changed since the last batch, as the database tells them (LISTEN), gathered for

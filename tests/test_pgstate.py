@@ -1,0 +1,163 @@
+"""The learned state handed over through the users' PostgreSQL (``loop.pgstate``) while etcd keeps the election: a
+real PostgreSQL and a real etcd on loopback ports. The channel itself (fenced writes, HMAC-checked reads, replays
+refused), then two controllers' real ``Loop``s over the same fake servers: the leader is cut off from etcd (it may
+still reach the database) and the standby leads within two leases, continuing every counter the old one wrote."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from reconciler.config import load_cluster
+from reconciler.credentials import Secret
+from reconciler.fleet.learned import Learned
+from reconciler.lab.demo import free_port
+from reconciler.loop.leader import Etcd, unpack
+from reconciler.loop.pgstate import PgStateChannel
+from reconciler.loop.role import Elected
+from reconciler.loop.service import Loop
+from reconciler.ssh.fake import FakeRunner
+from reconciler.userdb import UserDatabase
+from tests.fake_agents import install_agent
+from tests.postgres import BIN, Postgres
+from tests.test_leader import ETCD, LEASE, SECRET, _assert_continued, _capture_publishes, _end, _publishing_leader, running_etcd
+
+pytestmark = pytest.mark.skipif(BIN is None or ETCD is None, reason="needs Debian's postgresql and etcd-server "
+                                "(`make setup` installs them)")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Postgres, str]]:
+    pg = Postgres().start()
+    try:
+        with running_etcd(tmp_path_factory.mktemp("etcd")) as etcd:
+            yield pg, etcd
+    finally:
+        pg.close()
+
+
+@pytest.fixture
+def db(servers: tuple[Postgres, str], monkeypatch: pytest.MonkeyPatch) -> UserDatabase:
+    pg, _ = servers
+    with psycopg.connect(pg.dsn("postgres"), autocommit=True) as conn:
+        conn.execute("DROP DATABASE IF EXISTS vpn WITH (FORCE)")
+        conn.execute("CREATE DATABASE vpn")
+    monkeypatch.setenv("RECONCILER_DATABASE_URL", pg.dsn())
+    database = UserDatabase(pg.dsn())
+    database.migrate()
+    return database
+
+
+def test_the_channel_writes_under_the_fence_and_reads_only_what_the_secret_signed(db):
+    channel = PgStateChannel(db, SECRET)
+    try:
+        first = channel.publish_sync([], 7, b"state one" * 1000, {"by": "x", "ticks": 3})
+        assert first is not None
+        reader = PgStateChannel(db, SECRET)
+        got = reader.read_sync()
+        assert got is not None and got.blob == b"state one" * 1000 and got.pointer["ticks"] == 3
+        assert reader.read_sync(first) is None  # nothing newer than what the reader has
+        # A newer leader's fence wins; the deposed one's writes are refused by the row itself
+        newer = PgStateChannel(db, SECRET)
+        assert newer.publish_sync([], 9, b"state two", {"by": "y", "ticks": 4}) is not None
+        assert channel.publish_sync([], 7, b"stale", {"by": "x", "ticks": 5}) is None
+        got = reader.read_sync(first)
+        assert got is not None and got.blob == b"state two"
+        # The database is trusted with nothing the master secret does not sign
+        with psycopg.connect(db.dsn, autocommit=True) as conn:
+            conn.execute("UPDATE reconciler_state SET blob = 'forged'::bytea, "
+                         "pointer = jsonb_set(pointer, '{size}', '6'), generation = generation || '0'")
+        with pytest.raises(ValueError, match="HMAC does not match"):
+            PgStateChannel(db, SECRET).read_sync()
+        with pytest.raises(ValueError, match="HMAC does not match"):
+            PgStateChannel(db, Secret(b"another-secret-0123456789abcdef!!")).read_sync(first)
+    finally:
+        channel.close()
+
+
+def _loop_file(folder: Path, etcd: str, prefix_name: str) -> tuple[str, int]:
+    folder.mkdir()
+    port, ops = free_port(), free_port()
+    path = folder / "cluster.yaml"
+    path.write_text(f'settings:\n  self_heal: false\n  outputs: {{listen: "127.0.0.1:{port}", operations_listen: "127.0.0.1:{ops}"}}\n'
+                    f"  health: {{report_interval: 1s}}\n  leader: {{etcd: [\"{etcd}\"], lease: {LEASE}s, name: {prefix_name}}}\n"
+                    "  users: {source: postgres}\n"
+                    "servers:\n"
+                    "  - {name: a, host: 198.18.0.10, country: DE, inbounds: [{id: a-in, name: A, protocol: shadowsocks-2022, port: 8388}]}\n"
+                    "  - {name: b, host: 198.18.0.11, country: DE, inbounds: [{id: b-in, name: B, protocol: shadowsocks-2022, port: 8388}]}\n")
+    return str(path), port
+
+
+def test_a_standby_takes_over_from_the_state_in_postgres_with_every_counter(db, servers, tmp_path):
+    # spec: the takeover keeps every counter: the new leader continues the capacities, evaluations and bytes
+    _, etcd = servers
+    with psycopg.connect(db.dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO reconciler_users (name) VALUES ('alice')")
+    cut = tmp_path / "cut-at"
+    agent = (f"import json, os, sys, time\nreq = json.load(sys.stdin)\nstarted, cut = {time.time()!r}, {str(cut)!r}\n"
+             "t = time.time()\nfast_until = float(open(cut).read()) if os.path.exists(cut) else t\n"
+             "down = int(5e6 * (min(t, fast_until) - started) + 1e6 * max(0.0, t - fast_until))\n"
+             "print(json.dumps({'service': 'active', 'listeners': {'8388/tcp': True, '8388/udp': True},\n"
+             "                  'traffic': {'up': 0, 'down': down},\n"
+             "                  'probes': {p['id']: {'ok': True, 'rtt_ms': 1.0} for p in req.get('probes', [])}}))\n")
+    runner = FakeRunner(tmp_path / "hosts")
+    for server in ("a", "b"):
+        install_agent(runner, server, agent)
+    loops: dict[str, Loop] = {}
+    for n in ("x", "y"):
+        path, port = _loop_file(tmp_path / n, etcd, f"pg-{os.getpid()}")
+        cluster = load_cluster(path).cluster
+        assert cluster is not None and [u.name for u in cluster.users] == ["alice"]
+        loops[n] = Loop(path, cluster, SECRET, listen=f"127.0.0.1:{port}", watch=False, runner=runner)
+        assert isinstance(loops[n].role, Elected) and isinstance(loops[n].role.channel, PgStateChannel)
+    published = _capture_publishes(loops)
+
+    async def scenario() -> tuple[Learned, Learned, float]:
+        runs = {n: asyncio.create_task(loop.run()) for n, loop in loops.items()}
+        try:
+            leader = await _publishing_leader(loops, published)
+            other = "y" if leader == "x" else "x"
+            old, new = loops[leader], loops[other]
+            assert isinstance(old.role, Elected) and isinstance(new.role, Elected)
+            assert old.role.election is not None and new.role.election is not None
+            await asyncio.sleep(1.2)
+            assert not new.role.election.is_leader and new.learned.ticks >= 2  # the standby follows the row
+            # Nothing of the state in etcd: only the election's keys
+            prefix = f"/reconciler/pg-{os.getpid()}/state/"
+            keys = Etcd([etcd], 3.0).range(prefix, range_end=_end(prefix), keys_only=True)
+            assert not keys.get("kvs"), keys
+
+            def unreachable(fn):  # type: ignore[no-untyped-def]
+                raise ConnectionError("network cut (test)")
+
+            old.role.election.etcd.call = unreachable  # type: ignore[method-assign]  # etcd only: the database answers
+            cut.write_text(repr(time.time()))
+            cut_at = time.monotonic()
+            while not new.role.election.is_leader:
+                assert time.monotonic() - cut_at < 3 * LEASE, "no takeover"
+                await asyncio.sleep(0.01)
+            took = time.monotonic() - cut_at
+            while not published[other]:
+                await asyncio.sleep(0.01)
+            old_count = len(published[leader])  # from the new leader's first write on, the old one's are refused
+            last = Learned.from_bytes(unpack(published[leader][-1])[0])
+            while len(published[other]) < 2:
+                await asyncio.sleep(0.05)
+            assert len(published[leader]) == old_count  # its fence is older, though it still reached the database
+            with psycopg.connect(db.dsn) as conn:
+                row = conn.execute("SELECT fence, pointer->>'by' FROM reconciler_state").fetchone()
+            assert row is not None and int(row[0]) == new.role.election.fence and row[1] == new.role.election.identity
+            return last, new.learned, took
+        finally:
+            for loop in loops.values():
+                loop.stop.set()
+            await asyncio.wait_for(asyncio.gather(*runs.values(), return_exceptions=True), 30)
+
+    last, now, took = asyncio.run(scenario())
+    _assert_continued(last, now, took)
