@@ -11,7 +11,9 @@ transaction). Then, each in a fresh process so that its peak memory is its own:
   what ``validate``, ``plan`` and a start pay.
 
 Each reports its wall seconds and its peak RSS above the interpreter with its imports (``ru_maxrss`` minus the
-same process's RSS before it starts). Last, the loop's own path for one edit: a real ``Loop`` over the loaded
+same process's RSS before it starts). Then the learned state's handover through the database (``loop.pgstate``):
+writing its row and reading it back checked, at the size a million users' state has (38 MB, incompressible as the
+compressed state is). Last, the loop's own path for one edit: a real ``Loop`` over the loaded
 cluster listens (LISTEN/NOTIFY, ``loop.users``), one row is updated, and the seconds until the loop holds the new
 user are measured (median of 5 edits): the edit is in the next interval's subscriptions and plan, so it reaches
 its servers within one interval when this is well under one.
@@ -130,6 +132,36 @@ def edit_latency(path: Path, dsn: str, edits: int = 5) -> list[float]:
     return seen
 
 
+#: The learned state's size at 1,000 servers and a million users (bench/fleet_scale.py's saved state), compressed.
+STATE_BYTES = 38_000_000
+
+
+def state_handover(db) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Seconds to write the learned state's row (the leader, every interval) and to read and check it (a standby,
+    every interval, and a new leader at its takeover), at the size a million users' state has (median of 3)."""
+    from reconciler.credentials import Secret
+    from reconciler.loop.pgstate import PgStateChannel
+
+    secret = Secret(b"userdb-bench-secret-0123456789abcd")
+    writer, reader = PgStateChannel(db, secret), PgStateChannel(db, secret)
+    blob = os.urandom(STATE_BYTES)  # incompressible, as the compressed state is
+    writes, reads = [], []
+    try:
+        for _ in range(3):
+            t = time.perf_counter()
+            assert writer.publish_sync([], 5, blob, {"by": "bench", "ticks": 1}) is not None
+            writes.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            got = reader.read_sync()
+            reads.append(time.perf_counter() - t)
+            assert got is not None and len(got.blob) == STATE_BYTES
+    finally:
+        writer.close()
+        reader.close()
+    return {"state_mb": STATE_BYTES / 1e6, "state_write_s": round(statistics.median(writes), 2),
+            "state_read_s": round(statistics.median(reads), 2)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--users", type=int, default=1_000_000)
@@ -163,6 +195,7 @@ def main() -> int:
                 figures[f"{kind}_peak_mib"] = round(got["peak_mib"])
             figures["load_vs_anchor"] = round(figures["load_s"] / figures["anchor_s"], 2)
             figures["load_bytes_per_user"] = round(figures["load_peak_mib"] * 2**20 / n)
+            figures |= state_handover(db)
             latencies = edit_latency(path, dsn)
             figures["edit_to_loop_s_median"] = round(statistics.median(latencies), 2)
             figures["edit_to_loop_s_max"] = round(max(latencies), 2)
