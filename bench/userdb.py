@@ -6,7 +6,8 @@ monthly reset, a tenth expiring, one in fifty disabled, regions spread) by ``Use
 transaction). Then, each in a fresh process so that its peak memory is its own:
 
 - ``load``: ``UserDatabase.load()``, every row read and validated into a ``User``;
-- ``anchor``: the same rows fetched by psycopg as the loader fetches them (a server-side cursor, 20,000 at a time) and dropped (the floor any loader pays);
+- ``anchor``: the same rows fetched by psycopg as the loader fetches them (a server-side cursor, 20,000 at a
+  time) and dropped (the floor any loader pays);
 - ``cluster``: ``load_cluster`` of a file whose users are the database's (servers and routes from the example):
   what ``validate``, ``plan`` and a start pay.
 
@@ -167,9 +168,8 @@ def main() -> int:
     parser.add_argument("--users", type=int, default=1_000_000)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    from tests.postgres import BIN, Postgres
-
     from reconciler.userdb import UserDatabase
+    from tests.postgres import BIN, Postgres
 
     if BIN is None:
         print("needs Debian's postgresql package (`make setup` installs it)")

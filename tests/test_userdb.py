@@ -193,7 +193,7 @@ def test_the_loop_follows_edits_and_keeps_its_users_while_the_database_is_away(p
     asyncio.run(scenario())
 
 
-def UserDatabaseCluster(path: Path):  # noqa: N802 — reads as the thing it gives
+def UserDatabaseCluster(path: Path):
     """The cluster as `reconciler run` loads it (its users from the database)."""
     from reconciler.config import load_cluster
 

@@ -21,7 +21,7 @@ STATES = ("active", "over_quota", "expired", "disabled", "device_limit")
 
 def register(sub: Any) -> None:
     us = add_command(sub, "users", HELP["users"],
-                     "reconciler users --state over_quota\n  reconciler users import   # the file's users into the database")
+                     "reconciler users --state over_quota")
     us.add_argument("action", nargs="?", choices=["import"],
                     help="import: copy the file's `users:` into the database settings.users.database names (its schema "
                          "created or migrated), then set settings.users.source: postgres and delete the list")
