@@ -773,6 +773,9 @@ def _shared(key: Any, value: Any) -> Any:
     return value if found is None else found
 
 
+_NO_RESET = Reset()  # the default of every user's ``reset``: the same object for every user without one
+
+
 class User(_Model):
     name: Name
     region: Region | None = Field(None, description="The user's region for geo steering (STEER-4).")
@@ -780,7 +783,7 @@ class User(_Model):
     expires: date | datetime | None = Field(None, description="After this the user gets no subscription.")
     data_limit: ByteSize | None = Field(None, description="Traffic allowed per period (both directions); none = unlimited. "
                                                           "Over it, the servers refuse the user until the next reset.")
-    reset: Reset = Field(Reset(), description="When the traffic count resets: `never` (default), `weekly`, `monthly`, "
+    reset: Reset = Field(_NO_RESET, description="When the traffic count resets: `never` (default), `weekly`, `monthly`, "
                                                "or `{period: monthly, day: 15}`.", json_schema_extra=_reset_schema)
     device_limit: int | None = Field(None, ge=1, le=10_000,
                                      description="Distinct client addresses allowed at once (over every server).")
@@ -791,15 +794,20 @@ class User(_Model):
 
     @model_validator(mode="after")
     def _expires_in_range(self) -> User:
-        try:
-            self.expires_at  # noqa: B018 — computed once here so that it cannot fail later
-        except (OverflowError, ValueError):
-            raise ValueError("expires is outside the dates this system can represent") from None
+        if self.expires is not None:
+            try:
+                self.expires_at  # noqa: B018 — computed once here so that it cannot fail later
+            except (OverflowError, ValueError):
+                raise ValueError("expires is outside the dates this system can represent") from None
         # A million users share a few reset rules and a few sets of given fields: one object each, not one per user
-        # (about 450 of a user's 880 bytes). Both are immutable here: the models are frozen.
-        object.__setattr__(self, "__pydantic_fields_set__", _shared(frozenset(self.__pydantic_fields_set__),
-                                                                   self.__pydantic_fields_set__))
-        self.__dict__["reset"] = _shared(self.reset, self.reset)
+        # (about 450 of a user's 880 bytes). Both are immutable here: the models are frozen. This runs for every
+        # user of every load, so the common cases cost a dictionary lookup: the reset given by its two values (a
+        # pydantic model hashes slowly), the default reset not at all.
+        given = self.__pydantic_fields_set__
+        object.__setattr__(self, "__pydantic_fields_set__", _shared(frozenset(given), given))
+        reset = self.reset
+        if reset is not _NO_RESET:
+            self.__dict__["reset"] = _shared((Reset, reset.period, reset.day), reset)
         return self
 
     @property
