@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,9 +16,9 @@ import psycopg
 import pytest
 
 from reconciler.config import load_cluster
-from reconciler.credentials import Secret
+from reconciler.credentials import Secret, user_token
 from reconciler.fleet.learned import Learned
-from reconciler.lab.demo import free_port
+from reconciler.lab.demo import LoopProcess, free_port
 from reconciler.loop.leader import Etcd, unpack
 from reconciler.loop.pgstate import PgStateChannel
 from reconciler.loop.role import Elected
@@ -26,7 +27,21 @@ from reconciler.ssh.fake import FakeRunner
 from reconciler.userdb import UserDatabase
 from tests.fake_agents import install_agent
 from tests.postgres import BIN, Postgres
-from tests.test_leader import ETCD, LEASE, SECRET, _assert_continued, _capture_publishes, _end, _publishing_leader, running_etcd
+from tests.test_leader import (
+    ETCD,
+    LEASE,
+    SECRET,
+    SECRET_TEXT,
+    _assert_continued,
+    _capture_publishes,
+    _checkout,
+    _cluster_text,
+    _end,
+    _leader,
+    _publishing_leader,
+    _wait,
+    running_etcd,
+)
 
 pytestmark = pytest.mark.skipif(BIN is None or ETCD is None, reason="needs Debian's postgresql and etcd-server "
                                 "(`make setup` installs them)")
@@ -161,3 +176,48 @@ def test_a_standby_takes_over_from_the_state_in_postgres_with_every_counter(db, 
 
     last, now, took = asyncio.run(scenario())
     _assert_continued(last, now, took)
+
+
+def test_a_sigkilled_leader_is_replaced_and_the_standby_goes_on_from_the_row(db, servers, tmp_path, monkeypatch):
+    # Two real `reconciler run` processes; the leader is SIGKILLed: the standby leads within two leases and counts
+    # on from the state the killed one last wrote to the database (etcd held only the election)
+    _, etcd = servers
+    monkeypatch.setenv("RECONCILER_SECRET", SECRET_TEXT)
+    with psycopg.connect(db.dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO reconciler_users (name) VALUES ('alice')")
+    name = f"pgprocs-{os.getpid()}"
+    text = _cluster_text(etcd, name, free_port()).split("users:\n")[0].replace("settings:\n", "settings:\n  users: {source: postgres}\n", 1)
+    files = {n: _checkout(tmp_path, n, text) for n in ("a", "b")}
+    token = user_token(SECRET, "alice")
+    procs: list[LoopProcess] = []
+
+    def start(n: str) -> LoopProcess:
+        p = LoopProcess(files[n], f"127.0.0.1:{free_port()}", 120, log_path=tmp_path / f"{n}.log")
+        procs.append(p)
+        return p
+
+    try:
+        a = start("a")
+        assert _wait(lambda: _leader(a).get("role") == "leader" and (_leader(a)["state"]["ticks"] or 0) >= 2
+                     and _leader(a)["state"]["generation"], 60), (tmp_path / "a.log").read_text()[-3000:]
+        b = start("b")
+        st = _wait(lambda: (lb := _leader(b)).get("role") == "standby" and (lb["state"]["ticks"] or 0) >= 3 and lb, 60)
+        assert st and st["state"]["published_by"] == _leader(a)["identity"], (tmp_path / "b.log").read_text()[-3000:]
+        assert b.get(f"/sub/{token}/links")[0] == 200  # the standby serves, its users from the database
+        prefix = f"/reconciler/{name}/state/"
+        assert not Etcd([etcd], 3.0).range(prefix, range_end=_end(prefix), keys_only=True).get("kvs")
+        ticks_a, fence_a = int(_leader(a)["state"]["ticks"]), int(_leader(a)["fence"])
+        a.kill()
+        killed_at = time.time()
+        assert _wait(lambda: _leader(b).get("role") == "leader", 3 * LEASE + 5), (tmp_path / "b.log").read_text()[-3000:]
+        assert float(_leader(b)["since"]) - killed_at < 2 * LEASE
+        st = _wait(lambda: (lb := _leader(b))["state"]["published_by"] == lb["identity"] and lb, 20)
+        assert st and int(st["fence"]) > fence_a and int(st["state"]["ticks"]) > ticks_a, (st, ticks_a)
+        with psycopg.connect(db.dsn) as conn:
+            row = conn.execute("SELECT fence, pointer->>'by' FROM reconciler_state").fetchone()
+        assert row is not None and row[1] == st["identity"] and int(row[0]) == int(st["fence"])
+        assert "leading from interval" in (tmp_path / "b.log").read_text()
+        assert b.stop() == 0
+    finally:
+        for p in procs:
+            p.stop(signal.SIGKILL if p.proc.poll() is None else signal.SIGTERM, timeout=10)
