@@ -221,3 +221,38 @@ def test_a_sigkilled_leader_is_replaced_and_the_standby_goes_on_from_the_row(db,
     finally:
         for p in procs:
             p.stop(signal.SIGKILL if p.proc.poll() is None else signal.SIGTERM, timeout=10)
+
+
+def test_a_lone_controller_writes_its_state_every_interval_and_a_restart_goes_on_from_it(db, tmp_path):
+    # A crash loses at most one interval: the state folder's big state is written once every few minutes, the row
+    # after every interval; a restart whose folder lost the newest state goes on from the row.
+    from reconciler.loop.role import Alone
+    from tests.fake_agents import HEALTHY, shadowsocks_fleet
+
+    with psycopg.connect(db.dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO reconciler_users (name) VALUES ('alice')")
+    path, _, runner = shadowsocks_fleet(tmp_path, "ab")
+    text = path.read_text().split("users:\n")[0].replace("settings:\n", "settings:\n  users: {source: postgres}\n", 1)
+    path.write_text(text.replace("report_interval: 60s", "report_interval: 1s"))
+    for name in "ab":
+        install_agent(runner, name, HEALTHY)
+    cluster = load_cluster(str(path)).cluster
+    assert cluster is not None
+
+    def started() -> Loop:
+        return Loop(str(path), cluster, SECRET, watch=False, runner=runner, max_ticks=4,
+                    listen=f"127.0.0.1:{free_port()}", operations_listen=f"127.0.0.1:{free_port()}")
+
+    first = started()
+    assert isinstance(first.role, Alone) and first.role.publishing()
+    assert asyncio.run(first.run()) == 0
+    with psycopg.connect(db.dsn) as conn:
+        row = conn.execute("SELECT pointer->>'ticks', pointer->>'by' FROM reconciler_state").fetchone()
+    assert row is not None and int(row[0]) == first.learned.ticks >= 4 and row[1] == "alone"
+    # The crash took the folder's state with it: the next start goes on from the row, not from zero
+    for saved in (tmp_path / ".reconciler").glob("learned*"):
+        saved.unlink()
+    second = started()
+    assert second.learned.ticks == 0
+    asyncio.run(second.role.take_over())
+    assert second.learned.ticks == first.learned.ticks

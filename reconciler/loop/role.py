@@ -87,18 +87,26 @@ class Role(Protocol):
 
 
 class Alone:
-    """The one controller: it leads, unfenced, and publishes nothing."""
+    """The one controller: it leads, unfenced. With a ``channel`` (the users' PostgreSQL) it also writes its learned
+    state there after every interval, so a crash loses at most one interval of it, and at its start it goes on
+    from that row when the row is newer than its state folder's (written once every few minutes when big)."""
 
     election: Election | None = None
 
+    def __init__(self, channel: Channel | None = None) -> None:
+        self.channel = channel
+        self._led: Led | None = None
+        self._pending = channel is not None  # the row is read once, before the first interval
+        self._error = ""
+
     def attach(self, led: Led) -> None:
-        pass
+        self._led = led
 
     def leads(self) -> bool:
         return True
 
     def publishing(self) -> bool:
-        return False
+        return self.channel is not None
 
     def fence(self) -> Fence | None:
         return None
@@ -107,10 +115,51 @@ class Alone:
         pass
 
     async def take_over(self) -> bool:
-        return False
+        """Once, at the start: the stored state, when it is further on than the state folder's."""
+        if not self._pending or self.channel is None or self._led is None:
+            return False
+        self._pending = False
+        led = self._led
+        try:
+            got = await self.channel.read(None)
+        except (DatabaseError, ValueError) as exc:
+            log.warning("cannot read the learned state from the users' database: %s; going on from the state folder's", exc)
+            return False
+        if got is None or int(got.pointer.get("ticks") or 0) <= led.learned.ticks:
+            return False
+        from reconciler.loop.leader import unpack
+
+        try:
+            data, _ = unpack(got.blob)
+        except ValueError as exc:
+            log.warning("ignoring the learned state in the users' database: %s", exc)
+            return False
+        learned, note = Learned.restore(data, led.cluster, "the state in the users' database")
+        if note:
+            log.warning("%s", note)
+            return False
+        log.warning("going on from interval %d of the learned state in the users' database (the state folder's was "
+                    "at interval %d)", learned.ticks, led.learned.ticks)
+        led.learned = learned
+        return False  # a start, not a takeover: nothing was told yet anyway
 
     async def publish(self) -> None:
-        pass
+        if self.channel is None or self._led is None:
+            return
+        led = self._led
+        try:
+            blob = await asyncio.to_thread(bundle, led)
+            meta = {"by": "alone", "ticks": led.learned.ticks, "last_tick": led.learned.last_tick}
+            written = await self.channel.publish([], 0, blob, meta)
+        except DatabaseError as exc:
+            if str(exc) != self._error:
+                log.error("cannot write the learned state to the users' database: %s", exc)
+            self._error = str(exc)
+            return
+        if written is None and self._error != "fenced":
+            log.error("the learned state was not written to the users' database: a controller with a fence (an "
+                      "elected leader) writes it; run one kind of controller per cluster")
+        self._error = "" if written is not None else "fenced"
 
     async def follow(self) -> bool:
         return False
@@ -122,7 +171,17 @@ class Alone:
         return None
 
     async def close(self) -> None:
-        pass
+        if self.channel is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.publish(), 30)
+            self.channel.close()
+
+
+def bundle(led: Led) -> bytes:
+    """The learned state and what goes with it, as published (the last save's bytes when they are this state's)."""
+    from reconciler.loop.leader import pack
+
+    return pack(led.saved_bytes() or led.learned.to_bytes(), {"managed": led.state.managed(), "facts": led.facts})
 
 
 class Elected:
@@ -232,11 +291,7 @@ class Elected:
             log.error("cannot keep the leader's managed servers and facts in %s: %s", led.state.path, exc)
 
     def bundle(self) -> bytes:
-        """The learned state and what goes with it, as published (the last save's bytes when they are this state's)."""
-        from reconciler.loop.leader import pack
-
-        led = self.led
-        return pack(led.saved_bytes() or led.learned.to_bytes(), {"managed": led.state.managed(), "facts": led.facts})
+        return bundle(self.led)
 
     async def publish(self) -> None:
         """The leader's learned state after its interval, for a standby to serve from and take over."""
@@ -301,6 +356,11 @@ def role_for(settings: LeaderSettings, base_dir: str, secret: Secret, registry: 
     """The role the settings ask for: ``Elected`` with ``settings.leader.etcd``, else ``Alone``. With the users in
     PostgreSQL (``users.source``) the learned state goes through that database, etcd keeping the election."""
     if not settings.etcd:
+        if users is not None and users.source == "postgres":
+            from reconciler.loop.pgstate import PgStateChannel
+            from reconciler.userdb import UserDatabase, dsn_of
+
+            return Alone(PgStateChannel(UserDatabase(dsn_of(users)), secret))
         return Alone()
     from reconciler.loop.leader import Election, Etcd, LeaderCollector, StateChannel
 
