@@ -115,7 +115,7 @@ def edit_latency(path: Path, dsn: str, edits: int = 5) -> list[float]:
 
     async def run() -> None:
         stop = asyncio.Event()
-        task = asyncio.create_task(loop.users.run(stop, lambda: loop.cluster, loop.reload, loop.reload_users))
+        task = asyncio.create_task(loop.users.run(stop, lambda: loop.cluster, loop.reload_all_users, loop.reload_users))
         await asyncio.sleep(1.0)  # listening
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
             for k in range(edits):

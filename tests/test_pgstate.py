@@ -49,8 +49,9 @@ pytestmark = pytest.mark.skipif(BIN is None or ETCD is None, reason="needs Debia
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Postgres, str]]:
-    pg = Postgres().start()
+    pg = Postgres()
     try:
+        pg.start()
         with running_etcd(tmp_path_factory.mktemp("etcd")) as etcd:
             yield pg, etcd
     finally:

@@ -32,9 +32,9 @@ pytestmark = pytest.mark.skipif(BIN is None, reason="needs Debian's postgresql p
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Postgres]:
-    pg = Postgres().start()
+    pg = Postgres()
     try:
-        yield pg
+        yield pg.start()
     finally:
         pg.close()
 
@@ -126,6 +126,15 @@ def test_a_schema_from_a_later_release_is_refused(pg, cli, tmp_path):
     assert run.rc == 1 and "upgrade the reconciler" in run.out + run.err
 
 
+def test_a_connection_string_that_does_not_parse_is_not_quoted(pg, cli, tmp_path, monkeypatch):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(from_database(example_text()))
+    monkeypatch.setenv("RECONCILER_DATABASE_URL", f"host=127.0.0.1 password {PASSWORD}")  # psycopg's error quotes it
+    run = cli("validate", "-f", str(path))
+    assert run.rc == 1 and "connection string does not parse" in run.out + run.err
+    assert PASSWORD not in run.out + run.err and PASSWORD[-6:] not in run.out + run.err
+
+
 def test_the_database_down_is_said_without_its_password(pg, cli, tmp_path):
     path = tmp_path / "cluster.yaml"
     path.write_text(example_text())
@@ -157,10 +166,9 @@ def test_the_loop_follows_edits_and_keeps_its_users_while_the_database_is_away(p
 
     async def scenario() -> None:
         stop = asyncio.Event()
-        task = asyncio.create_task(loop.users.run(stop, lambda: loop.cluster, loop.reload, loop.reload_users))
+        task = asyncio.create_task(loop.users.run(stop, lambda: loop.cluster, loop.reload_all_users, loop.reload_users))
         try:
-            await until(lambda: loop.users.error is None and loop.users.batches == 0, "listening")
-            await asyncio.sleep(0.3)  # LISTEN is in place once the generator yielded; give it a moment anyway
+            await until(lambda: loop.users.listening and loop.users.error is None, "listening")
             assert await loop.tick() is not None and not loop.answers.answer("bob", "links").refused
             sql(pg, "UPDATE reconciler_users SET enabled = false WHERE name = 'bob'")
             await until(lambda: not loop.cluster.user("bob").enabled, "bob's edit to reach the loop")
@@ -186,6 +194,8 @@ def test_the_loop_follows_edits_and_keeps_its_users_while_the_database_is_away(p
             await until(lambda: loop.users.error is None, "listening again")
             sql(pg, "DELETE FROM reconciler_users WHERE name = 'bob'")
             await until(lambda: [u.name for u in loop.cluster.users] == ["alice", "carol"], "bob's removal to reach the loop")
+            sql(pg, "UPDATE reconciler_users SET name = 'caroline' WHERE name = 'carol'")  # a rename: both names told
+            await until(lambda: [u.name for u in loop.cluster.users] == ["alice", "caroline"], "the rename")
         finally:
             stop.set()
             await asyncio.wait_for(task, 10)

@@ -146,6 +146,8 @@ class Loop:
         self._failed: dict[str, float] = {}  # supervised task → when it last failed (until it runs cleanly again)
         self._interval_error = ""  # why the last interval failed ("" when it did not)
         self.users = UserChanges(self.clock)  # the users' database followed (settings.users.source: postgres)
+        self._loading = asyncio.Lock()  # one load of the file or of users at a time
+        self._load_ok = True  # whether the last full load could read the file and its users
         self._tasks: list[asyncio.Task[None]] = []
         self._posts: set[asyncio.Task[None]] = set()
         # standby controllers: an election when settings.leader names an etcd; else this one leads alone
@@ -179,8 +181,13 @@ class Loop:
         age = self.clock.time() - self._last_tick_end
         if age > 3 * interval + 30:
             return False, f"the last interval finished {age:.0f}s ago (interval {interval:g}s)"
-        if self.users.error is not None:  # subscriptions are still served, from the users last loaded
-            return True, f"ok, but {self.users.error}: serving the {len(self.cluster.users)} user(s) last loaded"
+        ok, why = self._fleet_health(age)
+        if ok and self.users.error is not None:  # subscriptions are still served, from the users last loaded
+            return True, f"{why}; but {self.users.error}: serving the {len(self.cluster.users)} user(s) last loaded"
+        return ok, why
+
+    def _fleet_health(self, age: float) -> tuple[bool, str]:
+        assert self.view is not None
         unreported, servers = self.view.unreported, len(self.view.cluster.servers)
         if unreported:
             first = sorted(unreported.items())[:3]
@@ -266,7 +273,7 @@ class Loop:
             self._tasks.append(self._supervise("git", self._git_puller))
         if self.cluster.settings.users.source == "postgres":  # its edits reach the loop by LISTEN/NOTIFY
             self._tasks.append(self._supervise("users", lambda: self.users.run(self.stop, lambda: self.cluster,
-                                                                               self.reload, self.reload_users)))
+                                                                               self.reload_all_users, self.reload_users)))
         if self.role.election is not None:  # lead or stand by
             self._tasks.append(self._supervise("leader", lambda: self.role.run(self.stop)))
         if self.duration is not None:
@@ -465,8 +472,20 @@ class Loop:
 
     async def reload(self) -> bool:
         """Load the file again, in a thread within ``LOAD_BUDGET`` seconds and 2 a MB (the event loop keeps serving);
-        keep the last good cluster when the new one is invalid or takes too long."""
+        keep the last good cluster when the new one is invalid or takes too long. One load at a time: a file's and
+        a user's change never adopt each other's older cluster. True when a changed cluster was adopted."""
+        async with self._loading:
+            return await self._reload()
+
+    async def reload_all_users(self) -> bool:
+        """Every user again (``UserChanges``'s catch-up after the database was away): whether they could be read."""
+        async with self._loading:
+            await self._reload()
+            return self._load_ok
+
+    async def _reload(self) -> bool:
         started = self.clock.monotonic()
+        self._load_ok = False
         budget = await asyncio.to_thread(load_seconds, self.path, LOAD_BUDGET)  # a million users: 39 MB, 108 s
         try:
             result = await asyncio.wait_for(asyncio.to_thread(load_servable, self.path), budget)
@@ -474,6 +493,8 @@ class Loop:
             log.error("loading the changed file took more than %ds: keeping the last good version", budget)
             self.stats.record("load", False, self.clock.monotonic() - started, self.clock.time())
             return False
+        if result.cluster is not None and not result.errors:
+            self._load_ok = True
         if result.cluster is None or result.errors:
             for d in result.errors:
                 log.error("%s", d.render())
@@ -490,6 +511,10 @@ class Loop:
     async def reload_users(self, names: set[str]) -> bool:
         """Only these users again, from their database (``settings.users.source: postgres``): the others are kept
         as loaded, so one edit costs one row, not a million. A row that went bad keeps its user as last loaded."""
+        async with self._loading:
+            return await self._reload_users(names)
+
+    async def _reload_users(self, names: set[str]) -> bool:
         started = self.clock.monotonic()
         db = UserDatabase(dsn_of(self.cluster.settings.users))
         fetched = await asyncio.to_thread(db.fetch, names)

@@ -30,21 +30,26 @@ class UserChanges:
         self.clock = clock
         self.error: str | None = None  # why the database cannot be followed now (None: it is)
         self.batches = 0  # batches of changes heard (a test's and an operator's evidence that it listens)
+        self.listening = False  # LISTEN is in place: a change from now on is heard
 
     async def run(self, stop: asyncio.Event, cluster: Callable[[], Cluster], reload: Callable[[], Awaitable[bool]],
                   reload_users: Callable[[set[str]], Awaitable[bool]]) -> None:
-        """Until ``stop``: ``reload_users`` with each batch of changed names, ``reload`` (every user) to catch up
-        after the database was away."""
+        """Until ``stop``: ``reload_users`` with each batch of changed names; ``reload`` (every user, True when they
+        could be read) once LISTEN is in place, for what changed before: since the start's load, or while the
+        database was away."""
         failures = 0
-        caught_up = True  # the start loaded every user just now
+        caught_up = False
         while not stop.is_set():
             try:
                 db = UserDatabase(dsn_of(cluster().settings.users))
                 async for names in _until(stop, db.changes()):
                     if not names:  # listening (again)
+                        self.listening = True
                         if not caught_up:
-                            log.info("the users' %s answers again: loading its users to catch up", db.name)
-                            await reload()
+                            if self.error is not None:
+                                log.info("the users' %s answers again: loading its users to catch up", db.name)
+                            if not await reload():
+                                raise DatabaseError(f"the users' {db.name} listens, but its users could not be read")
                         caught_up, failures, self.error = True, 0, None
                         continue
                     self.batches += 1
@@ -52,6 +57,7 @@ class UserChanges:
                     await reload_users(names)
                 return
             except (DatabaseError, InvalidInput) as exc:
+                self.listening = False
                 failures += 1
                 if self.error is None:
                     log.error("%s: serving the %d user(s) last loaded until it answers", exc, len(cluster().users))
@@ -62,16 +68,19 @@ class UserChanges:
 async def _until(stop: asyncio.Event, source: AsyncGenerator[set[str], None]) -> AsyncIterator[set[str]]:
     """``source``'s items until ``stop`` is set (a LISTEN waits for ever otherwise)."""
     stopping = asyncio.ensure_future(stop.wait())
+    item: asyncio.Future[set[str]] | None = None
     try:
         while True:
             item = asyncio.ensure_future(anext(source))
             done, _ = await asyncio.wait({item, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if stopping in done:
-                item.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, DatabaseError):
-                    await item
-                await source.aclose()
                 return
             yield item.result()
-    finally:
+            item = None
+    finally:  # stopped, cancelled, or the consumer failed: the LISTEN connection is closed either way
         stopping.cancel()
+        if item is not None and not item.done():
+            item.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, DatabaseError):
+                await item
+        await source.aclose()

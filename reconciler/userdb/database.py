@@ -9,8 +9,9 @@ older one is migrated forward, a newer one (a later release wrote it) is refused
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +48,10 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         # payload (PostgreSQL folds the same payload sent twice in one transaction into one).
         f"""CREATE FUNCTION reconciler_users_changed() RETURNS trigger LANGUAGE plpgsql AS $$
             BEGIN
-              PERFORM pg_notify('{CHANNEL}', CASE WHEN TG_OP = 'DELETE' THEN OLD.name ELSE NEW.name END);
+              IF TG_OP <> 'INSERT' THEN PERFORM pg_notify('{CHANNEL}', OLD.name); END IF;
+              IF TG_OP <> 'DELETE' AND (TG_OP = 'INSERT' OR NEW.name <> OLD.name) THEN
+                PERFORM pg_notify('{CHANNEL}', NEW.name);
+              END IF;
               RETURN NULL;
             END $$""",
         """CREATE TRIGGER reconciler_users_changed AFTER INSERT OR UPDATE OR DELETE ON reconciler_users
@@ -105,9 +109,23 @@ class UserDatabase:
         self.dsn = dsn
         self.name = describe(dsn)
 
-    def _connect(self, autocommit: bool = False) -> psycopg.Connection[Any]:
+    def _checked_dsn(self) -> None:
+        """A connection string that does not parse is said without psycopg's words, which quote it (and so, perhaps,
+        the password in it)."""
         try:
-            return psycopg.connect(self.dsn, connect_timeout=CONNECT_TIMEOUT, autocommit=autocommit)
+            psycopg.conninfo.conninfo_to_dict(self.dsn)
+        except psycopg.Error:
+            raise DatabaseError("the users' database connection string does not parse (it is not shown: it may hold a "
+                                "password); write it as postgresql://USER:PASSWORD@HOST:PORT/DATABASE") from None
+
+    @contextlib.contextmanager
+    def _connect(self) -> Iterator[psycopg.Connection[Any]]:
+        """A connection in one transaction (committed when the block ends, rolled back when it raises); every
+        failure of the database's, on the way in or within, is a ``DatabaseError`` naming it."""
+        self._checked_dsn()
+        try:
+            with psycopg.connect(self.dsn, connect_timeout=CONNECT_TIMEOUT) as conn:
+                yield conn
         except psycopg.Error as exc:
             raise DatabaseError(f"cannot reach the users' {self.name}: {_first_line(exc)}") from None
 
@@ -230,6 +248,7 @@ class UserDatabase:
     async def changes(self, batch_seconds: float = 0.5) -> AsyncGenerator[set[str], None]:
         """The names of users changed since the last batch, as the database tells them (LISTEN), gathered for
         ``batch_seconds`` after the first: a bulk edit of a thousand users is one batch, not a thousand."""
+        self._checked_dsn()
         try:
             conn = await psycopg.AsyncConnection.connect(self.dsn, connect_timeout=CONNECT_TIMEOUT, autocommit=True)
         except psycopg.Error as exc:
