@@ -207,7 +207,11 @@ def test_a_sigkilled_leader_is_replaced_and_the_standby_goes_on_from_the_row(db,
         assert b.get(f"/sub/{token}/links")[0] == 200  # the standby serves, its users from the database
         prefix = f"/reconciler/{name}/state/"
         assert not Etcd([etcd], 3.0).range(prefix, range_end=_end(prefix), keys_only=True).get("kvs")
-        ticks_a, fence_a = int(_leader(a)["state"]["ticks"]), int(_leader(a)["fence"])
+        fence_a = int(_leader(a)["fence"])
+        with psycopg.connect(db.dsn) as conn:  # what the killed leader had written at least (it may write once more)
+            row = conn.execute("SELECT pointer->>'ticks' FROM reconciler_state").fetchone()
+        assert row is not None
+        ticks_a = int(row[0])
         a.kill()
         killed_at = time.time()
         assert _wait(lambda: _leader(b).get("role") == "leader", 3 * LEASE + 5), (tmp_path / "b.log").read_text()[-3000:]
