@@ -571,9 +571,10 @@ async def _publishing_leader(loops: dict[str, Loop], published: dict[str, list[b
         await asyncio.sleep(0.05)
 
 
-async def _cut_off_and_take_over(old: Loop, new: Loop, cut: Path) -> float:
+async def _cut_off_and_take_over(old: Loop, new: Loop, cut: Path, channel: bool = True) -> float:
     """Cuts the old leader off from etcd (its calls fail as in a network cut, from the time written to ``cut``); the
-    seconds until the standby leads (the old one gives up within a lease)."""
+    seconds until the standby leads (the old one gives up within a lease). ``channel=False``: the election only (its
+    state goes elsewhere, which it still reaches)."""
     assert isinstance(old.role, Elected) and isinstance(new.role, Elected)
     assert old.role.election is not None and new.role.election is not None
 
@@ -581,7 +582,8 @@ async def _cut_off_and_take_over(old: Loop, new: Loop, cut: Path) -> float:
         raise ConnectionFailedError("network cut (test)")
 
     old.role.election.etcd.call = unreachable  # type: ignore[method-assign]
-    old.role.channel.etcd.call = unreachable  # type: ignore[method-assign]
+    if channel:
+        old.role.channel.etcd.call = unreachable  # type: ignore[attr-defined]
     cut.write_text(repr(time.time()))
     cut_at = time.monotonic()
     while not new.role.election.is_leader:
@@ -594,7 +596,7 @@ async def _cut_off_and_take_over(old: Loop, new: Loop, cut: Path) -> float:
 
 
 async def _network_cut(loops: dict[str, Loop], published: dict[str, list[bytes]],
-                       cut: Path) -> tuple[Learned, Learned, float]:
+                       cut: Path, channel: bool = True) -> tuple[Learned, Learned, float]:
     """Runs both loops until one leads and publishes, cuts it off, and lets the standby lead for two intervals: (the
     old leader's last published state, the new leader's learned state, the takeover's seconds)."""
     runs = {n: asyncio.create_task(loop.run()) for n, loop in loops.items()}
@@ -606,7 +608,7 @@ async def _network_cut(loops: dict[str, Loop], published: dict[str, list[bytes]]
         assert old.role.election is not None and new.role.election is not None
         await asyncio.sleep(1.2)
         assert not new.role.election.is_leader and new.learned.ticks >= 2  # the standby follows the published state
-        took = await _cut_off_and_take_over(old, new, cut)
+        took = await _cut_off_and_take_over(old, new, cut, channel)
         last = Learned.from_bytes(unpack(published[leader][-1])[0])
         while len(published[other]) < 2:  # two intervals of its own
             await asyncio.sleep(0.05)
@@ -615,6 +617,17 @@ async def _network_cut(loops: dict[str, Loop], published: dict[str, list[bytes]]
         for loop in loops.values():
             loop.stop.set()
         await asyncio.wait_for(asyncio.gather(*runs.values(), return_exceptions=True), 30)
+
+
+def counting_agent(cut: Path) -> str:
+    """Each server's agent: cumulative bytes at 40 Mbps, then 8 Mbps once the leader is cut off (from the time written
+    to ``cut``)."""
+    return (f"import json, os, sys, time\nreq = json.load(sys.stdin)\nstarted, cut = {time.time()!r}, {str(cut)!r}\n"
+            "t = time.time()\nfast_until = float(open(cut).read()) if os.path.exists(cut) else t\n"
+            "down = int(5e6 * (min(t, fast_until) - started) + 1e6 * max(0.0, t - fast_until))\n"
+            "print(json.dumps({'service': 'active', 'listeners': {'8388/tcp': True, '8388/udp': True},\n"
+            "                  'traffic': {'up': 0, 'down': down},\n"
+            "                  'probes': {p['id']: {'ok': True, 'rtt_ms': 1.0} for p in req.get('probes', [])}}))\n")
 
 
 def _assert_continued(last: Learned, now: Learned, took: float) -> None:
@@ -633,14 +646,7 @@ def _assert_continued(last: Learned, now: Learned, took: float) -> None:
 def test_the_new_leader_continues_the_capacities_streaks_and_counters_the_old_one_published(etcd, tmp_path):
     # The old leader is cut off from etcd (a network cut); the standby takes over with the same capacity peaks.
     cut = tmp_path / "cut-at"
-    # Each server's agent: cumulative bytes at 40 Mbps, then 8 Mbps once the leader is cut off (from the time in `cut`).
-    agent = (f"import json, os, sys, time\nreq = json.load(sys.stdin)\nstarted, cut = {time.time()!r}, {str(cut)!r}\n"
-             "t = time.time()\nfast_until = float(open(cut).read()) if os.path.exists(cut) else t\n"
-             "down = int(5e6 * (min(t, fast_until) - started) + 1e6 * max(0.0, t - fast_until))\n"
-             "print(json.dumps({'service': 'active', 'listeners': {'8388/tcp': True, '8388/udp': True},\n"
-             "                  'traffic': {'up': 0, 'down': down},\n"
-             "                  'probes': {p['id']: {'ok': True, 'rtt_ms': 1.0} for p in req.get('probes', [])}}))\n")
-    loops = _reporting_loops(tmp_path, etcd, agent)
+    loops = _reporting_loops(tmp_path, etcd, counting_agent(cut))
     published = _capture_publishes(loops)
     last, now, took = asyncio.run(_network_cut(loops, published, cut))
     _assert_continued(last, now, took)

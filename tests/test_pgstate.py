@@ -17,9 +17,8 @@ import pytest
 
 from reconciler.config import load_cluster
 from reconciler.credentials import Secret, user_token
-from reconciler.fleet.learned import Learned
 from reconciler.lab.demo import LoopProcess, free_port
-from reconciler.loop.leader import Etcd, unpack
+from reconciler.loop.leader import Etcd
 from reconciler.loop.pgstate import PgStateChannel
 from reconciler.loop.role import Elected
 from reconciler.loop.service import Loop
@@ -38,8 +37,9 @@ from tests.test_leader import (
     _cluster_text,
     _end,
     _leader,
-    _publishing_leader,
+    _network_cut,
     _wait,
+    counting_agent,
     running_etcd,
 )
 
@@ -116,12 +116,7 @@ def test_a_standby_takes_over_from_the_state_in_postgres_with_every_counter(db, 
     with psycopg.connect(db.dsn, autocommit=True) as conn:
         conn.execute("INSERT INTO reconciler_users (name) VALUES ('alice')")
     cut = tmp_path / "cut-at"
-    agent = (f"import json, os, sys, time\nreq = json.load(sys.stdin)\nstarted, cut = {time.time()!r}, {str(cut)!r}\n"
-             "t = time.time()\nfast_until = float(open(cut).read()) if os.path.exists(cut) else t\n"
-             "down = int(5e6 * (min(t, fast_until) - started) + 1e6 * max(0.0, t - fast_until))\n"
-             "print(json.dumps({'service': 'active', 'listeners': {'8388/tcp': True, '8388/udp': True},\n"
-             "                  'traffic': {'up': 0, 'down': down},\n"
-             "                  'probes': {p['id']: {'ok': True, 'rtt_ms': 1.0} for p in req.get('probes', [])}}))\n")
+    agent = counting_agent(cut)
     runner = FakeRunner(tmp_path / "hosts")
     for server in ("a", "b"):
         install_agent(runner, server, agent)
@@ -134,49 +129,16 @@ def test_a_standby_takes_over_from_the_state_in_postgres_with_every_counter(db, 
         assert isinstance(loops[n].role, Elected) and isinstance(loops[n].role.channel, PgStateChannel)
     published = _capture_publishes(loops)
 
-    async def scenario() -> tuple[Learned, Learned, float]:
-        runs = {n: asyncio.create_task(loop.run()) for n, loop in loops.items()}
-        try:
-            leader = await _publishing_leader(loops, published)
-            other = "y" if leader == "x" else "x"
-            old, new = loops[leader], loops[other]
-            assert isinstance(old.role, Elected) and isinstance(new.role, Elected)
-            assert old.role.election is not None and new.role.election is not None
-            await asyncio.sleep(1.2)
-            assert not new.role.election.is_leader and new.learned.ticks >= 2  # the standby follows the row
-            # Nothing of the state in etcd: only the election's keys
-            prefix = f"/reconciler/pg-{os.getpid()}/state/"
-            keys = Etcd([etcd], 3.0).range(prefix, range_end=_end(prefix), keys_only=True)
-            assert not keys.get("kvs"), keys
-
-            def unreachable(fn):  # type: ignore[no-untyped-def]
-                raise ConnectionError("network cut (test)")
-
-            old.role.election.etcd.call = unreachable  # type: ignore[method-assign]  # etcd only: the database answers
-            cut.write_text(repr(time.time()))
-            cut_at = time.monotonic()
-            while not new.role.election.is_leader:
-                assert time.monotonic() - cut_at < 3 * LEASE, "no takeover"
-                await asyncio.sleep(0.01)
-            took = time.monotonic() - cut_at
-            while not published[other]:
-                await asyncio.sleep(0.01)
-            old_count = len(published[leader])  # from the new leader's first write on, the old one's are refused
-            last = Learned.from_bytes(unpack(published[leader][-1])[0])
-            while len(published[other]) < 2:
-                await asyncio.sleep(0.05)
-            assert len(published[leader]) == old_count  # its fence is older, though it still reached the database
-            with psycopg.connect(db.dsn) as conn:
-                row = conn.execute("SELECT fence, pointer->>'by' FROM reconciler_state").fetchone()
-            assert row is not None and int(row[0]) == new.role.election.fence and row[1] == new.role.election.identity
-            return last, new.learned, took
-        finally:
-            for loop in loops.values():
-                loop.stop.set()
-            await asyncio.wait_for(asyncio.gather(*runs.values(), return_exceptions=True), 30)
-
-    last, now, took = asyncio.run(scenario())
+    # The old leader is cut off from etcd only: it still reaches the database, where its older fence writes nothing
+    last, now, took = asyncio.run(_network_cut(loops, published, cut, channel=False))
     _assert_continued(last, now, took)
+    new = next(loop for loop in loops.values() if loop.learned is now)
+    assert isinstance(new.role, Elected) and new.role.election is not None
+    with psycopg.connect(db.dsn) as conn:
+        row = conn.execute("SELECT fence, pointer->>'by' FROM reconciler_state").fetchone()
+    assert row is not None and int(row[0]) == new.role.election.fence and row[1] == new.role.election.identity
+    prefix = f"/reconciler/pg-{os.getpid()}/state/"  # nothing of the state in etcd: only the election's keys
+    assert not Etcd([etcd], 3.0).range(prefix, range_end=_end(prefix), keys_only=True).get("kvs")
 
 
 def test_a_sigkilled_leader_is_replaced_and_the_standby_goes_on_from_the_row(db, servers, tmp_path, monkeypatch):

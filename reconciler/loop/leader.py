@@ -434,44 +434,74 @@ def generation_order(generation: str) -> tuple[int, ...]:
         return ()
 
 
-class StateChannel:
-    """The leader's learned state in etcd: ``publish`` (guarded by the election) and ``read``, authenticated with
-    an HMAC keyed from the master secret (leader and standby hold the same secret; etcd never does)."""
+class ChannelBase:
+    """What every channel of the learned state shares: generations named ``<fence>-<seq>``, each blob under an HMAC
+    keyed from the master secret and the generation, replays of an older generation refused, and the blocking
+    ``publish_sync``/``read_sync`` a subclass writes run in one thread of its own."""
 
-    def __init__(self, etcd: Etcd, prefix: str, secret: Secret, chunk: int = CHUNK):
-        self.etcd = etcd
-        self.prefix = prefix.rstrip("/")
-        self.pointer = f"{self.prefix}/state/current"
-        self.chunks = f"{self.prefix}/state/g/"
-        self.chunk = chunk
+    def __init__(self, secret: Secret, thread: str):
         self._key = secret.derive("published-learned-state")
         self._seq = 0
         self._newest: str | None = None  # the newest generation read: an older one is a replay, refused
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="etcd-state")
-
-    def _chunk_key(self, generation: str, i: int) -> str:
-        return f"{self.chunks}{generation}/{i:06d}"
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=thread)
 
     def _generation_key(self, generation: str) -> bytes:
         """The HMAC key of one generation: a state published as one generation is refused as any other."""
         return hmac.digest(self._key, generation.encode(), "sha256")
 
-    def publish_sync(self, guard: list[dict[str, Any]], fence: int, blob: bytes, meta: dict[str, Any]) -> str | None:
-        """Write ``blob`` as a new generation; its name, or None when the guard failed (no longer the leader)."""
+    def _next_generation(self, fence: int, blob: bytes) -> tuple[str, str]:
+        """(the name of the next generation this channel writes, the HMAC of ``blob`` as it); a blob over what a
+        standby reads is refused here."""
         if len(blob) > MAX_PUBLISHED_BYTES:
             raise ValueError(f"the learned state is {len(blob)} bytes, more than the {MAX_PUBLISHED_BYTES} a standby "
                              "reads: not published")
         self._seq += 1
         generation = f"{fence:016d}-{self._seq:010d}"
+        mac = Mac(self._generation_key(generation))
+        mac.update(blob)
+        return generation, mac.hexdigest()
+
+    def publish_sync(self, guard: list[dict[str, Any]], fence: int, blob: bytes, meta: dict[str, Any]) -> str | None:
+        raise NotImplementedError
+
+    def read_sync(self, known: str | None = None) -> Published | None:
+        raise NotImplementedError
+
+    async def publish(self, guard: list[dict[str, Any]], fence: int, blob: bytes, meta: dict[str, Any]) -> str | None:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.publish_sync, guard, fence, blob, meta)
+
+    async def read(self, known: str | None = None) -> Published | None:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.read_sync, known)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class StateChannel(ChannelBase):
+    """The leader's learned state in etcd: ``publish`` (guarded by the election) and ``read``, authenticated with
+    an HMAC keyed from the master secret (leader and standby hold the same secret; etcd never does)."""
+
+    def __init__(self, etcd: Etcd, prefix: str, secret: Secret, chunk: int = CHUNK):
+        super().__init__(secret, "etcd-state")
+        self.etcd = etcd
+        self.prefix = prefix.rstrip("/")
+        self.pointer = f"{self.prefix}/state/current"
+        self.chunks = f"{self.prefix}/state/g/"
+        self.chunk = chunk
+
+    def _chunk_key(self, generation: str, i: int) -> str:
+        return f"{self.chunks}{generation}/{i:06d}"
+
+    def publish_sync(self, guard: list[dict[str, Any]], fence: int, blob: bytes, meta: dict[str, Any]) -> str | None:
+        """Write ``blob`` as a new generation; its name, or None when the guard failed (no longer the leader)."""
+        generation, mac = self._next_generation(fence, blob)
         parts = [blob[i:i + self.chunk] for i in range(0, len(blob), self.chunk)] or [b""]
         for i, part in enumerate(parts):
             got = self.etcd.txn(guard, [{"request_put": {"key": _b64(self._chunk_key(generation, i)), "value": _b64(part)}}])
             if not got.get("succeeded"):
                 return None
-        mac = Mac(self._generation_key(generation))
-        mac.update(blob)
         pointer = {**meta, "generation": generation, "chunks": len(parts), "size": len(blob), "fence": fence,
-                   "hmac": mac.hexdigest(), "at": time.time()}
+                   "hmac": mac, "at": time.time()}
         older = [{"request_delete_range": {"key": _b64(self.chunks), "range_end": _b64(f"{self.chunks}{generation}")}}]
         got = self.etcd.txn(guard, [{"request_put": {"key": _b64(self.pointer), "value": _b64(json.dumps(pointer))}}, *older])
         return generation if got.get("succeeded") else None
@@ -512,15 +542,6 @@ class StateChannel:
                              "with this master secret): refused; this controller keeps the state it has")
         self._newest = generation
         return Published(pointer, blob)
-
-    async def publish(self, guard: list[dict[str, Any]], fence: int, blob: bytes, meta: dict[str, Any]) -> str | None:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.publish_sync, guard, fence, blob, meta)
-
-    async def read(self, known: str | None = None) -> Published | None:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.read_sync, known)
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 # --------------------------------------------------------------------------- metrics

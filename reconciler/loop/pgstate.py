@@ -8,41 +8,26 @@ so a takeover keeps every counter: at most the old leader's last interval is los
 
 from __future__ import annotations
 
-import asyncio
-import hmac
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from reconciler.credentials import Secret
-from reconciler.loop.leader import MAX_PUBLISHED_BYTES, Published, generation_order
-from reconciler.state.files import Mac, mac_matches
+from reconciler.loop.leader import MAX_PUBLISHED_BYTES, ChannelBase, Published, generation_order
+from reconciler.state.files import mac_matches
 from reconciler.userdb import UserDatabase
 
 
-class PgStateChannel:
+class PgStateChannel(ChannelBase):
     """``StateChannel``'s interface over ``UserDatabase.put_state``/``get_state``; ``guard`` is etcd's and unused
     here: the fence guards the row."""
 
     def __init__(self, db: UserDatabase, secret: Secret):
+        super().__init__(secret, "pg-state")
         self.db = db
-        self._key = secret.derive("published-learned-state")
-        self._seq = 0
-        self._newest: str | None = None  # the newest generation read: an older one is a replay, refused
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="pg-state")
-
-    def _generation_key(self, generation: str) -> bytes:
-        return hmac.digest(self._key, generation.encode(), "sha256")
 
     def publish_sync(self, guard: list[dict[str, Any]], fence: int, blob: bytes, meta: dict[str, Any]) -> str | None:
-        if len(blob) > MAX_PUBLISHED_BYTES:
-            raise ValueError(f"the learned state is {len(blob)} bytes, more than the {MAX_PUBLISHED_BYTES} a standby "
-                             "reads: not published")
-        self._seq += 1
-        generation = f"{fence:016d}-{self._seq:010d}"
-        mac = Mac(self._generation_key(generation))
-        mac.update(blob)
-        pointer = {**meta, "generation": generation, "size": len(blob), "fence": fence, "hmac": mac.hexdigest(),
+        generation, mac = self._next_generation(fence, blob)
+        pointer = {**meta, "generation": generation, "size": len(blob), "fence": fence, "hmac": mac,
                    "at": time.time(), "store": "postgres"}
         return generation if self.db.put_state(generation, fence, pointer, blob) else None
 
@@ -61,12 +46,3 @@ class PgStateChannel:
                              "written by a controller with this master secret): refused; this controller keeps its own")
         self._newest = generation
         return Published(pointer, blob)
-
-    async def publish(self, guard: list[dict[str, Any]], fence: int, blob: bytes, meta: dict[str, Any]) -> str | None:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.publish_sync, guard, fence, blob, meta)
-
-    async def read(self, known: str | None = None) -> Published | None:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.read_sync, known)
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
