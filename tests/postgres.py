@@ -31,7 +31,7 @@ class Postgres:
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.prefix: list[str] = []
-        self._fds: list[int] = []
+        self._log: int | None = None  # the server's log file, opened at the first start
         if os.geteuid() == 0:
             owner = pwd.getpwnam("postgres")
             os.chown(self.folder, owner.pw_uid, owner.pw_gid)
@@ -42,31 +42,37 @@ class Postgres:
         return f"postgresql://{USER}{secret}@127.0.0.1:{self.port}/{database}"
 
     def start(self) -> Postgres:
-        data = self.folder / "data"
-        init = subprocess.run([*self.prefix, f"{BIN}/initdb", "-D", str(data), "-U", USER, "--auth=trust", "-E", "UTF8",
-                               "--no-sync"], capture_output=True, text=True, timeout=120)
+        init = subprocess.run([*self.prefix, f"{BIN}/initdb", "-D", str(self.folder / "data"), "-U", USER, "--auth=trust",
+                               "-E", "UTF8", "--no-sync"], capture_output=True, text=True, timeout=120)
         assert init.returncode == 0, init.stderr[-2000:]
-        self.proc = subprocess.Popen([*self.prefix, f"{BIN}/postgres", "-D", str(data), "-p", str(self.port), "-k",
-                                      str(self.folder), "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off",
+        self._launch()
+        with psycopg.connect(self.dsn("postgres"), autocommit=True) as conn:
+            conn.execute("CREATE DATABASE vpn")
+        return self
+
+    def start_again(self) -> None:
+        """The same cluster started after ``stop`` (a database back from an outage)."""
+        assert self.proc is None
+        self._launch()
+
+    def _launch(self) -> None:
+        """The server on its folder's data, its log a file (never a pipe nobody reads: a full pipe would stall it);
+        returns once it answers."""
+        if self._log is None:
+            self._log = os.open(self.folder / "postgres.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.proc = subprocess.Popen([*self.prefix, f"{BIN}/postgres", "-D", str(self.folder / "data"), "-p", str(self.port),
+                                      "-k", str(self.folder), "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off",
                                       "-c", "synchronous_commit=off", "-c", "full_page_writes=off"],
-                                     stdout=subprocess.DEVNULL, stderr=self._log(), start_new_session=True)
+                                     stdout=subprocess.DEVNULL, stderr=self._log, start_new_session=True)
         end = time.monotonic() + DEADLINE
         while True:
             try:
-                with psycopg.connect(self.dsn("postgres"), connect_timeout=2, autocommit=True) as conn:
-                    conn.execute("CREATE DATABASE vpn")
-                return self
+                psycopg.connect(self.dsn("postgres"), connect_timeout=2).close()
+                return
             except psycopg.OperationalError:
                 assert self.proc.poll() is None, (self.folder / "postgres.log").read_text(errors="replace")[-2000:]
                 assert time.monotonic() < end, "PostgreSQL did not start"
                 time.sleep(0.2)
-
-    def _log(self) -> int:
-        """The server's log (a file, never a pipe nobody reads: a full pipe would stall it); the child keeps the fd."""
-        fd = os.open(self.folder / "postgres.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.set_inheritable(fd, True)
-        self._fds.append(fd)
-        return fd
 
     def stop(self) -> None:
         """Stop it by its PID (a fast shutdown, then a kill); keep the folder for ``start_again``."""
@@ -79,24 +85,8 @@ class Postgres:
                 self.proc.wait(DEADLINE)
         self.proc = None
 
-    def start_again(self) -> None:
-        """The same cluster started after ``stop`` (a database back from an outage)."""
-        assert self.proc is None
-        self.proc = subprocess.Popen([*self.prefix, f"{BIN}/postgres", "-D", str(self.folder / "data"), "-p",
-                                      str(self.port), "-k", str(self.folder), "-c", "listen_addresses=127.0.0.1",
-                                      "-c", "fsync=off"], stdout=subprocess.DEVNULL, stderr=self._log(),
-                                     start_new_session=True)
-        end = time.monotonic() + DEADLINE
-        while True:
-            try:
-                psycopg.connect(self.dsn(), connect_timeout=2).close()
-                return
-            except psycopg.OperationalError:
-                assert time.monotonic() < end, "PostgreSQL did not start again"
-                time.sleep(0.2)
-
     def close(self) -> None:
         self.stop()
-        for fd in self._fds:
-            os.close(fd)
+        if self._log is not None:
+            os.close(self._log)
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -14,6 +14,8 @@ import re
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -134,5 +136,10 @@ def test_user_cards_within_and_over_quota_in_english_and_russian(console, tmp_pa
 
 def test_without_credentials_the_browser_gets_no_console(console, tmp_path):
     ops, _ = console
-    text = dom_text(chromium(tmp_path / "p", ops.replace("ops:console-pass@", "") + "/server/ams-1", "--dump-dom").stdout)
+    bare = ops.replace("ops:console-pass@", "") + "/server/ams-1"
+    text = dom_text(chromium(tmp_path / "p", bare, "--dump-dom").stdout)
     assert "ams-1" not in text and "Verdict" not in text  # Chromium waits at the credential prompt: nothing shown
+    with pytest.raises(urllib.error.HTTPError) as refused:  # what it was answered (the listener is up: see above)
+        urllib.request.urlopen(bare, timeout=10)
+    refused.value.close()
+    assert refused.value.code == 401 and refused.value.headers["WWW-Authenticate"].startswith("Basic")

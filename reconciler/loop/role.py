@@ -127,15 +127,8 @@ class Alone:
             return False
         if got is None or int(got.pointer.get("ticks") or 0) <= led.learned.ticks:
             return False
-        from reconciler.loop.leader import unpack
-
-        try:
-            data, _ = unpack(got.blob)
-        except ValueError as exc:
-            log.warning("ignoring the learned state in the users' database: %s", exc)
-            return False
-        learned, note = Learned.restore(data, led.cluster, "the state in the users' database")
-        if note:
+        learned, _, note = restored(got, led.cluster, "the state in the users' database")
+        if learned is None:
             log.warning("%s", note)
             return False
         log.warning("going on from interval %d of the learned state in the users' database (the state folder's was "
@@ -175,6 +168,19 @@ class Alone:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.publish(), 30)
             self.channel.close()
+
+
+def restored(got: Published, cluster: Cluster, where: str) -> tuple[Learned | None, dict[str, Any], str]:
+    """A state read back, unpacked and restored for ``cluster``: (its learned state, what came with it, ""), or
+    (None, {}, why it cannot be used)."""
+    from reconciler.loop.leader import unpack
+
+    try:
+        data, extras = unpack(got.blob)
+    except ValueError as exc:
+        return None, {}, f"ignoring {where}: {exc}"
+    learned, note = Learned.restore(data, cluster, where)
+    return (None, {}, note) if note else (learned, extras, "")
 
 
 def bundle(led: Led) -> bytes:
@@ -242,7 +248,7 @@ class Elected:
 
     async def follow(self) -> bool:
         """The leader's newest published state, when there is one newer than ours: it becomes ours."""
-        from reconciler.loop.leader import EtcdFailure, failure, unpack
+        from reconciler.loop.leader import EtcdFailure, failure
 
         led = self.led
         try:
@@ -255,16 +261,9 @@ class Elected:
             return False
         if got is None:
             return False
-        where = f"the state {got.pointer.get('by')} published"
-        try:
-            data, extras = unpack(got.blob)
-        except ValueError as exc:
-            self._generation = got.generation  # not read again; the next one may be good
-            self._trouble(f"ignoring {where}: {exc}")
-            return False
-        learned, note = Learned.restore(data, led.cluster, where)
-        self._generation = got.generation
-        if note:
+        learned, extras, note = restored(got, led.cluster, f"the state {got.pointer.get('by')} published")
+        self._generation = got.generation  # not read again, whatever it held; the next one may be good
+        if learned is None:
             self._trouble(note)
             return False
         self._error = ""

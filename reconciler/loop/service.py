@@ -147,7 +147,6 @@ class Loop:
         self._interval_error = ""  # why the last interval failed ("" when it did not)
         self.users = UserChanges(self.clock)  # the users' database followed (settings.users.source: postgres)
         self._loading = asyncio.Lock()  # one load of the file or of users at a time
-        self._load_ok = True  # whether the last full load could read the file and its users
         self._tasks: list[asyncio.Task[None]] = []
         self._posts: set[asyncio.Task[None]] = set()
         # standby controllers: an election when settings.leader names an etcd; else this one leads alone
@@ -475,26 +474,23 @@ class Loop:
         keep the last good cluster when the new one is invalid or takes too long. One load at a time: a file's and
         a user's change never adopt each other's older cluster. True when a changed cluster was adopted."""
         async with self._loading:
-            return await self._reload()
+            return await self._reload() is True
 
     async def reload_all_users(self) -> bool:
         """Every user again (``UserChanges``'s catch-up after the database was away): whether they could be read."""
         async with self._loading:
-            await self._reload()
-            return self._load_ok
+            return await self._reload() is not None
 
-    async def _reload(self) -> bool:
+    async def _reload(self) -> bool | None:
+        """True: a changed cluster adopted; False: read, and unchanged; None: it could not be read."""
         started = self.clock.monotonic()
-        self._load_ok = False
         budget = await asyncio.to_thread(load_seconds, self.path, LOAD_BUDGET)  # a million users: 39 MB, 108 s
         try:
             result = await asyncio.wait_for(asyncio.to_thread(load_servable, self.path), budget)
         except TimeoutError:
             log.error("loading the changed file took more than %ds: keeping the last good version", budget)
             self.stats.record("load", False, self.clock.monotonic() - started, self.clock.time())
-            return False
-        if result.cluster is not None and not result.errors:
-            self._load_ok = True
+            return None
         if result.cluster is None or result.errors:
             for d in result.errors:
                 log.error("%s", d.render())
@@ -505,7 +501,7 @@ class Loop:
                 log.error("the changed file is invalid%s: keeping the last good version until it is fixed",
                           "" if result.cluster is None else " (plan and apply refuse it too)")
             self.stats.record("load", False, self.clock.monotonic() - started, self.clock.time())
-            return False
+            return None
         return await self._adopt(result.cluster, started, f"reloaded {self.path}")
 
     async def reload_users(self, names: set[str]) -> bool:
