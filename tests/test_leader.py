@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -206,6 +207,43 @@ def test_a_leader_cut_off_from_etcd_steps_down_before_its_lease_can_end(etcd, re
 
     stepped, expired = asyncio.run(scenario())
     assert stepped < expired and stepped < LEASE, (stepped, expired)
+
+
+@needs_etcd
+def test_a_leader_keeps_its_lease_while_an_interval_holds_the_event_loop(etcd, request):
+    # A million users' first interval holds the event loop for tens of seconds of CPU work. The election runs in a
+    # thread of its own (Elected.run), so the keepalives go out on time and the leader stays the leader; the loop
+    # hears of the win on its own thread, after the takeover was marked.
+    prefix = _prefix(request)
+    told: list[tuple[bool, bool]] = []
+
+    class Led:
+        def leadership_changed(self, leading: bool) -> None:
+            told.append((leading, threading.current_thread() is threading.main_thread()))
+
+    async def scenario() -> tuple[bool, int, float]:
+        stop = asyncio.Event()
+        election = Election(Etcd([etcd], 1.0), prefix, LEASE, identity="busy")
+        role = Elected(election, object())  # type: ignore[arg-type]
+        role.attach(Led())  # type: ignore[arg-type]
+        task = asyncio.create_task(role.run(stop))
+        try:
+            while not role.leads():
+                await asyncio.sleep(0.02)
+            assert role._takeover_pending  # marked before leads() could say so
+            time.sleep(3 * LEASE)  # the event loop held, as by a long synchronous step: no await for three leases
+            held = role.leads()
+            await asyncio.sleep(0.1)
+            return held, election.elections, election.since
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+            election.close()
+
+    since = time.time()
+    held, elections, won = asyncio.run(scenario())
+    assert held and elections == 1 and won >= since
+    assert told == [(True, True)]  # told once, on the loop's thread
 
 
 # --------------------------------------------------------------------------- the learned state in etcd

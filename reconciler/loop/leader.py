@@ -317,11 +317,13 @@ class Election:
             kvs = (got.get("responses") or [{}])[0].get("response_range", {}).get("kvs") or []
             self.leader = _unb64(kvs[0].get("value", "")).decode(errors="replace") if kvs else ""
             return False
-        self._lease, self.fence = lease, int(got["header"]["revision"])
-        self._valid_until = sent + min(ttl, self.ttl) - self.margin
+        self.fence = int(got["header"]["revision"])
         self.leader, self.since, self.elections = self.identity, time.time(), self.elections + 1
-        log.warning("leading: elected in etcd as %s (fence %d, lease %ds)", self.identity, self.fence, self.ttl)
+        # Told before ``is_leader`` can say so: whoever sees this controller lead (another thread, see
+        # ``role.Elected.run``) sees the takeover it owes first
         self._changed(True)
+        self._lease, self._valid_until = lease, sent + min(ttl, self.ttl) - self.margin
+        log.warning("leading: elected in etcd as %s (fence %d, lease %ds)", self.identity, self.fence, self.ttl)
         return True
 
     async def _lead(self) -> float:

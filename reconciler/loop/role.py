@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
 from reconciler.credentials import Secret
@@ -203,6 +204,7 @@ class Elected:
         self._error = ""  # the last failure to read or publish it ("" after a success)
         self._takeover_lock = asyncio.Lock()
         self._takeover_pending = False
+        self._main: asyncio.AbstractEventLoop | None = None  # the loop's event loop (the election runs in a thread)
 
     @property
     def led(self) -> Led:
@@ -224,12 +226,48 @@ class Elected:
         return Fence(election.fence, lambda: election.is_leader)
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self.election.run(stop)
+        """The election, in a thread with an event loop of its own: its keepalives go out on time even while an
+        interval holds this event loop. A million users' first interval holds it for tens of seconds of CPU work,
+        and a lease renewed on this loop ended under it, every interval."""
+        self._main = asyncio.get_running_loop()
+        started = threading.Event()
+        inner: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+        async def campaign() -> None:
+            halt = asyncio.Event()
+            inner.append((asyncio.get_running_loop(), halt))
+            started.set()
+            await self.election.run(halt)
+
+        thread = asyncio.ensure_future(asyncio.to_thread(asyncio.run, campaign()))
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait([thread, stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not thread.done():
+                await asyncio.to_thread(started.wait, 10)
+                with contextlib.suppress(RuntimeError, IndexError):  # its loop already closed / never started
+                    inner[0][0].call_soon_threadsafe(inner[0][1].set)
+                await asyncio.wait([thread], timeout=30)
+        if thread.done():
+            thread.result()  # a failure of the election's is the supervised task's
 
     def _on_change(self, leading: bool) -> None:
+        """Called where the election runs (its own thread): the takeover is marked at once, before ``leads`` can
+        say so; the loop is told on its own thread."""
         if leading:  # the state it continues from is read before its first interval or plan (take_over)
             self._takeover_pending = True
-        self.led.leadership_changed(leading)
+        main = self._main
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if main is None or main is here:
+            self.led.leadership_changed(leading)
+            return
+        with contextlib.suppress(RuntimeError):  # the loop has ended: nothing left to tell
+            main.call_soon_threadsafe(self.led.leadership_changed, leading)
 
     async def take_over(self) -> bool:
         """Once per election won: continue from the last state the previous leader published (it can publish
