@@ -184,14 +184,19 @@ def test_the_loop_follows_edits_and_keeps_its_users_while_the_database_is_away(p
             sql(pg, "UPDATE reconciler_users SET region = 'MARS' WHERE name = 'carol'")  # a bad edit: carol kept
             await until(lambda: any("user 'carol' is bad now" in r.getMessage() for r in caplog.records), "the bad row")
             assert loop.cluster.user("carol").data_limit == 1000000 and loop.cluster.user("carol").region is None
-            sql(pg, "UPDATE reconciler_users SET region = 'EEU' WHERE name = 'carol'")  # mended (a full load would
-            await until(lambda: loop.cluster.user("carol").region == "EEU", "carol's mended row")  # leave it out)
             pg.stop()  # the database goes away: the loop keeps its users and says why
             await until(lambda: loop.users.error is not None, "the loss to be noticed")
             assert "users' database vpn" in loop.users.error and PASSWORD not in loop.users.error
             assert [u.name for u in loop.cluster.users] == ["alice", "bob", "carol"]
             await asyncio.to_thread(pg.start_again)
             await until(lambda: loop.users.error is None, "listening again")
+            # The catch-up reads every user again: carol's row is still bad, and a full load keeps her as an edit does
+            await until(lambda: any("database's user 'carol' is bad now: keeping" in r.getMessage() for r in caplog.records),
+                        "the catch-up's full load")
+            assert [u.name for u in loop.cluster.users] == ["alice", "bob", "carol"]
+            assert loop.cluster.user("carol").data_limit == 1000000 and loop.cluster.user("carol").region is None
+            sql(pg, "UPDATE reconciler_users SET region = 'EEU' WHERE name = 'carol'")  # mended
+            await until(lambda: loop.cluster.user("carol").region == "EEU", "carol's mended row")
             sql(pg, "DELETE FROM reconciler_users WHERE name = 'bob'")
             await until(lambda: [u.name for u in loop.cluster.users] == ["alice", "carol"], "bob's removal to reach the loop")
             sql(pg, "UPDATE reconciler_users SET name = 'caroline' WHERE name = 'carol'")  # a rename: both names told

@@ -47,6 +47,7 @@ class LoadResult:
     cluster: Cluster | None
     diagnostics: list[Diagnostic] = field(default_factory=list)
     source: SourceMap = field(default_factory=SourceMap)
+    bad_users: list[str] = field(default_factory=list)  # the keys of the database's rows left out (users.source)
 
     @property
     def errors(self) -> list[Diagnostic]:
@@ -364,6 +365,7 @@ def _database_users(result: LoadResult, data: dict[str, Any], source: SourceMap,
     if len(loaded.bad) > MAX_ERRORS:
         result.diagnostics.append(at("warning", where, f"… and {len(loaded.bad) - MAX_ERRORS} more bad rows", None,
                                      "bad-row"))
+    result.bad_users = [key for key, _ in loaded.bad]
     data["users"] = loaded.users
     return True
 

@@ -502,7 +502,16 @@ class Loop:
                           "" if result.cluster is None else " (plan and apply refuse it too)")
             self.stats.record("load", False, self.clock.monotonic() - started, self.clock.time())
             return None
-        return await self._adopt(result.cluster, started, f"reloaded {self.path}")
+        return await self._adopt(self._keeping(result.cluster, result.bad_users), started, f"reloaded {self.path}")
+
+    def _keeping(self, cluster: Cluster, bad: list[str]) -> Cluster:
+        """``cluster`` with the users whose database rows went bad kept as last loaded, as an edit keeps them (a
+        typo in one row never takes a served user away); a bad row of a user never loaded stays left out."""
+        index = self.cluster.roster.index
+        kept = {name: self.cluster.users[i] for name in bad if (i := index.get(name)) is not None}
+        for name in kept:
+            log.warning("the database's user %r is bad now: keeping it as last loaded", name)
+        return cluster.with_users(kept) if kept else cluster
 
     async def reload_users(self, names: set[str]) -> bool:
         """Only these users again, from their database (``settings.users.source: postgres``): the others are kept
