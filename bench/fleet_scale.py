@@ -22,7 +22,14 @@ CPU: the work between intervals (10 s of idling sampled, scaled to the rest of t
 keepalives) and the learned state's save, which a big state (≥ 16 MB) gets every 5 minutes, not every
 interval (one save measured; a fifth of it per interval). ``phases_cpu_s`` shows both (``idle``, ``save``).
 
-    python bench/fleet_scale.py [--quick] [--json] [--disk]   (--quick: U = 100k only; the full run adds U = 1M)
+    python bench/fleet_scale.py [--quick] [--json] [--disk] [--state-in-postgres]
+    (--quick: U = 100k only; the full run adds U = 1M)
+
+``--state-in-postgres``: the learned state (the usage ledger with it) also goes to a PostgreSQL started on loopback
+by the benchmark, as with ``settings.users.source: postgres``: written in one transaction after every interval
+(``pgstate.PgStateChannel``), not every 5 minutes. The measured intervals then alternate, in the same process, between
+the two homes of the state (the folder alone, and the database), and both figures come from the same run:
+``interval_cpu_s`` (the folder) and ``pg_interval_cpu_s`` (the database; its save and its write counted in full).
 
 The subscription files are on tmpfs (a tmpfs of its own for a million users: root), as an operator serving them
 from memory has them; ``--disk`` puts them on the disk under .bench/ for the figure beside it.
@@ -78,6 +85,8 @@ def serve(port_file: str, host_key: str, client_pub: str, servers: int, users: i
 
     marks = marks_for(tuple(f"u{i}" for i in range(users)), mark_key(Secret(SECRET)))
     rows: dict[str, list[list[Any]]] = {}
+    steps: dict[str, list[int]] = {}  # with FLEET_SCALE_STEADY=1: each row's packets per request (no bursts)
+    steady = os.environ.get("FLEET_SCALE_STEADY") == "1"
     connected: dict[str, list[str]] = {}
     placed = Path(port_file).with_name(ASSIGNED)  # where the controller put each user (after its first interval)
     seen = [-1.0]
@@ -91,21 +100,27 @@ def serve(port_file: str, host_key: str, client_pub: str, servers: int, users: i
         seen[0] = at
         where = np.load(placed) if at else np.arange(users) % servers
         rows.clear()
+        steps.clear()
         connected.clear()
         rows.update({f"s{i}": [] for i in range(servers)})
+        steps.update({f"s{i}": [] for i in range(servers)})
         connected.update({f"s{i}": [] for i in range(servers)})
         for i in range(users):
             server = f"s{int(where[i])}"
             name = f"u{i}"
             rows[server].append([marks[name], "ipv4", "tcp", 0, 0])
+            steps[server].append(steady_step(i))
             if i % 50 == 0:
                 connected[server].append(name)
 
     def report(server: str, request: dict[str, Any]) -> str:
         layout()
         tx, rx = [], []
-        for row in rows.get(server, []):
-            pkts = rng.randrange(1, 200) if rng.random() >= BURST else 100_000  # a burst: 90 MB up, 810 MB down
+        for row, step in zip(rows.get(server, []), steps.get(server, []), strict=True):
+            if steady:
+                pkts = step
+            else:
+                pkts = rng.randrange(1, 200) if rng.random() >= BURST else 100_000  # a burst: 90 MB up, 810 MB down
             row[3] += pkts
             row[4] += pkts * 900
             tx.append(row[:])
@@ -148,6 +163,12 @@ def serve(port_file: str, host_key: str, client_pub: str, servers: int, users: i
 # ------------------------------------------------------------------ the controller
 
 
+def steady_step(i: int) -> int:
+    """User ``i``'s packets per report with FLEET_SCALE_STEADY=1: its bytes grow by ``10 * 900 * steady_step(i)``
+    a report (900 bytes a packet up, nine times as many bytes down)."""
+    return 1 + i % 7
+
+
 def cluster_data(servers: int, users: int, port: int, key: str, host_pub: str) -> dict[str, Any]:
     """The cluster as the file would hold it (validated by the same model; the file loader's own scale is
     tests/test_yaml_scale.py's business: the interval's work starts from a loaded cluster)."""
@@ -164,7 +185,8 @@ def cluster_data(servers: int, users: int, port: int, key: str, host_pub: str) -
     }
 
 
-async def measure(servers: int, users: int, intervals: int, work: Path, port: int, key: str, host_pub: str) -> dict[str, Any]:
+async def measure(servers: int, users: int, intervals: int, work: Path, port: int, key: str, host_pub: str,
+                  dsn: str | None = None) -> dict[str, Any]:
     from prometheus_client import generate_latest
 
     import reconciler.loop.collect as collection
@@ -172,17 +194,27 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
     from reconciler.apply.session import pool_for
     from reconciler.credentials import Secret
     from reconciler.fleet.reports import agent_request
+    from reconciler.loop.pgstate import PgStateChannel
+    from reconciler.loop.role import Alone
     from reconciler.loop.service import Loop
     from reconciler.model import Cluster
     from reconciler.ssh.pool import IDLE_KEEPALIVE_S
+    from reconciler.userdb import UserDatabase
 
     case = work / f"n{servers}-u{users}"
     case.mkdir()
     path = case / "c.yaml"
     path.write_text("# the cluster is built in memory by bench/fleet_scale.py\n")
     cluster = Cluster.model_validate(cluster_data(servers, users, port, key, host_pub))
-    loop = Loop(str(path), cluster, Secret(SECRET), watch=False)
+    folder_role = Alone()
+    loop = Loop(str(path), cluster, Secret(SECRET), watch=False, role=folder_role)
     loop.pool = pool_for(loop.state, concurrency=64)
+    pg_role = None
+    if dsn is not None:
+        db = UserDatabase(dsn)
+        db.migrate()
+        pg_role = Alone(PgStateChannel(db, Secret(SECRET)))
+        pg_role.attach(loop)
     received = [0]
     parse = collection.parse_report
 
@@ -192,19 +224,24 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
 
     collection.parse_report = counting  # type: ignore[assignment]
     phases = phase_clock(loop, service)
+    if pg_role is not None:
+        pg_role.publish = clocked(phases, "state_write", pg_role.publish)  # type: ignore[method-assign]
     _memory("the cluster and the loop made")
     samples = []
+    pg_samples = []
     profiler: subprocess.Popen[bytes] | None = None
     try:
-        for i in range(intervals + 1):
+        for i in range(intervals * (2 if pg_role else 1) + 1):
             if i == 1 and os.environ.get("FLEET_SCALE_PROFILE"):  # a sampling profile of the measured intervals
                 profiler = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--format", "raw",
                                              "--rate", "50", "-o", os.environ["FLEET_SCALE_PROFILE"]])
                 await asyncio.sleep(1.0)
             received[0] = 0
             phases.clear()
+            in_pg = pg_role is not None and i % 2 == 0  # the warm-up (0) too: the row exists before it is measured
+            loop.role = pg_role if in_pg else folder_role  # type: ignore[assignment]
             c0, w0 = _cpu(), time.perf_counter()
-            verdicts = await loop.tick()
+            verdicts = await loop._tick_by_role()
             t = time.process_time()
             metrics = generate_latest(loop.registry)
             phases["metrics"] += time.process_time() - t
@@ -212,7 +249,7 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
             assert verdicts is not None, loop._interval_error
             ok = sum(v.status == "ok" for v in verdicts.servers().values())
             if i:  # the first interval connects to every server and writes every user's files: a warm-up
-                samples.append((cpu, wall, received[0], len(metrics), ok, dict(phases)))
+                (pg_samples if in_pg else samples).append((cpu, wall, received[0], len(metrics), ok, dict(phases)))
             else:  # from now on the servers report each user where the controller assigned it
                 tell_assignments(loop, work / ASSIGNED, servers, users)
         # Work between intervals (timers, keepalives: the pool's idle connections send one after IDLE_KEEPALIVE_S,
@@ -233,6 +270,8 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
             profiler.wait(60)
         collection.parse_report = parse  # type: ignore[assignment]
         await loop.pool.close()
+        if pg_role is not None and pg_role.channel is not None:
+            pg_role.channel.close()
     ordinary = "s5"  # s0 and s1 are probers: they probe everyone (HEALTH-9)
     probes = len(agent_request(cluster, ordinary, "x", 1.0, interval=loop._tick_index)["probes"])  # type: ignore[arg-type]
     big = loop._saved[1] >= service.BIG_STATE_BYTES
@@ -240,7 +279,14 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
     cpu = statistics.median(s[0] - s[5].get("save", 0.0) for s in samples) + save + idle
     phases_cpu = {k: round(statistics.median(s[5].get(k, 0.0) for s in samples), 3) for k in samples[-1][5]}
     phases_cpu.update(save=round(save, 3), idle=round(idle, 3))
-    return {"servers": servers, "users": users,
+    pg: dict[str, Any] = {}
+    if pg_samples:  # every interval saved and wrote its state: both counted as they were, nothing scaled
+        pg_cpu = statistics.median(s[0] for s in pg_samples) + idle
+        pg = {"pg_interval_cpu_s": round(pg_cpu, 3), "pg_interval_wall_s": round(statistics.median(s[1] for s in pg_samples), 3),
+              "pg_share_of_60s": round(pg_cpu / INTERVAL, 4), "pg_vs_folder": round(pg_cpu / cpu, 3),
+              "pg_phases_cpu_s": {k: round(statistics.median(s[5].get(k, 0.0) for s in pg_samples), 3)
+                                  for k in pg_samples[-1][5]}}
+    return pg | {"servers": servers, "users": users,
             "interval_cpu_s": round(cpu, 3),
             "interval_wall_s": round(wall, 3),
             "save_once_cpu_s": round(save_once, 3), "state_bytes": loop._saved[1],
@@ -266,35 +312,36 @@ def phase_clock(loop: Any, service: Any) -> Counter[str]:
     """Where an interval's CPU goes: the process's CPU time across each step of ``tick`` (they run one after
     another, so the process-wide clock is theirs; collect includes the SSH sessions and parsing the reports)."""
     phases: Counter[str] = Counter()
+    loop.collection.collect = clocked(phases, "collect", loop.collection.collect)
+    loop.learned.fold = clocked(phases, "fold", loop.learned.fold)
+    service.snapshot = clocked(phases, "snapshot", service.snapshot)
+    loop.answers.publish = clocked(phases, "publish", loop.answers.publish)
+    loop._tell = clocked(phases, "tell", loop._tell)  # the events, the log and whether to plan now (users out or back)
+    loop.files.write = clocked(phases, "files", loop.files.write)
+    loop._save = clocked(phases, "save", loop._save)
+    return phases
 
-    def clocked(name: str, fn: Any) -> Any:
-        if asyncio.iscoroutinefunction(fn):
-            async def waiting(*a: Any, **k: Any) -> Any:
-                t = time.process_time()
-                try:
-                    return await fn(*a, **k)
-                finally:
-                    phases[name] += time.process_time() - t
-                    _memory(name)
-            return waiting
 
-        def plain(*a: Any, **k: Any) -> Any:
+def clocked(phases: Counter[str], name: str, fn: Any) -> Any:
+    """``fn`` with the process's CPU time across each call added to ``phases[name]``."""
+    if asyncio.iscoroutinefunction(fn):
+        async def waiting(*a: Any, **k: Any) -> Any:
             t = time.process_time()
             try:
-                return fn(*a, **k)
+                return await fn(*a, **k)
             finally:
                 phases[name] += time.process_time() - t
                 _memory(name)
-        return plain
+        return waiting
 
-    loop.collection.collect = clocked("collect", loop.collection.collect)
-    loop.learned.fold = clocked("fold", loop.learned.fold)
-    service.snapshot = clocked("snapshot", service.snapshot)
-    loop.answers.publish = clocked("publish", loop.answers.publish)
-    loop._tell = clocked("tell", loop._tell)  # the events, the log and whether to plan now (users out or back)
-    loop.files.write = clocked("files", loop.files.write)
-    loop._save = clocked("save", loop._save)
-    return phases
+    def plain(*a: Any, **k: Any) -> Any:
+        t = time.process_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            phases[name] += time.process_time() - t
+            _memory(name)
+    return plain
 
 
 def _memory(step: str) -> None:
@@ -319,6 +366,8 @@ def main() -> int:
     ap.add_argument("--case", nargs=2, type=int, help=argparse.SUPPRESS)  # one (N, U) in a fresh process
     ap.add_argument("--intervals", type=int, default=3)
     ap.add_argument("--disk", action="store_true", help="the subscription files on the disk (.bench/), not on tmpfs")
+    ap.add_argument("--state-in-postgres", action="store_true",
+                    help="also measure intervals whose learned state goes to PostgreSQL, alternating with the folder's")
     args = ap.parse_args()
     if args.serve:
         port_file, host_key, client_pub, n, u = args.serve
@@ -326,12 +375,13 @@ def main() -> int:
         return 0
     logging.basicConfig(level=logging.ERROR)  # per-inbound notes would flood the output at 1,000 servers
     if args.case:
-        return run_case(*args.case, args.intervals, args.disk)
+        return run_case(*args.case, args.intervals, args.disk, args.state_in_postgres)
     cases = [(100, 100_000), (300, 100_000), (1000, 100_000)] + ([] if args.quick else [(1000, 1_000_000)])
     results = []
     for n, u in cases:  # each case in its own process: its peak memory is its own
         out = subprocess.run([sys.executable, __file__, "--case", str(n), str(u), "--intervals", str(args.intervals)]
-                             + (["--disk"] if args.disk else []),
+                             + (["--disk"] if args.disk else [])
+                             + (["--state-in-postgres"] if args.state_in_postgres else []),
                              capture_output=True, text=True)
         if out.returncode != 0:
             print(out.stdout[-2000:], out.stderr[-3000:], file=sys.stderr)
@@ -343,6 +393,10 @@ def main() -> int:
                   f"({100 * r['share_of_60s']:.1f}% of 60 s), reports {r['report_bytes'] / 1e6:.1f} MB, "
                   f"{r['probes_per_server']} probes/server, peak {r['peak_rss_mb']:.0f} MB, files on {r['files_on']}\n    CPU-s by "
                   "step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases_cpu_s"].items()), flush=True)
+            if "pg_interval_cpu_s" in r:
+                print(f"    the state in PostgreSQL every interval: {r['pg_interval_cpu_s']:.2f} CPU-s "
+                      f"({100 * r['pg_share_of_60s']:.1f}% of 60 s, ×{r['pg_vs_folder']} the folder's)\n    CPU-s by step: "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in r["pg_phases_cpu_s"].items()), flush=True)
     by = {(r["servers"], r["users"]): r for r in results}
     figures: dict[str, Any] = {"runs": results}
     for (n, u), r in by.items():
@@ -364,10 +418,13 @@ def main() -> int:
     return 0 if figures["targets_met"] else 1
 
 
-def run_case(servers: int, users: int, intervals: int, disk: bool = False) -> int:
+def run_case(servers: int, users: int, intervals: int, disk: bool = False, postgres: bool = False) -> int:
     import asyncssh
 
     from reconciler.lab.processes import stop
+    from tests.postgres import Postgres
+
+    pg = Postgres().start() if postgres else None
 
     work, files_on = workspace(users, disk)
     host = asyncssh.generate_private_key("ssh-ed25519")
@@ -387,13 +444,15 @@ def run_case(servers: int, users: int, intervals: int, disk: bool = False) -> in
             time.sleep(0.1)
         host_pub = host.export_public_key().decode().split()[:2]
         result = asyncio.run(measure(servers, users, intervals, work, int(port_file.read_text()), str(work / "client"),
-                                     " ".join(host_pub)))
+                                     " ".join(host_pub), pg.dsn() if pg is not None else None))
         result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
         result["files_on"] = files_on
         print(json.dumps(result))
         return 0
     finally:
         stop(server)
+        if pg is not None:
+            pg.close()
         if files_on == "tmpfs (own mount)":  # five million files go with the mount, in a second
             unmount(work)
         else:
