@@ -219,8 +219,9 @@ def _range_end(prefix: str) -> str:
 
 
 class Election:
-    """One controller's part in the election; ``run(stop)`` is its task in the loop. ``on_change(leading)`` is
-    called (in the event loop) when it starts or stops leading."""
+    """One controller's part in the election; ``run(stop)`` is its task (``role.Elected`` runs it on an event loop
+    of its own, in a thread). ``on_change(leading)`` is called on that event loop when it starts or stops leading,
+    after ``is_leader`` says so."""
 
     def __init__(self, etcd: Etcd, prefix: str, lease: float, identity: str | None = None,
                  on_change: Callable[[bool], None] | None = None):
@@ -317,13 +318,13 @@ class Election:
             kvs = (got.get("responses") or [{}])[0].get("response_range", {}).get("kvs") or []
             self.leader = _unb64(kvs[0].get("value", "")).decode(errors="replace") if kvs else ""
             return False
+        # The fence and the count of wins before ``is_leader`` can say so: whoever sees this controller lead (from
+        # another thread: ``role.Elected.run``) sees the fence it leads under and the takeover it owes
         self.fence = int(got["header"]["revision"])
         self.leader, self.since, self.elections = self.identity, time.time(), self.elections + 1
-        # Told before ``is_leader`` can say so: whoever sees this controller lead (another thread, see
-        # ``role.Elected.run``) sees the takeover it owes first
-        self._changed(True)
         self._lease, self._valid_until = lease, sent + min(ttl, self.ttl) - self.margin
         log.warning("leading: elected in etcd as %s (fence %d, lease %ds)", self.identity, self.fence, self.ttl)
+        self._changed(True)
         return True
 
     async def _lead(self) -> float:

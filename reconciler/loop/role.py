@@ -203,7 +203,7 @@ class Elected:
         self._pointer: dict[str, Any] = {}  # that state's pointer: by whom, its fence, ticks, when
         self._error = ""  # the last failure to read or publish it ("" after a success)
         self._takeover_lock = asyncio.Lock()
-        self._takeover_pending = False
+        self._taken = 0  # the elections won whose takeover is done (``Election.elections`` grows at each win)
         self._main: asyncio.AbstractEventLoop | None = None  # the loop's event loop (the election runs in a thread)
 
     @property
@@ -226,38 +226,50 @@ class Elected:
         return Fence(election.fence, lambda: election.is_leader)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """The election, in a thread with an event loop of its own: its keepalives go out on time even while an
-        interval holds this event loop. A million users' first interval holds it for tens of seconds of CPU work,
-        and a lease renewed on this loop ended under it, every interval."""
+        """The election, in a thread with an event loop of its own: its keepalives go out on time while an interval
+        holds this event loop with Python work (a million users' first interval holds it for tens of seconds; a
+        lease renewed on this loop ended under it, every interval). One native call that keeps the interpreter
+        for longer than the lease's margin can still delay a renewal."""
         self._main = asyncio.get_running_loop()
-        started = threading.Event()
-        inner: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        quit_ = threading.Event()  # set here, read there: no event loop needed to tell the thread to end
 
         async def campaign() -> None:
             halt = asyncio.Event()
-            inner.append((asyncio.get_running_loop(), halt))
-            started.set()
-            await self.election.run(halt)
+            running = asyncio.ensure_future(self.election.run(halt))
+            while not quit_.is_set() and not running.done():
+                await asyncio.wait([running], timeout=0.1)
+            halt.set()
+            await running
 
-        thread = asyncio.ensure_future(asyncio.to_thread(asyncio.run, campaign()))
+        ended = asyncio.Event()
+        failure: list[BaseException] = []
+
+        def body() -> None:
+            try:
+                asyncio.run(campaign())
+            except BaseException as exc:  # noqa: BLE001 — handed to the supervised task below
+                failure.append(exc)
+            finally:
+                with contextlib.suppress(RuntimeError):  # the loop has ended
+                    self._main.call_soon_threadsafe(ended.set)  # type: ignore[union-attr]
+
+        thread = threading.Thread(target=body, name="etcd-election", daemon=True)
+        thread.start()
         stopped = asyncio.ensure_future(stop.wait())
+        waiting = asyncio.ensure_future(ended.wait())
         try:
-            await asyncio.wait([thread, stopped], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([stopped, waiting], return_when=asyncio.FIRST_COMPLETED)
         finally:
+            quit_.set()  # first, and at once: even a cancelled wait below leaves the thread told to end
             stopped.cancel()
-            if not thread.done():
-                await asyncio.to_thread(started.wait, 10)
-                with contextlib.suppress(RuntimeError, IndexError):  # its loop already closed / never started
-                    inner[0][0].call_soon_threadsafe(inner[0][1].set)
-                await asyncio.wait([thread], timeout=30)
-        if thread.done():
-            thread.result()  # a failure of the election's is the supervised task's
+            waiting.cancel()
+            await asyncio.to_thread(thread.join, 30)
+        if failure:
+            raise failure[0]  # a failure of the election's is the supervised task's
 
     def _on_change(self, leading: bool) -> None:
-        """Called where the election runs (its own thread): the takeover is marked at once, before ``leads`` can
-        say so; the loop is told on its own thread."""
-        if leading:  # the state it continues from is read before its first interval or plan (take_over)
-            self._takeover_pending = True
+        """Called where the election runs (its own thread): the loop is told on its own thread. A win's takeover
+        is owed by the count of elections (``take_over``), which grows before ``leads`` can say so."""
         main = self._main
         try:
             here = asyncio.get_running_loop()
@@ -274,9 +286,10 @@ class Elected:
         no more: its writes are guarded by the key it lost) — capacities, streaks, assignments, the usage ledger.
         True the first time after a win."""
         async with self._takeover_lock:
-            if not self._takeover_pending:
+            won = self.election.elections
+            if won == self._taken:
                 return False
-            self._takeover_pending = False
+            self._taken = won
             fresh = await self.follow()
             pointer = self._pointer
             log.warning("leading from interval %d of the learned state (%s)", self.led.learned.ticks,
