@@ -91,6 +91,7 @@ TASK_BACKOFF = Backoff(first=1.0, cap=60.0)
 # A leader writes it every interval: the same bytes as its publish to etcd, serialized once.
 BIG_STATE_BYTES = 16 << 20
 BIG_STATE_EVERY = 300.0
+KEPT_SAID = 20  # users kept as last loaded (their rows bad now) named one by one in the log at a reload; then a count
 LOAD_BUDGET = 30  # seconds a reload may take, and 2 s more a MB of YAML it reads (load_seconds; loading is bounded, this bounds the wait)
 
 
@@ -502,16 +503,19 @@ class Loop:
                           "" if result.cluster is None else " (plan and apply refuse it too)")
             self.stats.record("load", False, self.clock.monotonic() - started, self.clock.time())
             return None
-        return await self._adopt(self._keeping(result.cluster, result.bad_users), started, f"reloaded {self.path}")
+        return await self._adopt(await self._keeping(result.cluster, result.bad_users), started, f"reloaded {self.path}")
 
-    def _keeping(self, cluster: Cluster, bad: list[str]) -> Cluster:
+    async def _keeping(self, cluster: Cluster, bad: list[str]) -> Cluster:
         """``cluster`` with the users whose database rows went bad kept as last loaded, as an edit keeps them (a
-        typo in one row never takes a served user away); a bad row of a user never loaded stays left out."""
+        typo in one row does not take a served user away while this controller runs); a bad row of a user never
+        loaded stays left out."""
         index = self.cluster.roster.index
         kept = {name: self.cluster.users[i] for name in bad if (i := index.get(name)) is not None}
-        for name in kept:
+        for name in list(kept)[:KEPT_SAID]:
             log.warning("the database's user %r is bad now: keeping it as last loaded", name)
-        return cluster.with_users(kept) if kept else cluster
+        if len(kept) > KEPT_SAID:
+            log.warning("… and %d more users whose rows are bad now, kept as last loaded", len(kept) - KEPT_SAID)
+        return await asyncio.to_thread(cluster.with_users, kept) if kept else cluster
 
     async def reload_users(self, names: set[str]) -> bool:
         """Only these users again, from their database (``settings.users.source: postgres``): the others are kept
