@@ -54,7 +54,7 @@ demo: setup
 	$(BIN)/reconciler demo --scenario block --duration 180
 
 bench: setup
-	@set -e; found=0; for f in bench/*.py; do [ -e "$$f" ] || continue; found=1; echo "== $$f"; $(BIN)/python "$$f"; done; \
+	@set -e; found=0; for f in bench/*.py; do [ -e "$$f" ] && [ "$$f" != bench/harness.py ] || continue; found=1; echo "== $$f"; $(BIN)/python "$$f"; done; \
 	[ $$found = 1 ] || echo "no benchmarks yet"
 
 schema: setup

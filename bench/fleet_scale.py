@@ -26,10 +26,10 @@ interval (one save measured; a fifth of it per interval). ``phases_cpu_s`` shows
     (--quick: U = 100k only; the full run adds U = 1M)
 
 ``--state-in-postgres``: the learned state (the usage ledger with it) also goes to a PostgreSQL started on loopback
-by the benchmark, as with ``settings.users.source: postgres``: written in one transaction after every interval
-(``pgstate.PgStateChannel``), not every 5 minutes. The measured intervals then alternate, in the same process, between
-the two homes of the state (the folder alone, and the database), and both figures come from the same run:
-``interval_cpu_s`` (the folder) and ``pg_interval_cpu_s`` (the database; its save and its write counted in full).
+by the benchmark, as with ``settings.users.source: postgres``: saved and written in one transaction after every
+interval (``pgstate.PgStateChannel``), both counted in full (``phases_cpu_s``: ``save``, ``state_write``). Run it
+beside the same case without it, one after the other: alternating the two in one process let one's costs land
+in the other's intervals.
 
 The subscription files are on tmpfs (a tmpfs of its own for a million users: root), as an operator serving them
 from memory has them; ``--disk`` puts them on the disk under .bench/ for the figure beside it.
@@ -206,8 +206,7 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
     path = case / "c.yaml"
     path.write_text("# the cluster is built in memory by bench/fleet_scale.py\n")
     cluster = Cluster.model_validate(cluster_data(servers, users, port, key, host_pub))
-    folder_role = Alone()
-    loop = Loop(str(path), cluster, Secret(SECRET), watch=False, role=folder_role)
+    loop = Loop(str(path), cluster, Secret(SECRET), watch=False, role=Alone())
     loop.pool = pool_for(loop.state, concurrency=64)
     pg_role = None
     if dsn is not None:
@@ -226,20 +225,18 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
     phases = phase_clock(loop, service)
     if pg_role is not None:
         pg_role.publish = clocked(phases, "state_write", pg_role.publish)  # type: ignore[method-assign]
+        loop.role = pg_role  # type: ignore[assignment]
     _memory("the cluster and the loop made")
     samples = []
-    pg_samples = []
     profiler: subprocess.Popen[bytes] | None = None
     try:
-        for i in range(intervals * (2 if pg_role else 1) + 1):
+        for i in range(intervals + 1):
             if i == 1 and os.environ.get("FLEET_SCALE_PROFILE"):  # a sampling profile of the measured intervals
                 profiler = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--format", "raw",
                                              "--rate", "50", "-o", os.environ["FLEET_SCALE_PROFILE"]])
                 await asyncio.sleep(1.0)
             received[0] = 0
             phases.clear()
-            in_pg = pg_role is not None and i % 2 == 0  # the warm-up (0) too: the row exists before it is measured
-            loop.role = pg_role if in_pg else folder_role  # type: ignore[assignment]
             c0, w0 = _cpu(), time.perf_counter()
             verdicts = await loop._tick_by_role()
             t = time.process_time()
@@ -249,7 +246,7 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
             assert verdicts is not None, loop._interval_error
             ok = sum(v.status == "ok" for v in verdicts.servers().values())
             if i:  # the first interval connects to every server and writes every user's files: a warm-up
-                (pg_samples if in_pg else samples).append((cpu, wall, received[0], len(metrics), ok, dict(phases)))
+                samples.append((cpu, wall, received[0], len(metrics), ok, dict(phases)))
             else:  # from now on the servers report each user where the controller assigned it
                 tell_assignments(loop, work / ASSIGNED, servers, users)
         # Work between intervals (timers, keepalives: the pool's idle connections send one after IDLE_KEEPALIVE_S,
@@ -274,19 +271,12 @@ async def measure(servers: int, users: int, intervals: int, work: Path, port: in
             pg_role.channel.close()
     ordinary = "s5"  # s0 and s1 are probers: they probe everyone (HEALTH-9)
     probes = len(agent_request(cluster, ordinary, "x", 1.0, interval=loop._tick_index)["probes"])  # type: ignore[arg-type]
-    big = loop._saved[1] >= service.BIG_STATE_BYTES
+    big = loop._saved[1] >= service.BIG_STATE_BYTES and pg_role is None  # with the database: saved every interval
     save = save_once * INTERVAL / service.BIG_STATE_EVERY if big else statistics.median(s[5].get("save", 0.0) for s in samples)
     cpu = statistics.median(s[0] - s[5].get("save", 0.0) for s in samples) + save + idle
     phases_cpu = {k: round(statistics.median(s[5].get(k, 0.0) for s in samples), 3) for k in samples[-1][5]}
     phases_cpu.update(save=round(save, 3), idle=round(idle, 3))
-    pg: dict[str, Any] = {}
-    if pg_samples:  # every interval saved and wrote its state: both counted as they were, nothing scaled
-        pg_cpu = statistics.median(s[0] for s in pg_samples) + idle
-        pg = {"pg_interval_cpu_s": round(pg_cpu, 3), "pg_interval_wall_s": round(statistics.median(s[1] for s in pg_samples), 3),
-              "pg_share_of_60s": round(pg_cpu / INTERVAL, 4), "pg_vs_folder": round(pg_cpu / cpu, 3),
-              "pg_phases_cpu_s": {k: round(statistics.median(s[5].get(k, 0.0) for s in pg_samples), 3)
-                                  for k in pg_samples[-1][5]}}
-    return pg | {"servers": servers, "users": users,
+    return {"servers": servers, "users": users, "state": "postgres" if pg_role is not None else "folder",
             "interval_cpu_s": round(cpu, 3),
             "interval_wall_s": round(wall, 3),
             "save_once_cpu_s": round(save_once, 3), "state_bytes": loop._saved[1],
@@ -393,10 +383,6 @@ def main() -> int:
                   f"({100 * r['share_of_60s']:.1f}% of 60 s), reports {r['report_bytes'] / 1e6:.1f} MB, "
                   f"{r['probes_per_server']} probes/server, peak {r['peak_rss_mb']:.0f} MB, files on {r['files_on']}\n    CPU-s by "
                   "step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases_cpu_s"].items()), flush=True)
-            if "pg_interval_cpu_s" in r:
-                print(f"    the state in PostgreSQL every interval: {r['pg_interval_cpu_s']:.2f} CPU-s "
-                      f"({100 * r['pg_share_of_60s']:.1f}% of 60 s, ×{r['pg_vs_folder']} the folder's)\n    CPU-s by step: "
-                      + ", ".join(f"{k} {v:.2f}" for k, v in r["pg_phases_cpu_s"].items()), flush=True)
     by = {(r["servers"], r["users"]): r for r in results}
     figures: dict[str, Any] = {"runs": results}
     for (n, u), r in by.items():
@@ -424,7 +410,7 @@ def run_case(servers: int, users: int, intervals: int, disk: bool = False, postg
     from reconciler.lab.processes import stop
     from tests.postgres import Postgres
 
-    pg = Postgres().start() if postgres else None
+    pg = Postgres() if postgres else None
 
     work, files_on = workspace(users, disk)
     host = asyncssh.generate_private_key("ssh-ed25519")
@@ -437,6 +423,8 @@ def run_case(servers: int, users: int, intervals: int, disk: bool = False, postg
     server = subprocess.Popen([sys.executable, __file__, "--serve", str(port_file), str(work / "host"),
                                str(work / "client.pub"), str(servers), str(users)])
     try:
+        if pg is not None:
+            pg.start()
         deadline = time.monotonic() + 120
         while not port_file.exists() or not port_file.read_text():
             if time.monotonic() > deadline or server.poll() is not None:

@@ -102,6 +102,9 @@ def _status(work: Path, name: str) -> dict[str, Any]:
         return {}
 
 
+KILLED: list[subprocess.Popen[bytes]] = []  # the leader this benchmark killed: its end is no failure
+
+
 def _wait(what: str, check: Any, timeout: float, procs: list[subprocess.Popen[bytes]]) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -109,8 +112,8 @@ def _wait(what: str, check: Any, timeout: float, procs: list[subprocess.Popen[by
         if got:
             return got
         for p in procs:
-            if p.poll() is not None and p.returncode != -signal.SIGKILL:
-                raise SystemExit(f"a controller ended ({p.returncode}) while waiting for {what}")
+            if p.poll() is not None and p not in KILLED:
+                raise SystemExit(f"a process ended ({p.returncode}) while waiting for {what}")
         time.sleep(0.2)
     raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what}")
 
@@ -219,9 +222,11 @@ def run(servers: int, users: int, interval: float, lease: float, rng: random.Ran
             written = _status(work, "a")["at"]
             _wait("the next interval", lambda: _status(work, "a")["at"] > written, 10 * interval, procs)
             time.sleep(rng.uniform(0.0, interval))
+            KILLED.append(leader)
             leader.send_signal(signal.SIGKILL)
             killed = time.time()
             leader.wait(30)
+            time.sleep(1.0)  # a commit the killed leader had already sent is through (or rolled back) by now
             setup_s = time.monotonic() - t0
             pointer_before, before = _row(db)  # the killed leader's last row (it can write no more)
             new = _wait("the standby to lead", lambda: (s := _status(work, "b")).get("leads") and s, 6 * lease + 4 * interval, procs)
@@ -257,6 +262,9 @@ def judge(before: Any, after: Any, pointer_before: dict[str, Any], pointer_after
         "period_bytes_before": int(sum(old.values())), "period_bytes_after": int(sum(new.values())),
         "evaluations_carried_on": evaluations_on, "setup_s": round(setup_s, 1),
     }
+    # docs/standby.md: a killed leader is replaced when its lease ends plus up to a quarter lease (and etcd's expiry
+    # check, up to half a second)
+    figures["within_documented_bound"] = leads_after <= 1.25 * lease + 0.5
     figures["targets_met"] = (leads_after <= 2 * lease and outside == 0 and evaluations_on
                               and figures["ticks_new_leader"] > figures["ticks_killed_row"]
                               and figures["fence_new"] > figures["fence_old"])
