@@ -169,7 +169,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     from reconciler.userdb import UserDatabase
-    from tests.postgres import BIN, Postgres
+    from tests.postgres import BIN, Postgres, users_in_database
 
     if BIN is None:
         print("needs Debian's postgresql package (`make setup` installs it)")
@@ -184,8 +184,7 @@ def main() -> int:
         imported = time.perf_counter() - t
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "cluster.yaml"
-            example = (ROOT / "cluster.example.yaml").read_text().split("\nusers:\n")[0] + "\n"
-            path.write_text(example.replace("settings:\n", "settings:\n  users: {source: postgres}\n", 1))
+            path.write_text(users_in_database((ROOT / "cluster.example.yaml").read_text()))
             os.environ["RECONCILER_DATABASE_URL"] = dsn
             figures = {"users": n, "import_s": round(imported, 2)}
             for kind in ("anchor", "load", "cluster"):

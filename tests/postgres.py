@@ -24,6 +24,12 @@ USER = "reconciler"
 DEADLINE = 30.0
 
 
+def users_in_database(text: str) -> str:
+    """A cluster file's text with its users moved out: no `users:` list, ``settings.users.source: postgres``."""
+    head = text.split("\nusers:\n")[0] + "\n"
+    return head.replace("settings:\n", "settings:\n  users: {source: postgres}\n", 1)
+
+
 class Postgres:
     def __init__(self) -> None:
         assert BIN is not None, "no PostgreSQL server binaries under /usr/lib/postgresql"

@@ -20,7 +20,7 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -462,6 +462,27 @@ def _checkout(tmp_path: Path, name: str, text: str) -> Path:
     return folder / "cluster.yaml"
 
 
+@contextlib.contextmanager
+def _controllers(tmp_path: Path, text: str, seconds: float) -> Iterator[Callable[[str], LoopProcess]]:
+    """Starts `reconciler run` on checkout ``name`` of the same file (``a``, ``b``; its log at tmp_path/NAME.log,
+    killed after ``seconds``); every process it started is stopped on the way out (SIGCONT first, if stopped)."""
+    files = {n: _checkout(tmp_path, n, text) for n in ("a", "b")}
+    procs: list[LoopProcess] = []
+
+    def start(name: str) -> LoopProcess:
+        p = LoopProcess(files[name], f"127.0.0.1:{free_port()}", seconds, log_path=tmp_path / f"{name}.log")
+        procs.append(p)
+        return p
+
+    try:
+        yield start
+    finally:
+        for p in procs:
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGCONT)
+            p.stop(signal.SIGKILL if p.proc.poll() is None else signal.SIGTERM, timeout=10)
+
+
 def _leader(proc: LoopProcess) -> dict[str, object]:
     st = proc.status()
     leader = st.get("leader")
@@ -477,19 +498,12 @@ def test_two_controllers_one_leads_a_killed_or_stopped_leader_is_replaced_and_co
         etcd, tmp_path, monkeypatch):
     monkeypatch.setenv("RECONCILER_SECRET", SECRET_TEXT)
     text = _cluster_text(etcd, f"procs-{os.getpid()}", free_port())
-    files = {n: _checkout(tmp_path, n, text) for n in ("a", "b")}
     token = user_token(SECRET, "alice")
-    procs: list[LoopProcess] = []
-
-    def start(name: str) -> LoopProcess:
-        p = LoopProcess(files[name], f"127.0.0.1:{free_port()}", 300, log_path=tmp_path / f"{name}.log")
-        procs.append(p)
-        return p
 
     def serves(p: LoopProcess) -> bool:
         return p.get(f"/sub/{token}/links")[0] == 200
 
-    try:
+    with _controllers(tmp_path, text, 300) as start:
         a = start("a")
         assert _wait(lambda: _leader(a).get("role") == "leader" and _leader(a)["state"]["ticks"] >= 2, 60), \
             (tmp_path / "a.log").read_text()[-3000:]
@@ -552,11 +566,6 @@ def test_two_controllers_one_leads_a_killed_or_stopped_leader_is_replaced_and_co
         print(f"takeover after SIGKILL {takeover:.2f}s, after SIGSTOP {takeover2:.2f}s, after SIGTERM {handover:.2f}s "
               f"(lease {LEASE}s)")
         assert b.stop() == 0
-    finally:
-        for p in procs:
-            if p.proc.poll() is None:
-                p.proc.send_signal(signal.SIGCONT)
-            p.stop(signal.SIGKILL if p.proc.poll() is None else signal.SIGTERM, timeout=10)
 
 
 # --------------------------------------------------------------------------- the learned numbers carried over

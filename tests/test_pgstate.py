@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 
 from reconciler.config import load_cluster
 from reconciler.credentials import Secret, user_token
-from reconciler.lab.demo import LoopProcess, free_port
+from reconciler.lab.demo import free_port
 from reconciler.loop.leader import Etcd
 from reconciler.loop.pgstate import PgStateChannel
 from reconciler.loop.role import Elected
@@ -25,7 +24,7 @@ from reconciler.loop.service import Loop
 from reconciler.ssh.fake import FakeRunner
 from reconciler.userdb import UserDatabase
 from tests.fake_agents import install_agent
-from tests.postgres import BIN, Postgres
+from tests.postgres import BIN, Postgres, users_in_database
 from tests.test_leader import (
     ETCD,
     LEASE,
@@ -33,14 +32,17 @@ from tests.test_leader import (
     SECRET_TEXT,
     _assert_continued,
     _capture_publishes,
-    _checkout,
     _cluster_text,
+    _controllers,
     _end,
     _leader,
     _network_cut,
     _wait,
     counting_agent,
     running_etcd,
+)
+from tests.test_leader import (
+    _loop_file as leader_loop_file,
 )
 
 pytestmark = pytest.mark.skipif(BIN is None or ETCD is None, reason="needs Debian's postgresql and etcd-server "
@@ -98,16 +100,10 @@ def test_the_channel_writes_under_the_fence_and_reads_only_what_the_secret_signe
 
 
 def _loop_file(folder: Path, etcd: str, prefix_name: str) -> tuple[str, int]:
-    folder.mkdir()
-    port, ops = free_port(), free_port()
-    path = folder / "cluster.yaml"
-    path.write_text(f'settings:\n  self_heal: false\n  outputs: {{listen: "127.0.0.1:{port}", operations_listen: "127.0.0.1:{ops}"}}\n'
-                    f"  health: {{report_interval: 1s}}\n  leader: {{etcd: [\"{etcd}\"], lease: {LEASE}s, name: {prefix_name}}}\n"
-                    "  users: {source: postgres}\n"
-                    "servers:\n"
-                    "  - {name: a, host: 198.18.0.10, country: DE, inbounds: [{id: a-in, name: A, protocol: shadowsocks-2022, port: 8388}]}\n"
-                    "  - {name: b, host: 198.18.0.11, country: DE, inbounds: [{id: b-in, name: B, protocol: shadowsocks-2022, port: 8388}]}\n")
-    return str(path), port
+    """tests/test_leader.py's controller file, its users in the database."""
+    path, port, _ = leader_loop_file(folder.parent, folder.name, etcd, prefix_name)
+    Path(path).write_text(users_in_database(Path(path).read_text()))
+    return path, port
 
 
 def test_a_standby_takes_over_from_the_state_in_postgres_with_every_counter(db, servers, tmp_path):
@@ -149,17 +145,9 @@ def test_a_sigkilled_leader_is_replaced_and_the_standby_goes_on_from_the_row(db,
     with psycopg.connect(db.dsn, autocommit=True) as conn:
         conn.execute("INSERT INTO reconciler_users (name) VALUES ('alice')")
     name = f"pgprocs-{os.getpid()}"
-    text = _cluster_text(etcd, name, free_port()).split("users:\n")[0].replace("settings:\n", "settings:\n  users: {source: postgres}\n", 1)
-    files = {n: _checkout(tmp_path, n, text) for n in ("a", "b")}
+    text = users_in_database(_cluster_text(etcd, name, free_port()))
     token = user_token(SECRET, "alice")
-    procs: list[LoopProcess] = []
-
-    def start(n: str) -> LoopProcess:
-        p = LoopProcess(files[n], f"127.0.0.1:{free_port()}", 120, log_path=tmp_path / f"{n}.log")
-        procs.append(p)
-        return p
-
-    try:
+    with _controllers(tmp_path, text, 120) as start:
         a = start("a")
         assert _wait(lambda: _leader(a).get("role") == "leader" and (_leader(a)["state"]["ticks"] or 0) >= 2
                      and _leader(a)["state"]["generation"], 60), (tmp_path / "a.log").read_text()[-3000:]
@@ -185,9 +173,6 @@ def test_a_sigkilled_leader_is_replaced_and_the_standby_goes_on_from_the_row(db,
         assert row is not None and row[1] == st["identity"] and int(row[0]) == int(st["fence"])
         assert "leading from interval" in (tmp_path / "b.log").read_text()
         assert b.stop() == 0
-    finally:
-        for p in procs:
-            p.stop(signal.SIGKILL if p.proc.poll() is None else signal.SIGTERM, timeout=10)
 
 
 def test_a_lone_controller_writes_its_state_every_interval_and_a_restart_goes_on_from_it(db, tmp_path):
@@ -199,7 +184,7 @@ def test_a_lone_controller_writes_its_state_every_interval_and_a_restart_goes_on
     with psycopg.connect(db.dsn, autocommit=True) as conn:
         conn.execute("INSERT INTO reconciler_users (name) VALUES ('alice')")
     path, _, runner = shadowsocks_fleet(tmp_path, "ab")
-    text = path.read_text().split("users:\n")[0].replace("settings:\n", "settings:\n  users: {source: postgres}\n", 1)
+    text = users_in_database(path.read_text())
     path.write_text(text.replace("report_interval: 60s", "report_interval: 1s"))
     for name in "ab":
         install_agent(runner, name, HEALTHY)

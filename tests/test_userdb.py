@@ -22,7 +22,7 @@ from reconciler.loop.service import Loop
 from reconciler.userdb import SCHEMA_VERSION, UserDatabase
 from tests.conftest import example_text
 from tests.fake_agents import HEALTHY, install_agent, shadowsocks_fleet
-from tests.postgres import BIN, Postgres
+from tests.postgres import BIN, Postgres, users_in_database
 
 PASSWORD = "pw-never-shown-7f3a"
 SECRET = Secret(b"userdb-test-secret-0123456789abcdef")
@@ -54,9 +54,9 @@ def pg(server: Postgres, monkeypatch: pytest.MonkeyPatch) -> Postgres:
 
 def from_database(text: str) -> str:
     """The same file with its users moved out: no `users:` list, the source set to postgres."""
-    head = text.split("\nusers:\n")[0] + "\n"
+    head = users_in_database(text)
     assert "name: alice" not in head
-    return head.replace("settings:\n", "settings:\n  users: {source: postgres}\n", 1)
+    return head
 
 
 def sql(pg: Postgres, statement: str, *params: object) -> None:
