@@ -20,7 +20,8 @@ import pytest
 from reconciler.cli.commands import COMMANDS
 from reconciler.credentials import Secret
 from reconciler.lab.demo import free_port
-from reconciler.loop.http import STARTING_RETRY_AFTER, HttpOutlet
+from reconciler.loop.http import HttpOutlet
+from reconciler.loop.public import STARTING_RETRY_AFTER
 from reconciler.publish import LiveAnswers, Tokens
 from tests.conftest import EXAMPLE, example_text
 

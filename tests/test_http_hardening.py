@@ -80,13 +80,16 @@ def test_if_none_match_follows_rfc_9110(header, match):
     assert none_match(header, '"abc"') is match
 
 
-def test_slow_headers_and_idle_connections_are_closed_and_the_cap_holds():
+@pytest.mark.parametrize("public_alone", [False, True], ids=["aiohttp", "fast"])
+def test_slow_headers_and_idle_connections_are_closed_and_the_cap_holds(public_alone):
+    # public_alone: the public listener on its own address runs on reconciler.loop.fastlistener, with the same guards
     http, token = outlet()
     port = free_port()
     limits = Limits(max_connections=8, header_timeout=1.0)
 
     async def go() -> tuple[int, int, int]:
-        await http.start("127.0.0.1", port, limits=limits)
+        await http.start("127.0.0.1", port, limits=limits,
+                         operations=("127.0.0.1", free_port()) if public_alone else None)
         try:
             # A slowloris: headers never finished. And an idle keep-alive connection after one request.
             slow = await asyncio.open_connection("127.0.0.1", port)

@@ -1,18 +1,8 @@
-"""The loop's HTTP outlet (aiohttp, in the loop's own event loop).
+"""The loop's HTTP outlet (aiohttp, in the loop's own event loop, and the public listener).
 
-- ``GET|HEAD /sub/<token>[/<format>]`` (or ``?format=``): the user's subscription
-  from the current snapshot — the same ``render`` as the files, cached per
-  snapshot — with the headers clients read and an ETag (``If-None-Match`` → 304).
-  Unknown tokens get 404 and nothing else, but before the first snapshot every token gets
-  503 with ``Retry-After`` (an app may take a 404 for a deleted subscription); no answer
-  names the server (no ``Server`` header). A disabled or expired user gets 403 with
-  a one-line reason (the renderer's refusal), never a profile. A browser (no format
-  asked for, HTML preferred, a browser's User-Agent: ``subscriptions.page.wants_page``)
-  gets the subscription page instead, in the language of ``?lang=`` or ``Accept-Language``,
-  its URLs under ``public_url`` or else the request's own scheme and Host (a trusted
-  proxy's ``X-Forwarded-Proto``/``-Host`` believed).
-- ``/healthz``: 200 while the loop ticks on time, 503 otherwise (the operations
-  listener says why; the public one only whether).
+The public listener (``settings.outputs.listen``) answers what ``reconciler.loop.public`` decides: subscriptions
+(``/sub/<token>[/<format>]``) and a bare ``/healthz``. It runs on ``reconciler.loop.fastlistener`` (a compiled HTTP
+parser and answers kept as encoded bytes); on aiohttp only when it shares its address with the operations pages.
 
 Those two are all the public listener (``settings.outputs.listen``) serves. The
 operations pages live on their own listener (``settings.outputs.operations_listen``,
@@ -35,7 +25,6 @@ requests logged once per client per minute.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import time
 from collections.abc import Callable
@@ -46,18 +35,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from reconciler.console import answer, is_console
 from reconciler.fleet.view import FleetView
-from reconciler.loop.client_address import Network, client_address
-from reconciler.loop.listener import Credential, Handler, Limits, Listener
+from reconciler.loop.client_address import Network
+from reconciler.loop.fastlistener import FastListener
+from reconciler.loop.listener import Credential, Guards, Handler, Limits, Listener
+from reconciler.loop.public import PublicSide, none_match
 from reconciler.publish import LiveAnswers
-from reconciler.subscriptions import FORMATS, choose_format
-from reconciler.subscriptions.page import choose_language, page_headers, render_page, wants_page
-from reconciler.subscriptions.urls import request_base
 
-#: Seconds an app is asked to wait (``Retry-After``) while the endpoint starts, before its first snapshot: the first
-#: interval, which a start runs at once, takes a few seconds even for a million users.
-STARTING_RETRY_AFTER = 10
-_FORMAT_ALIASES = {"links.txt": "links", "sing-box.json": "sing-box", "clash.yaml": "clash", "singbox": "sing-box",
-                   "mihomo": "clash", "base64": "links"}
+__all__ = ["HttpOutlet", "none_match", "status_document"]
 
 
 class HttpOutlet:
@@ -65,31 +49,41 @@ class HttpOutlet:
                  health: Callable[[], tuple[bool, str]], region_of: Callable[[str], str | None] | None = None,
                  trusted_proxies: tuple[Network, ...] = ()):
         self.answers = answers
-        self.trusted_proxies = trusted_proxies  # STEER-4: only their forwarding headers are believed
+        self.side = PublicSide(answers, health, region_of, trusted_proxies)
         self.registry = registry
         self.view = view
         self.health = health
-        self.region_of = region_of
         # aiohttp's low-level server with a dispatch of our own: a few fixed paths do not need the router
-        # and middleware machinery, and skipping it serves ~25% more subscription requests per core.
+        # and middleware machinery, and skipping it serves ~25% more requests per core.
         self._pages = {"/healthz": self.healthz, "/metrics": self.metrics, "/status.json": self.status_json}
         self.credential: Credential | None = None
-        self.listeners: list[Listener] = []
+        self.listeners: list[Guards] = []
+
+    @property
+    def trusted_proxies(self) -> tuple[Network, ...]:
+        return self.side.trusted_proxies
+
+    @trusted_proxies.setter
+    def trusted_proxies(self, value: tuple[Network, ...]) -> None:  # STEER-4: only their forwarding headers are believed
+        self.side.trusted_proxies = value
+
+    @property
+    def region_of(self) -> Callable[[str], str | None] | None:
+        return self.side.region_of
+
+    @region_of.setter
+    def region_of(self, value: Callable[[str], str | None] | None) -> None:
+        self.side.region_of = value
 
     async def public(self, request: web.BaseRequest) -> web.StreamResponse:
-        """The public listener: subscriptions and a bare health answer, nothing else."""
-        if request.method not in ("GET", "HEAD"):
-            raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
-        path = request.path
-        if path.startswith("/sub/"):
-            token, _, fmt = path[5:].partition("/")
-            if not token or "/" in fmt:
-                raise web.HTTPNotFound(text="not found\n")
-            return await self.sub(request, token, fmt or None)
-        if path == "/healthz":
-            ok, _ = self.health()
-            return web.Response(status=200 if ok else 503, text="ok\n" if ok else "unhealthy\n")
-        raise web.HTTPNotFound(text="not found\n")
+        """The public side on aiohttp (a listener shared with the operations pages): what ``PublicSide`` says."""
+        reply = self.side.answer(request.method, request.path, request.query, request.headers, request.remote or "",
+                                 request.secure)
+        return web.Response(status=reply.status, body=reply.body, headers=reply.headers)
+
+    def fast_public(self, limits: Limits | None = None) -> FastListener:
+        """The public listener on its own: the compiled parser, answers kept as bytes."""
+        return FastListener("public", self.side, limits, trusted_proxies=lambda: self.trusted_proxies)
 
     async def operations(self, request: web.BaseRequest) -> web.StreamResponse:
         """The operations listener: health with reasons, metrics, status.json, the console; behind the credential if one is set."""
@@ -120,19 +114,21 @@ class HttpOutlet:
         def guarded(name: str, handle: Handler) -> Listener:
             return Listener(name, handle, limits, trusted_proxies=lambda: self.trusted_proxies)  # as reloads set them
 
+        listeners: list[Guards]
         if not public:
             if operations is None or operations == (host, port):
                 raise ValueError("the operations listener needs an address of its own when workers answer the public one")
-            self.listeners = [guarded("operations", self.operations)]
+            listeners = [guarded("operations", self.operations)]
             addresses = [operations]
         elif operations is None or operations == (host, port):
-            self.listeners = [guarded("http", self.both)]
+            listeners = [guarded("http", self.both)]
             addresses = [(host, port)]
         else:
-            self.listeners = [guarded("public", self.public), guarded("operations", self.operations)]
+            listeners = [self.fast_public(limits), guarded("operations", self.operations)]
             addresses = [(host, port), operations]
+        self.listeners = listeners
         try:
-            for listener, (h, p) in zip(self.listeners, addresses, strict=True):
+            for listener, (h, p) in zip(listeners, addresses, strict=True):
                 await listener.start(h, p)
         except BaseException:
             await self.stop()
@@ -142,57 +138,6 @@ class HttpOutlet:
         for listener in self.listeners:
             await listener.stop()
         self.listeners = []
-
-    # ------------------------------------------------------------------ subscriptions
-
-    async def sub(self, request: web.BaseRequest, token: str, fmt_in_path: str | None) -> web.StreamResponse:
-        if self.answers.snapshot is None:  # just started: no token is known yet, and an app may take a 404 for a
-            raise web.HTTPServiceUnavailable(text="starting; try again shortly\n",  # deleted subscription
-                                             headers={"Retry-After": str(STARTING_RETRY_AFTER)})
-        user = self.answers.user_of(token)
-        if user is None:
-            raise web.HTTPNotFound(text="not found\n")
-        requested = fmt_in_path or request.query.get("format")
-        requested = _FORMAT_ALIASES.get(requested, requested) if requested else None
-        if wants_page(request.headers.get("Accept"), request.headers.get("User-Agent"), requested):
-            return self.page(request, token, user)
-        try:
-            fmt = choose_format(requested, request.headers.get("User-Agent"))
-        except ValueError:
-            raise web.HTTPNotFound(text=f"unknown format; use one of {', '.join(FORMATS)}\n") from None
-        region = None
-        if self.region_of:
-            region = self.region_of(client_address(request.remote or "", request.headers, self.trusted_proxies))
-        doc = self.answers.answer(user, fmt, region)
-        if doc.refused:  # a disabled or expired user: the renderer's status and its one line, never a 304
-            response = web.Response(status=doc.status, body=doc.body, headers=doc.headers)
-        elif none_match(request.headers.get("If-None-Match"), doc.etag):
-            response = web.Response(status=304, headers={"etag": doc.etag})
-        else:
-            response = web.Response(body=doc.body, headers=doc.headers)
-        if requested is None:  # the same URL gives a browser the page: caches must tell them apart
-            response.headers["Vary"] = "Accept, User-Agent"
-        return response
-
-    def page(self, request: web.BaseRequest, token: str, user: str) -> web.Response:
-        """The subscription page a browser gets (HEAD: its headers); its URLs under ``public_url``, else under
-        the scheme and Host the request came with (a trusted proxy's forwarding headers believed)."""
-        snapshot = self.answers.snapshot
-        assert snapshot is not None  # user_of found the token in it
-        scheme, host = ("https" if request.secure else "http"), request.headers.get("Host")
-        try:
-            proxied = any(ipaddress.ip_address(request.remote or "") in net for net in self.trusted_proxies)
-        except ValueError:
-            proxied = False
-        if proxied:
-            scheme = request.headers.get("X-Forwarded-Proto", scheme).split(",")[0].strip().lower()
-            host = request.headers.get("X-Forwarded-Host", host or "").split(",")[0].strip() or host
-        base = request_base(snapshot.cluster.settings.outputs.public_url, scheme, host)
-        if base is None:
-            raise web.HTTPBadRequest(text="bad Host header\n")
-        lang = choose_language(request.headers.get("Accept-Language"), request.query.get("lang"))
-        gaps = self.answers.left_out(user)
-        return web.Response(body=render_page(snapshot, user, token, base, lang, gaps), headers=page_headers(lang))
 
     # ------------------------------------------------------------------ operations
 
@@ -213,17 +158,6 @@ class HttpOutlet:
         page = answer(request.path, request.query, request.headers.get("Accept-Language"), self.view(), time.time(),
                       lambda user, rotate: self.answers.tokens.token(user, rotate))
         return web.Response(status=page.status, body=page.body, headers=page.headers)
-
-
-def none_match(header: str | None, etag: str) -> bool:
-    """``If-None-Match`` by RFC 9110 §13.1.2: ``*`` matches, else any listed tag by weak comparison
-    (``W/"x"`` and ``"x"`` are the same tag)."""
-    if not header:
-        return False
-    if header.strip() == "*":
-        return True
-    ours = etag.removeprefix("W/")
-    return any(tag.strip().removeprefix("W/") == ours for tag in header.split(","))
 
 
 def status_document(view: FleetView | None) -> dict[str, Any]:

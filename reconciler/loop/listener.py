@@ -1,4 +1,6 @@
-"""An HTTP listener that survives the internet (aiohttp's low-level server with guards).
+"""An HTTP listener that survives the internet: the guards (``Guards``) every listener of ours keeps, and the
+aiohttp listener (``Listener``: aiohttp's low-level server) the operations pages use. The public listener on
+its own is ``reconciler.loop.fastlistener``, with the same guards.
 
 - **A connection cap**: past ``max_connections`` open connections a new one is closed at once
   (counted), so a flood cannot exhaust file descriptors that real clients need.
@@ -96,54 +98,41 @@ class _Connection:
         self.client = client  # whose it is, for the cap per client (None: not capped so)
 
 
-class Listener:
-    """One listening socket: ``handle`` answers every request that arrives within the limits."""
+class Guards:
+    """A listener's guards and counters, whatever speaks HTTP on it: the caps (``admit``/``release``), the sweep of
+    slow and idle connections, the quiet log of malformed requests. ``open`` maps each open connection (its
+    protocol object, which has a ``transport``) to its bookkeeping."""
 
-    def __init__(self, name: str, handle: Handler, limits: Limits | None = None,
+    def __init__(self, name: str, limits: Limits | None = None,
                  trusted_proxies: Callable[[], tuple[Network, ...]] | None = None):
         self.name = name
-        self.handle = handle
         self.limits = limits or Limits()
         # Asked at each connection (a reload may change them). None: who is a proxy is not known here, so no cap per
         # client (it would cap a proxy's clients together); the cap on all connections holds.
         self.trusted_proxies = trusted_proxies
-        self.open: dict[RequestHandler, _Connection] = {}
+        self.open: dict[Any, _Connection] = {}
         self.by_client: dict[str, int] = {}  # open connections per client (connection_key)
         self.refused = 0  # connections closed at once: over a cap
         self.timed_out = 0  # connections closed for slow headers or idleness
-        self.served = 0  # requests handed to ``handle``
+        self.served = 0  # requests answered
         self._logged: dict[str, float] = {}
-        self._runner: web.ServerRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self, host: str, port: int, reuse_port: bool = False) -> None:
         """Listen on (host, port); ``reuse_port``: share the port with other processes of ours that listen on it
         with the same option (SO_REUSEPORT: the kernel spreads new connections among them)."""
-        server = _Server(self, self._dispatch, access_log=None, keepalive_timeout=self.limits.header_timeout)
-        self._runner = web.ServerRunner(server, handle_signals=False)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, host, port, reuse_address=True, reuse_port=reuse_port or None).start()
-        self._sweeper = asyncio.create_task(self._sweep(), name=f"{self.name}-sweeper")
+        raise NotImplementedError
 
     async def stop(self) -> None:
+        raise NotImplementedError
+
+    def _start_sweeper(self) -> None:
+        self._sweeper = asyncio.create_task(self._sweep(), name=f"{self.name}-sweeper")
+
+    def _stop_sweeper(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
-        self.served += 1
-        conn = self.open.get(request.protocol)
-        if conn is not None:
-            conn.busy += 1
-        try:
-            return await self.handle(request)
-        finally:
-            if conn is not None:
-                conn.busy -= 1
-                conn.since = time.monotonic()
 
     async def _sweep(self) -> None:
         while True:
@@ -154,7 +143,7 @@ class Listener:
                     self.timed_out += 1
                     proto.transport.close()
 
-    def admit(self, proto: RequestHandler, transport: asyncio.BaseTransport) -> bool:
+    def admit(self, proto: object, transport: asyncio.BaseTransport) -> bool:
         """Whether a new connection fits under both caps (then it is counted open), else it is counted refused."""
         client = None
         if self.trusted_proxies is not None:
@@ -170,7 +159,7 @@ class Listener:
         self.open[proto] = _Connection(client)
         return True
 
-    def release(self, proto: RequestHandler) -> None:
+    def release(self, proto: object) -> None:
         conn = self.open.pop(proto, None)
         if conn is not None and conn.client is not None:
             left = self.by_client.pop(conn.client, 1) - 1
@@ -190,6 +179,41 @@ class Listener:
             else:
                 log.warning("%s listener: malformed request from %s: %s (more from this client are not logged for %ds)",
                             self.name, peer, what[:200], int(self.limits.log_every))
+
+
+class Listener(Guards):
+    """One listening socket served by aiohttp: ``handle`` answers every request that arrives within the limits."""
+
+    def __init__(self, name: str, handle: Handler, limits: Limits | None = None,
+                 trusted_proxies: Callable[[], tuple[Network, ...]] | None = None):
+        super().__init__(name, limits, trusted_proxies)
+        self.handle = handle
+        self._runner: web.ServerRunner | None = None
+
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> None:
+        server = _Server(self, self._dispatch, access_log=None, keepalive_timeout=self.limits.header_timeout)
+        self._runner = web.ServerRunner(server, handle_signals=False)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port, reuse_address=True, reuse_port=reuse_port or None).start()
+        self._start_sweeper()
+
+    async def stop(self) -> None:
+        self._stop_sweeper()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
+        self.served += 1
+        conn = self.open.get(request.protocol)
+        if conn is not None:
+            conn.busy += 1
+        try:
+            return await self.handle(request)
+        finally:
+            if conn is not None:
+                conn.busy -= 1
+                conn.since = time.monotonic()
 
 
 class _Handler(RequestHandler):

@@ -4,8 +4,8 @@ With ``settings.outputs.workers`` above 1 the loop's process keeps collection, t
 operations listener, and ``LiveWorkers`` starts that many worker processes that answer the public
 listener (``/sub/<token>``, ``/healthz``) — each binds ``listen`` with SO_REUSEPORT, so the kernel
 spreads new connections among them, and each runs the same guarded listener
-(``reconciler.loop.listener``) and the same handler (``HttpOutlet.public``) over its own
-``LiveAnswers`` as the single-process outlet does.
+(``reconciler.loop.fastlistener``) answering what ``reconciler.loop.public`` decides over its own
+``LiveAnswers``, as the single-process outlet does.
 
 - **Started clean**: the ``spawn`` context (a fresh interpreter), never a fork of a process with
   a running event loop and threads. The master secret goes over the worker's pipe as its first
@@ -52,7 +52,7 @@ from reconciler.backoff import Backoff
 from reconciler.balance import Snapshot, decide
 from reconciler.credentials import Secret
 from reconciler.errors import MacMismatch, WorkerStartError
-from reconciler.loop.listener import Limits, Listener
+from reconciler.loop.listener import Guards, Limits
 from reconciler.publish import LiveAnswers, Tokens
 from reconciler.state.files import make_private_dirs, sealed, unsealed, write_atomic
 from reconciler.text import PrintableFormatter
@@ -457,7 +457,7 @@ class _Serving:
         self.limits = limits
         self.answers = LiveAnswers(secret, Tokens(secret))
         self.outlet = HttpOutlet(self.answers, CollectorRegistry(), lambda: None, self.health)
-        self.listener: Listener | None = None
+        self.listener: Guards | None = None
         self.generation = 0
         self.cluster: Any = None
         self.cluster_generation = 0
@@ -488,8 +488,7 @@ class _Serving:
                 log.exception("cannot load the snapshot")
                 self.conn.send(("error", 0, f"live worker {self.slot} cannot load the snapshot: {type(exc).__name__}: {exc}"))
                 return 4
-        self.listener = Listener("public", self.outlet.public, self.limits,
-                                 trusted_proxies=lambda: self.outlet.trusted_proxies)  # the per-client cap: as the loop's
+        self.listener = self.outlet.fast_public(self.limits)  # the per-client cap: as the loop's
         try:
             await self.listener.start(host, port, reuse_port=True)
         except OSError as exc:

@@ -38,6 +38,11 @@ class LiveAnswers:
             thaw_and_collect()
         freeze_survivors(collect_young=False)
 
+    @property
+    def published(self) -> int:
+        """How many snapshots this cache has been given (a listener's kept answers are good for one)."""
+        return self._published
+
     def user_of(self, token: str) -> str | None:
         if self.snapshot is None:
             return None
