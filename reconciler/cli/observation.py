@@ -32,6 +32,7 @@ def observe_servers(path: str, keep: list[str], strict: bool, only: list[str],
     connections after (apply; due ACME certificates are ordered first). First contacts: warned or refused."""
     from reconciler.apply.session import certificates, first_contact_warnings, pool_for
     from reconciler.plan.observe import observe
+    from reconciler.plan.stamp import FactsCache
     from reconciler.ssh import KnownHosts
 
     cluster = servable(path)
@@ -48,9 +49,12 @@ def observe_servers(path: str, keep: list[str], strict: bool, only: list[str],
             managed = {n: v for n, v in state.managed().items() if n not in keep}  # GITOPS-7: what left is removed
             # Users over quota stay out: what the loop measured, from the same state folder.
             usage = state.load_learned(cluster).ledger.view(cluster, time.time())
+            kept = FactsCache(state.observed())  # a server as it was last time answers in one short shell session
             observed = await observe(cluster, secret, pool, str(base_dir(path)), True, managed, strict_host_keys=known,
                                      only=(lambda name: any(fnmatch(name, g) for g in only)) if only else None,
-                                     usage=usage)
+                                     usage=usage, facts_cache=kept)
+            if kept.changed:
+                state.remember_observed(kept.entries)
             return observed, (await then(cluster, observed, pool, state) if then is not None else None)
 
     try:

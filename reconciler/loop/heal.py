@@ -24,6 +24,7 @@ from reconciler.model import Cluster
 from reconciler.model.usage import UsageView
 from reconciler.plan.lock import Fence
 from reconciler.plan.observe import Observed, observe
+from reconciler.plan.stamp import FactsCache
 from reconciler.ssh import Runner
 from reconciler.state.folder import StateFolder
 
@@ -43,6 +44,8 @@ class Healer:
         self.acme_backoff: Streaks[str] = Streaks(CERTIFICATE_BACKOFF)  # failed orders wait longer each time
         self._busy = asyncio.Lock()  # one plan/apply at a time
         self._applying: asyncio.Future[list[ServerResult]] | None = None
+        # Each server's last facts and stamp: a converged server's drift check is one short shell session.
+        self.facts_cache = FactsCache()
 
     def applied(self) -> frozenset[str]:
         """The servers whose last plan found nothing to apply."""
@@ -82,7 +85,8 @@ class Healer:
                     log.warning("no certificate for inbound %s: %s", inbound, why)
             # GITOPS-7: a server that left the file is removed like in `apply` (`retired:` keeps one)
             managed = await asyncio.to_thread(self.state.managed) if cluster.settings.self_heal else {}
-            observed = await observe(cluster, self.secret, runner, self.base_dir, True, managed, usage=usage())
+            observed = await observe(cluster, self.secret, runner, self.base_dir, True, managed, usage=usage(),
+                                     facts_cache=self.facts_cache)
         except Exception:  # logged with traceback; the next plan tries again
             log.exception("plan failed")
             self.stats.record("plan", False, self.clock.monotonic() - started, self.clock.time())

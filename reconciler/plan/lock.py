@@ -38,7 +38,7 @@ from reconciler.errors import FenceRefused as FenceRefused  # raised here; calle
 from reconciler.errors import LockHeld, RemoteError
 from reconciler.plan.facts import parse_lock
 from reconciler.ssh import Result, Runner, Script, Target
-from reconciler.ssh.runner import answer
+from reconciler.ssh.runner import Unless, answer
 
 LOCK_DIR = "/run/reconciler.lock"
 LOCK_FILE = f"{LOCK_DIR}/holder"
@@ -170,8 +170,9 @@ class Deferred:
         self.is_taken.set()
 
     async def script(self, target: Target, script: Script, request: Mapping[str, Any], *, input: bytes | None = None,
-                     timeout: float = 120.0, detach: bool = False, fresh: bool = False) -> Result:
-        if self.pending and target == self.target:
+                     timeout: float = 120.0, detach: bool = False, fresh: bool = False,
+                     unless: Unless | None = None) -> Result:
+        if self.pending and target == self.target and unless is None:
             if script.stdin or detach or fresh:
                 await self._take_alone()
             else:
@@ -194,7 +195,8 @@ class Deferred:
                 self.is_taken.set()
                 if got["ok"]:  # the script ran under it: its answer follows the lock's
                     return Result(res.code, "\n".join(lines[1:]), res.stderr)
-        return await self.runner.script(target, script, request, input=input, timeout=timeout, detach=detach, fresh=fresh)
+        return await self.runner.script(target, script, request, input=input, timeout=timeout, detach=detach, fresh=fresh,
+                                        unless=unless)
 
     async def run(self, target: Target, command: str, check: bool = True, timeout: float = 120.0,
                   input: str | bytes | None = None) -> Result:

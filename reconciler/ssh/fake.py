@@ -17,6 +17,7 @@ Raw commands (``run``) are refused: every action of plan and apply is a named sc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from reconciler.errors import ConnectError, RemoteCommandError, SessionLost
-from reconciler.ssh.runner import Script
+from reconciler.ssh.runner import END_STAMP, SAME, Script, Unless
 from reconciler.ssh.types import Result, Target
 
 TOOLS = Path(__file__).with_name("fake_tools.py")
@@ -136,11 +137,21 @@ class FakeRunner:
         return [name for s, name, _ in self.calls if s == server]
 
     async def script(self, target: Target, script: Script, request: Mapping[str, Any], *, input: bytes | None = None,
-                     timeout: float = 120.0, detach: bool = False, fresh: bool = False) -> Result:
+                     timeout: float = 120.0, detach: bool = False, fresh: bool = False,
+                     unless: Unless | None = None) -> Result:
         host = self.host(target.name)
         if not host.reachable or (fresh and not host.new_connections):
             raise ConnectError(f"{target.name} ({target.host}:{target.port}): cannot connect: fake host unreachable",
                                target.name)
+        if unless is not None:
+            # No shell here: the fake's stamp is every file under the host's root (its service state included), so
+            # any change at all runs the script; a real server's is the narrower ``unless.command``.
+            stamp = _tree_stamp(host.root)
+            if stamp == unless.expected:
+                self.calls.append((target.name, script.name + ":same", dict(request)))
+                return Result(0, SAME + "\n", "")
+            res = await self.script(target, script, request, input=input, timeout=timeout, detach=detach, fresh=fresh)
+            return Result(res.code, f"{stamp}\n{END_STAMP}\n{res.stdout}", res.stderr)
         self.calls.append((target.name, script.name, dict(request)))
         text, stdin = script.prepare({**request, "root": str(host.root)})
         data = input if input is not None else (stdin.encode() if stdin is not None else b"")
@@ -189,3 +200,14 @@ class FakeRunner:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _tree_stamp(root: Path) -> str:
+    lines = []
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(files):
+            with contextlib.suppress(OSError):
+                st = os.stat(os.path.join(folder, name))
+                lines.append(f"{os.path.join(folder, name)} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}")
+    return "\n".join(lines)

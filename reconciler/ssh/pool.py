@@ -24,6 +24,7 @@ import asyncssh
 from reconciler.backoff import Backoff
 from reconciler.errors import ConnectError, HostKeyChanged, RemoteCommandError, RemoteError, SessionLost
 from reconciler.safe_read import read_regular_file
+from reconciler.ssh.runner import END_STAMP, SAME, Unless
 from reconciler.ssh.types import Result, Target
 from reconciler.state.files import write_atomic
 
@@ -261,7 +262,8 @@ class SSHPool:
         return res
 
     async def script(self, target: Target, script: Script, request: Mapping[str, Any], *, input: bytes | None = None,
-                     timeout: float = 120.0, detach: bool = False, fresh: bool = False) -> Result:
+                     timeout: float = 120.0, detach: bool = False, fresh: bool = False,
+                     unless: Unless | None = None) -> Result:
         """``Runner.script``: ``python3 -I -S -c <text>`` on the server (see ``reconciler.ssh.runner``)."""
         text, stdin = script.prepare(request)
         if input is not None:
@@ -273,6 +275,9 @@ class SSHPool:
             command = f"setsid -w {command}"
         if detach:  # detached stdio too: else SSH waits for the script to end
             command = f"setsid -f {command} < /dev/null > /dev/null 2>&1"
+        if unless is not None:  # the stamp first, in the same session: the script runs only when it changed
+            command = (f"s=$({unless.command}); if [ \"$s\" = {shlex.quote(unless.expected)} ]; then echo {SAME}; "
+                       f"else printf '%s\\n{END_STAMP}\\n' \"$s\"; {command}; fi")
         data = input if input is not None else stdin
         if not fresh:
             res = await self.run(target, command, check=False, timeout=timeout, input=data)

@@ -13,6 +13,10 @@ How a request reaches a script (``Script.delivery``):
   a script starts without importing json (the facts script runs at every observation);
 - on stdin as JSON (``stdin=True``): requests too large for a command line (the commit carries files).
 
+A script may be run ``unless`` the server still looks as it did (``Unless``): a shell command prints the server's
+stamp (what the script's answer depends on, cheaply: ``stat`` of files, the unit's processes); when it equals the
+stamp the controller last saw, the answer is ``=same`` and the script does not run, in the same session either way.
+
 Errors (``reconciler.errors``): ``ConnectError`` when the server cannot be reached or the connection
 drops, ``HostKeyChanged``, ``RemoteCommandError`` when a script exits non-zero.
 """
@@ -53,16 +57,38 @@ class Script:
         return self.source.replace(REQUEST_LINE + "\n", f"REQUEST: Any = {dict(request)!r}\n", 1), None
 
 
+SAME = "=same"
+END_STAMP = "=end-stamp"
+
+
+@dataclass(frozen=True)
+class Unless:
+    """Run a script unless ``command`` (POSIX shell) prints ``expected``. The answer is then ``SAME`` alone;
+    otherwise it is what ``command`` printed, a line ``END_STAMP``, and the script's own output."""
+
+    command: str
+    expected: str
+
+
+def split_stamp(stdout: str) -> tuple[str | None, str]:
+    """(the stamp, the script's output) of an answer to a script run with ``Unless`` (stamp None: the answer
+    carried none, or the runner does not stamp)."""
+    head, sep, rest = stdout.partition("\n" + END_STAMP + "\n")
+    return (head, rest) if sep else (None, stdout)
+
+
 class Runner(Protocol):
     """What the controller may do on a server. Implementations: ``SSHPool``, ``FakeRunner``."""
 
     async def script(self, target: Target, script: Script, request: Mapping[str, Any], *, input: bytes | None = None,
-                     timeout: float = 120.0, detach: bool = False, fresh: bool = False) -> Result:
+                     timeout: float = 120.0, detach: bool = False, fresh: bool = False,
+                     unless: Unless | None = None) -> Result:
         """Run ``script`` with ``request`` on ``target`` and return its output.
 
         ``input``: bytes for the script's stdin (only for spliced scripts). ``detach``: start it in its own
         session and return at once (its output is lost: such a script writes its answer to a file).
         ``fresh``: over a brand-new connection, to prove new sessions still get through (the firewall).
+        ``unless``: not when the server's stamp is the one expected (see ``Unless``).
         Raises ``RemoteCommandError`` if it exits non-zero, ``ConnectError`` if the server cannot be reached.
         """
         ...

@@ -3,7 +3,8 @@ reads and writes it.
 
 What it holds: ``known_hosts.json`` (host keys seen on first contact), ``facts.json`` (public
 material servers generated: the pins of self-signed certificates), ``managed.json`` (servers
-an apply has managed, with how to reach them, for pruning), ``learned.npz`` (the fleet core's
+an apply has managed, with how to reach them, for pruning), ``observed.json`` (each server's last facts and
+their stamp: a server that still looks so is observed without its facts script, ``reconciler.plan.stamp``), ``learned.npz`` (the fleet core's
 learned state) and the file outlet's manifest. Every write goes through
 ``reconciler.state.files.write_atomic`` (mode 0600); the folder, and every folder above it that had to be made
 for it, is made 0700 (``make_private_dirs``).
@@ -37,6 +38,7 @@ from reconciler.state.files import make_private_dirs, write_atomic
 KNOWN_HOSTS = "known_hosts.json"
 FACTS = "facts.json"
 MANAGED = "managed.json"
+OBSERVED = "observed.json"
 LEARNED = "learned.npz"
 MAX_LEARNED_FILE_BYTES = MAX_STATE_BYTES  # compressed, it is smaller than what it may inflate to
 MAX_JSON_FILE_BYTES = 64 << 20  # facts.json and managed.json are kilobytes for a fleet of thousands
@@ -100,6 +102,13 @@ class StateFolder:
         if dropped:
             self.notes.append(f"{self.path / FACTS}: {dropped} malformed entr(ies) ignored; an apply records them again")
         return out
+
+    def observed(self) -> dict[str, Any]:
+        """Each server's last facts and stamp (``reconciler.plan.stamp.FactsCache`` checks every entry)."""
+        return self.read_json(OBSERVED)
+
+    def remember_observed(self, entries: dict[str, Any]) -> None:
+        self.write_json(OBSERVED, entries)
 
     def remember_facts(self, learned: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
         """Merge newly learned public material into the record; returns the record."""

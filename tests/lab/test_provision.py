@@ -69,6 +69,19 @@ def test_bare_hosts_plan_apply_replan(lab, env):
     again = reconciler("plan", "-f", "c.yaml", "--json")
     assert again.returncode == 0, again.stdout
     assert json.loads(again.stdout)["summary"] == {"add": 0, "change": 0, "destroy": 0}
+    # A converged server is observed in one short shell session (its stamp; reconciler.plan.stamp), and drift is
+    # still seen: an engine stopped, a file edited on the server.
+    hosts = lab.state.hosts[:3]
+    assert sorted(json.loads(Path(".reconciler-lab/observed.json").read_text())) == sorted(h.name for h in hosts)
+    assert reconciler("plan", "-f", "c.yaml").returncode == 0
+    ssh(lab, hosts[0], "systemctl stop sing-box")
+    ssh(lab, hosts[1], "echo ' ' >> /etc/sing-box/config.template.json")
+    drift = reconciler("plan", "-f", "c.yaml", "--json")
+    assert drift.returncode == 2, drift.stdout + drift.stderr
+    assert {s["server"] for s in json.loads(drift.stdout)["servers"] if s["actions"]} == {hosts[0].name, hosts[1].name}
+    assert reconciler("apply", "-f", "c.yaml").returncode == 0
+    assert json.loads(reconciler("plan", "-f", "c.yaml", "--json").stdout)["summary"] == {"add": 0, "change": 0,
+                                                                                          "destroy": 0}
     # issue 14: what each server serves is the certificate derived from the secret: its pins need no read-back
     from reconciler.certificates import derived_certificate
 
