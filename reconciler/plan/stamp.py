@@ -28,6 +28,7 @@ from reconciler.ssh import Target
 #: Unit states that stay as they are until a process comes or goes (which the stamp sees).
 SETTLED = frozenset({"active", "inactive", "failed"})
 _CGROUPS = ("/sys/fs/cgroup/system.slice/{}/cgroup.procs",  # the unified hierarchy (cgroup v2)
+            "/sys/fs/cgroup/unified/system.slice/{}/cgroup.procs",  # hybrid: v2 beside the v1 controllers
             "/sys/fs/cgroup/systemd/system.slice/{}/cgroup.procs")  # systemd's named hierarchy (cgroup v1)
 
 

@@ -8,8 +8,9 @@ file fetched from ``url`` here (hashed as it arrives), its sha256 checked agains
 before anything is unpacked: a different file is refused and nothing is installed; then the binary
 (``name``) is taken out of a ``.tar.gz``, ``.tar.zst`` (such as sing-box's Arch package: through the
 server's libzstd, ``library``, ~42% of a ``.tar.gz``'s CPU for the same size), ``.gz`` or ``.zst`` release (or is
-the file itself) in one pass: inflated once, read as a tar stream up to that member, hashed as it is written
-(tarfile's random-access reader inflated a 44 MB release twice, then the binary was read again to hash it).
+the file itself) in one pass: inflated once, read as a tar stream up to that member and written (tarfile's
+random-access reader inflated a 44 MB release twice). Its ``.sha256`` sidecar is the release's pinned sha256: the
+same release unpacks to the same bytes.
 A release is hostile until its binary is out (a decompression bomb would fill this server's disk or memory): every
 byte inflated is counted, whatever the container (gzip, zstd, bzip2, xz, tar), and the unpacking stops with an error
 past ``MAX_UNPACKED_BYTES``; a tar member declaring more is refused before it is read, and so is a member named like
@@ -308,11 +309,11 @@ class Blocks:
         self.pending, self.consumed = memoryview(head + bytes(self.pending)), self.consumed - len(head)
         return head
 
-    def copy(self, path: str, size: int = -1) -> str:
-        """The next ``size`` bytes (all when negative) into ``path``; their sha256."""
+    def copy(self, path: str, size: int = -1, hashed: bool = True) -> str:
+        """The next ``size`` bytes (all when negative) into ``path``; their sha256 ("" when not ``hashed``)."""
         import hashlib
 
-        h = hashlib.sha256()
+        h = hashlib.sha256() if hashed else None
         with open(path, "wb") as out:
             while size:
                 if not self._fill():
@@ -320,19 +321,22 @@ class Blocks:
                         raise RuntimeError("the release ended early")
                     break
                 part = self.pending if size < 0 else self.pending[:size]
-                h.update(part)
+                if h is not None:
+                    h.update(part)
                 out.write(part)
                 self.pending, self.consumed = self.pending[len(part):], self.consumed + len(part)
                 size = size if size < 0 else size - len(part)
-        return h.hexdigest()
+        return h.hexdigest() if h is not None else ""
 
 
-def unpack(archive: str, dest: str, name: str, library: str = "", limit: int = MAX_UNPACKED_BYTES) -> str | None:
+def unpack(archive: str, dest: str, name: str, library: str = "", limit: int = MAX_UNPACKED_BYTES,
+           hashed: bool = True) -> str | None:
     """The binary ``name`` out of a release: a .tar.gz, a .tar.zst (an Arch package, ``.pkg.tar.zst``: zstd
     inflates in ~40% of zlib's time, through ``library``, the server's libzstd), a .tar.bz2, a .tar.xz, a .gz, a .zst
     (or .bz2, .xz), a plain tar, or the file itself; its sha256 (None: the file's own). At most ``limit`` bytes
     inflated (``Failed`` past it). ``Failed("codec")`` for a zstd release where libzstd does not load (or a bzip2 or
-    xz one where this Python lacks the codec)."""
+    xz one where this Python lacks the codec). Not ``hashed``: "" in place of the sha256 (the release's own pinned
+    sha256 already names these bytes), and the binary is written without being hashed."""
     with open(archive, "rb") as raw:
         magic = raw.read(6)
         raw.seek(0)
@@ -350,8 +354,8 @@ def unpack(archive: str, dest: str, name: str, library: str = "", limit: int = M
             if chunk is not None:
                 blocks = Blocks(chunk, limit)
                 if is_tar_header(blocks.peek(512)):  # a tar inside
-                    return _from_tar(blocks, dest, name, limit)
-                return blocks.copy(dest)  # the binary alone, compressed
+                    return _from_tar(blocks, dest, name, limit, hashed)
+                return blocks.copy(dest, hashed=hashed)  # the binary alone, compressed
         finally:
             if z:
                 z.close()
@@ -407,7 +411,8 @@ def _member_kind(member: Any) -> str:
     return "a tar entry of type %r" % member.type
 
 
-def _from_tar(stream: Blocks | BinaryIO, dest: str, name: str, limit: int = MAX_UNPACKED_BYTES) -> str:
+def _from_tar(stream: Blocks | BinaryIO, dest: str, name: str, limit: int = MAX_UNPACKED_BYTES,
+              hashed: bool = True) -> str:
     """The regular file named ``name`` (in any folder) of a tar stream (``Blocks``, or a plain tar file tarfile reads
     itself) into ``dest``; its sha256. ``Failed`` for a member of that name that is not a regular file (a link, a
     device, a sparse file), and for any member declaring more than ``limit`` bytes."""
@@ -427,7 +432,7 @@ def _from_tar(stream: Blocks | BinaryIO, dest: str, name: str, limit: int = MAX_
                              % (member.name, member.size, limit >> 20))
             if binary:
                 if direct and direct.consumed == member.offset_data:  # its bytes come next
-                    return direct.copy(dest, member.size)
+                    return direct.copy(dest, member.size, hashed)
                 src = tar.extractfile(member)
                 assert src is not None
                 return copy_hashed(src, dest, limit)
@@ -452,7 +457,10 @@ def stage(req: dict[str, Any], src: BinaryIO) -> dict[str, Any]:
             if got != req["sha256"]:
                 raise Failed("hash", "the file at %s has sha256 %s, not the pinned %s: refused, nothing installed"
                              % (req["url"], got, req["sha256"]))
-            digest = unpack(download, tmp, req["name"], str(req.get("library") or "")) or got
+            # The sidecar names the binary by its release's pinned sha256: the same release unpacks to the same
+            # bytes (servers match the version answer by it), and hashing the 44 MB binary again cost ~30 ms a host.
+            unpack(download, tmp, req["name"], str(req.get("library") or ""), hashed=False)
+            digest = got
         finally:
             if os.path.exists(download):
                 os.remove(download)

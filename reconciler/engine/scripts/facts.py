@@ -11,11 +11,9 @@ and the answer is written as JSON by hand (``enc``).
 from __future__ import annotations
 
 import os
-import select
 import sys
-import time
 
-from reconciler.engine.scripts.prelude import at  # spliced in when sent
+from reconciler.engine.scripts.prelude import at, run  # spliced in when sent
 
 TYPE_CHECKING = False  # typing is not imported on the servers: mypy alone reads these imports
 if TYPE_CHECKING:
@@ -54,34 +52,6 @@ def sha(p: str) -> str | None:
             return str(sha256(f.read()).hexdigest())
     except OSError:
         return None
-
-
-def run(argv: list[str], limit: float = 20.0) -> dict[str, Any]:
-    """posix_spawn and a pipe (what subprocess would do, without its import), bounded by a deadline."""
-    r, w = os.pipe()
-    try:
-        pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=[
-            (os.POSIX_SPAWN_DUP2, w, 1), (os.POSIX_SPAWN_CLOSE, r),
-            (os.POSIX_SPAWN_OPEN, 2, "/dev/null", os.O_WRONLY, 0)])
-    except OSError as e:
-        os.close(r)
-        os.close(w)
-        return {"code": -1, "out": "", "err": str(e)}
-    os.close(w)
-    chunks, poll, deadline = [], select.poll(), time.monotonic() + limit
-    poll.register(r, select.POLLIN | select.POLLHUP)
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0 or not poll.poll(left * 1000):
-            os.kill(pid, 9)
-            chunks.append(b"(timed out)")
-            break
-        block = os.read(r, 65536)
-        if not block:
-            break
-        chunks.append(block)
-    os.close(r)
-    return {"code": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), "out": b"".join(chunks).decode(errors="replace"), "err": ""}
 
 
 def read(p: str, limit: int = 65536) -> str | None:

@@ -9,10 +9,18 @@ only, and nothing imported at start that a converged server's facts run does not
 - ``at(root, path)``: where a server path is (under ``root``, a fake host's directory in tests);
 - ``write(path, data, mode)``: replace a file atomically and durably (temporary file, fsync, rename, folder fsync);
 - ``listening_ports(root)``: the (port, transport) pairs the kernel has listening, read from ``/proc/net`` (no
-  process per poll): TCP in LISTEN, UDP unconnected.
+  process per poll): TCP in LISTEN, UDP unconnected;
+- ``run(argv, limit, merge)``: a command's exit status and output, bounded by a deadline, through posix_spawn and
+  a pipe (what subprocess would do, without its import: ~8 ms of a server's CPU at each script's start).
 """
 
 import os
+import select
+import time
+
+TYPE_CHECKING = False  # typing is not imported on the servers: mypy alone reads this import
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def at(root: "str", path: "str") -> "str":
@@ -58,3 +66,33 @@ def listening_ports(root: "str") -> "set[tuple[int, str]]":
             except (OSError, StopIteration, ValueError, IndexError):
                 pass
     return have
+
+
+def run(argv: "list[str]", limit: "float" = 20.0, merge: "bool" = False) -> "dict[str, Any]":
+    """``{"code", "out", "err"}`` of ``argv`` (searched in PATH), killed past ``limit`` seconds ("(timed out)" ends
+    its output); ``merge``: its standard error in ``out`` too, else dropped. A command that cannot start: code -1."""
+    r, w = os.pipe()
+    try:
+        pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=[
+            (os.POSIX_SPAWN_DUP2, w, 1), (os.POSIX_SPAWN_CLOSE, r),
+            (os.POSIX_SPAWN_DUP2, w, 2) if merge else (os.POSIX_SPAWN_OPEN, 2, "/dev/null", os.O_WRONLY, 0)])
+    except OSError as e:
+        os.close(r)
+        os.close(w)
+        return {"code": -1, "out": str(e) if merge else "", "err": str(e)}
+    os.close(w)
+    chunks, poll, deadline = [], select.poll(), time.monotonic() + limit
+    poll.register(r, select.POLLIN | select.POLLHUP)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not poll.poll(left * 1000):
+            os.kill(pid, 9)
+            chunks.append(b"(timed out)")
+            break
+        block = os.read(r, 65536)
+        if not block:
+            break
+        chunks.append(block)
+    os.close(r)
+    return {"code": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), "out": b"".join(chunks).decode(errors="replace"),
+            "err": ""}
