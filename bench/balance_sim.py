@@ -14,9 +14,11 @@ balancer's own re-placement and with the imbalance before the failure (realised,
 Then again with the users' demand measured (``Snapshot.usage``, ``demand_mbps``:
 the same lognormal draws), so least-loaded weighs each user by its own demand:
 realised imbalance side by side with the count-based one, churn under ±1% noise
-on every user's demand and every server's metrics, and the 1M batch's time.
+on every user's demand and every server's metrics, and the 1M batch's time. The batch (counting users, and
+with their demand) and its anchor run in interleaved rounds (``bench/harness.py``): medians of the rounds, and each
+ratio round by round with its spread. The simulated figures are seeded; the JSON records the machine.
 
-    python bench/balance_sim.py [--quick] [--json]
+    python bench/balance_sim.py [--quick] [--json] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -26,17 +28,22 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-from reconciler.balance import ServerLoad, Snapshot, decide, rebalance
-from reconciler.health.topology import Topology
-from reconciler.health.verdicts import IN_ROTATION, Verdicts
-from reconciler.model import Cluster, UserUsage
-from reconciler.model.cluster import HealthSettings
+import harness  # noqa: E402
+
+from reconciler.balance import ServerLoad, Snapshot, decide, rebalance  # noqa: E402
+from reconciler.health.topology import Topology  # noqa: E402
+from reconciler.health.verdicts import IN_ROTATION, Verdicts  # noqa: E402
+from reconciler.model import Cluster, UserUsage  # noqa: E402
+from reconciler.model.cluster import HealthSettings  # noqa: E402
 
 
 def make_cluster(n_servers: int, n_users: int, balance: str = "least-loaded", rng=None, pools: bool = False) -> Cluster:
@@ -249,38 +256,46 @@ def pick_us(n_servers: int, reps: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def batch_seconds(n_users: int, n_servers: int) -> tuple[float, float, float]:
-    """The batch's time without and with per-user demand (lognormal), and a bare numpy anchor."""
+def batch_contenders(n_users: int, n_servers: int) -> dict[str, Callable[[], float]]:
+    """The batch without and with per-user demand (lognormal), and a bare numpy anchor: each a round's seconds."""
     cluster = make_cluster(n_servers, n_users)
     cap = np.random.default_rng(2).uniform(100, 2500, n_servers)
     loads = {f"s{i}": ServerLoad(0.0, 0, cap[i]) for i in range(n_servers)}
-    snap = Snapshot(cluster=cluster, now=0.0, loads=loads)
-    snap.user_key_array  # noqa: B018 - user hashes are computed when the cluster loads, not per batch
-    t0 = time.perf_counter()
-    table = rebalance(snap)
-    took = time.perf_counter() - t0
-    assert len(table) == n_users
-    aware = Snapshot(cluster=cluster, now=0.0, loads=loads,
-                     usage=usage_from(np.random.default_rng(4).lognormal(0.0, 1.0, n_users)))
-    aware.user_key_array  # noqa: B018
-    t0 = time.perf_counter()
-    table = rebalance(aware)
-    took_aware = time.perf_counter() - t0
-    assert len(table) == n_users
-    # Anchor: a bare numpy argmax over a random (users x servers) matrix, chunked the same way.
+    usage = usage_from(np.random.default_rng(4).lognormal(0.0, 1.0, n_users))
     rng = np.random.default_rng(3)
-    t0 = time.perf_counter()
-    for start in range(0, n_users, 20000):
-        rng.random((min(20000, n_users - start), n_servers)).argmax(axis=1)
-    return took, took_aware, time.perf_counter() - t0
+
+    def batch(aware: bool) -> float:
+        # A fresh snapshot each round (it caches the users' standings); the users' hashes are computed when the
+        # cluster loads, not per batch.
+        snap = Snapshot(cluster=cluster, now=0.0, loads=loads, usage=usage if aware else {})
+        snap.user_key_array  # noqa: B018
+        t0 = time.perf_counter()
+        table = rebalance(snap)
+        took = time.perf_counter() - t0
+        assert len(table) == n_users
+        return took
+
+    def anchor() -> float:
+        # A bare numpy argmax over a random (users x servers) matrix, chunked the same way.
+        t0 = time.perf_counter()
+        for start in range(0, n_users, 20000):
+            rng.random((min(20000, n_users - start), n_servers)).argmax(axis=1)
+        return time.perf_counter() - t0
+
+    contenders = {"anchor_argmax": anchor, "counted": lambda: batch(False), "user_aware": lambda: batch(True)}
+    for warm_up in contenders.values():  # the first batch in a process pays one-time costs the loop's intervals do not
+        warm_up()
+    return contenders
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller fleets and fewer patterns (under a minute)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the batch and its anchor (at least 3)")
     args = ap.parse_args()
     t_start = time.perf_counter()
+    machine = harness.machine({"numpy": np.__version__})  # the batch's anchor: a bare numpy argmax
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
     configs = [(10, 20_000), (50, 50_000), (200, 100_000)] if args.quick else \
               [(10, 20_000), (50, 200_000), (100, 500_000), (200, 1_000_000)]
@@ -295,6 +310,7 @@ def main() -> int:
             f"{r['churn_noise_1pct']:9.4%} {r['churn_noise_5pct']:9.4%} {r['disruption_excess_pp']:9.3f} "
             f"{r['imbalance_user_aware']:8.3f} {r['churn_user_aware_noise1pct']:9.4%}")
     result: dict[str, object] = {
+        "machine": machine,
         "imbalance_least_loaded": max(r["imbalance_least_loaded"] for _, _, r in rows),
         "imbalance_least_loaded_realized": max(r["imbalance_least_loaded_realized"] for _, _, r in rows),
         "imbalance_round_robin": max(r["imbalance_round_robin"] for _, _, r in rows),
@@ -332,16 +348,23 @@ def main() -> int:
     result["pick_us_100_servers"] = pick_us(100, 2000)
     log(f"pick: {result['pick_us_100_servers']:.1f} µs per decision, 100 servers")
     batch_users = 200_000 if args.quick else 1_000_000
-    took, took_aware, anchor = batch_seconds(batch_users, 100)
+    batch = harness.interleaved(batch_contenders(batch_users, 100), args.rounds, "anchor_argmax")
+    counted, aware = batch["values"]["counted"], batch["values"]["user_aware"]
+    # The target's ratio (with per-user demand / counting users), round by round: its median and spread.
+    batch["ratios"]["user_aware_vs_counted"] = harness.summary(
+        [a / c for a, c in zip(aware["rounds"], counted["rounds"], strict=True)], 3)
+    took, took_aware, anchor = counted["median"], aware["median"], batch["values"]["anchor_argmax"]["median"]
     result["batch_users"] = batch_users
     result["batch_1m_users_s"] = took * (1_000_000 / batch_users)
     result["batch_1m_users_user_aware_s"] = took_aware * (1_000_000 / batch_users)
-    result["batch_user_aware_ratio"] = took_aware / took
+    result["batch_user_aware_ratio"] = batch["ratios"]["user_aware_vs_counted"]["median"]
     result["batch_anchor_argmax_s"] = anchor * (1_000_000 / batch_users)
+    result["batch"] = batch  # rounds, values and ratios (to the argmax, and with per-user demand to counting users)
     log(f"batch: {took:.2f} s for {batch_users} users x 100 servers (scaled to 1M: {result['batch_1m_users_s']:.2f} s; "
         f"bare numpy argmax anchor {result['batch_anchor_argmax_s']:.2f} s)")
     log(f"batch with per-user demand: {took_aware:.2f} s (scaled to 1M: {result['batch_1m_users_user_aware_s']:.2f} s, "
-        f"{result['batch_user_aware_ratio']:.2f}x the batch counting users)")
+        f"{result['batch_user_aware_ratio']:.2f}x the batch counting users, spread "
+        f"{batch['ratios']['user_aware_vs_counted']['spread']:.1%}; medians of {args.rounds} rounds)")
     result["quick"] = args.quick
     result["seconds"] = time.perf_counter() - t_start
     targets = {

@@ -8,9 +8,11 @@ importing any), so a command the operator does not run costs nothing. Measured h
 - ``validate --help`` and ``run --help``: one command's module and its imports (informative);
 - the same ``--version`` with every command module imported first: what start-up cost before they were lazy.
 
-Figures: the median wall time of N runs of each, and its ratio to the anchor.
+Every case runs once per round, in an order that rotates each round (``bench/harness.py``); a round's figure is
+the median wall time of ``--runs`` starts of it. Figures: each case's median over the rounds, its ratio to the
+anchor round by round (median and spread), and the machine.
 
-    python bench/cli_start.py [--runs N] [--json]
+    python bench/cli_start.py [--rounds 5] [--runs 3] [--json]
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -25,6 +28,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import harness  # noqa: E402
+
 TARGET_S = 0.3
 EAGER = ("import importlib, sys; from reconciler.cli.commands import COMMANDS; "
          "[importlib.import_module('reconciler.cli.' + m) for m in {m for m, _ in COMMANDS.values()}]; "
@@ -45,7 +52,8 @@ def timed(argv: list[str], runs: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (at least 3)")
+    ap.add_argument("--runs", type=int, default=3, help="starts of each case per round (the round's figure: their median)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     py = sys.executable
@@ -57,13 +65,17 @@ def main() -> int:
         "run_help": [py, "-m", "reconciler", "run", "--help"],
         "version_all_commands_imported": [py, "-c", EAGER],
     }
+    machine = harness.machine({"python -c pass": platform.python_version()})
     timed(cases["version"], 2)  # warm the file cache and the bytecode
-    seconds = {name: timed(argv, args.runs) for name, argv in cases.items()}
-    anchor = seconds["anchor_python"]
+    contenders = {name: (lambda argv=argv: timed(argv, args.runs)) for name, argv in cases.items()}
+    rounds = harness.interleaved(contenders, args.rounds, "anchor_python", None if args.json else harness.stderr)
+    seconds = {k: v["median"] for k, v in rounds["values"].items()}
     figures = {
+        "machine": machine,
         "runs": args.runs,
-        "seconds": {k: round(v, 4) for k, v in seconds.items()},
-        "ratio_to_anchor": {k: round(v / anchor, 2) for k, v in seconds.items() if k != "anchor_python"},
+        "seconds": seconds,  # the medians of the rounds
+        "ratio_to_anchor": {k: round(v["median"], 2) for k, v in rounds["ratios"].items()},
+        **rounds,  # rounds, anchor, values and ratios: every round, its median and spread
         "target_s": TARGET_S,
         "targets_met": seconds["version"] <= TARGET_S and seconds["help"] <= TARGET_S,
     }
@@ -71,9 +83,11 @@ def main() -> int:
         print(json.dumps(figures, indent=2))
     else:
         for k, v in seconds.items():
-            ratio = "" if k == "anchor_python" else f"  ({v / anchor:.1f}× python -c pass)"
-            print(f"{k:32s} {v * 1000:7.0f} ms{ratio}")
-        print(f"--version and --help within {TARGET_S} s: {'yes' if figures['targets_met'] else 'NO'}")
+            ratio = rounds["ratios"].get(k)
+            shown = "" if ratio is None else f"  ({ratio['median']:.1f}× python -c pass, spread {ratio['spread']:.1%})"
+            print(f"{k:32s} {v * 1000:7.0f} ms{shown}")
+        print(f"--version and --help within {TARGET_S} s: {'yes' if figures['targets_met'] else 'NO'} "
+              f"(medians of {args.rounds} rounds; {machine['cpu_model']}, {machine['cpus']} CPUs)")
     return 0 if figures["targets_met"] else 1
 
 

@@ -34,6 +34,9 @@ in the other's intervals.
 The subscription files are on tmpfs (a tmpfs of its own for a million users: root), as an operator serving them
 from memory has them; ``--disk`` puts them on the disk under .bench/ for the figure beside it.
 
+The JSON (``--json``, and each ``--case``'s line) records the machine (``bench/harness.py``) and, with
+``--state-in-postgres``, PostgreSQL's server version. There is no timing anchor: the targets are shares of 60 s.
+
 FLEET_SCALE_PROFILE=FILE (with py-spy on PATH) writes a sampling profile of the measured intervals (all threads);
 FLEET_SCALE_MEMORY=1 prints the process's memory (now, and its peak) after each step.
 """
@@ -60,6 +63,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import harness  # noqa: E402
 
 INTERVAL = 60.0
 TARGET_SHARE = 0.10
@@ -367,6 +373,7 @@ def main() -> int:
     if args.case:
         return run_case(*args.case, args.intervals, args.disk, args.state_in_postgres)
     cases = [(100, 100_000), (300, 100_000), (1000, 100_000)] + ([] if args.quick else [(1000, 1_000_000)])
+    machine = harness.machine()
     results = []
     for n, u in cases:  # each case in its own process: its peak memory is its own
         out = subprocess.run([sys.executable, __file__, "--case", str(n), str(u), "--intervals", str(args.intervals)]
@@ -377,6 +384,7 @@ def main() -> int:
             print(out.stdout[-2000:], out.stderr[-3000:], file=sys.stderr)
             return 1
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        machine["anchors"].update(results[-1].pop("machine")["anchors"])  # PostgreSQL's version, when it ran
         if not args.json:
             r = results[-1]
             print(f"N={r['servers']:>5} U={r['users']:>8}: {r['interval_cpu_s']:7.2f} CPU-s {r['interval_wall_s']:7.2f} s wall "
@@ -384,7 +392,7 @@ def main() -> int:
                   f"{r['probes_per_server']} probes/server, peak {r['peak_rss_mb']:.0f} MB, files on {r['files_on']}\n    CPU-s by "
                   "step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases_cpu_s"].items()), flush=True)
     by = {(r["servers"], r["users"]): r for r in results}
-    figures: dict[str, Any] = {"runs": results}
+    figures: dict[str, Any] = {"machine": machine, "runs": results}
     for (n, u), r in by.items():
         tag = f"n{n}" + ("" if u == 100_000 else "_u1m")
         figures[f"interval_cpu_s_{tag}"] = r["interval_cpu_s"]
@@ -411,6 +419,7 @@ def run_case(servers: int, users: int, intervals: int, disk: bool = False, postg
     from tests.postgres import Postgres
 
     pg = Postgres() if postgres else None
+    machine = harness.machine()
 
     work, files_on = workspace(users, disk)
     host = asyncssh.generate_private_key("ssh-ed25519")
@@ -425,6 +434,7 @@ def run_case(servers: int, users: int, intervals: int, disk: bool = False, postg
     try:
         if pg is not None:
             pg.start()
+            machine["anchors"]["postgresql"] = postgres_version(pg.dsn())
         deadline = time.monotonic() + 120
         while not port_file.exists() or not port_file.read_text():
             if time.monotonic() > deadline or server.poll() is not None:
@@ -435,6 +445,7 @@ def run_case(servers: int, users: int, intervals: int, disk: bool = False, postg
                                      " ".join(host_pub), pg.dsn() if pg is not None else None))
         result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
         result["files_on"] = files_on
+        result["machine"] = machine
         print(json.dumps(result))
         return 0
     finally:
@@ -445,6 +456,14 @@ def run_case(servers: int, users: int, intervals: int, disk: bool = False, postg
             unmount(work)
         else:
             subprocess.run(["rm", "-rf", str(work)], check=False)
+
+
+def postgres_version(dsn: str) -> str:
+    import psycopg
+
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SHOW server_version").fetchone()
+    return str(row[0]) if row else "?"
 
 
 def unmount(work: Path) -> None:

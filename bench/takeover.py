@@ -7,7 +7,7 @@ own process answering as every server's agent), each user's kernel counters grow
 (``FLEET_SCALE_STEADY=1``), so what each user's usage should gain is known. The leader is SIGKILLed at a random moment
 of an interval; the figures:
 
-- ``leads_after_s``: from the kill until the standby leads (target ≤ 2 lease periods);
+- ``leads_after_s``: from the kill until the standby leads (target ≤ 2 lease periods; ``leads_after_leases``);
 - ``first_state_after_s``: from the kill until the new leader's first state is in the database;
 - every counter carried on: the new leader's intervals and evaluations go on from the killed one's last row;
 - per user, the period usage the new leader holds after its first interval minus the killed leader's last row,
@@ -18,6 +18,9 @@ of an interval; the figures:
 The controllers leave the subscription files out (their writer replaced by a no-op: a million users' five million
 files twice over would not fit this machine's memory on tmpfs; ``bench/fleet_scale.py`` measures them), and their
 users are in the cluster they are given (the users' load from the database is ``bench/userdb.py``'s figure).
+
+One kill, at a moment drawn from ``--seed``: no rounds and no timing anchor. The JSON records the machine
+(``bench/harness.py``) with PostgreSQL's and etcd's versions.
 
     python bench/takeover.py [--servers 1000] [--users 1000000] [--interval 20] [--lease 10] [--json]
 """
@@ -34,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -45,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import fleet_scale  # noqa: E402  (the fake fleet and the cluster it serves)
+import harness  # noqa: E402
 
 SECRET = fleet_scale.SECRET
 # A user's bytes per report per step (fleet_scale.steady_step): 900 up and 8,100 down, less the headers of the three
@@ -162,16 +167,24 @@ def main() -> int:
         work, name, etcd, dsn, servers, users = args.controller
         controller(Path(work), name, etcd, dsn, int(servers), int(users), args.interval, args.lease)
         return 0
-    figures = run(args.servers, args.users, args.interval, args.lease, random.Random(args.seed))
+    figures = run(args.servers, args.users, args.interval, args.lease, random.Random(args.seed), harness.machine())
     if args.json:
         print(json.dumps(figures))
     else:
         for key, value in figures.items():
-            print(f"{key:>24}: {value}")
+            if key != "machine":
+                print(f"{key:>24}: {value}")
+        print(f"{figures['machine']['cpu_model']}, {figures['machine']['cpus']} CPUs; {figures['machine']['anchors']}")
     return 0 if figures["targets_met"] else 1
 
 
-def run(servers: int, users: int, interval: float, lease: float, rng: random.Random) -> dict[str, Any]:
+def etcd_version(url: str) -> str:
+    with urllib.request.urlopen(url + "/version", timeout=5) as resp:
+        return str(json.loads(resp.read()).get("etcdserver", "?"))
+
+
+def run(servers: int, users: int, interval: float, lease: float, rng: random.Random,
+        machine: dict[str, Any]) -> dict[str, Any]:
     import asyncssh
 
     from reconciler.lab.processes import stop
@@ -192,6 +205,7 @@ def run(servers: int, users: int, interval: float, lease: float, rng: random.Ran
     pg = Postgres().start()
     try:
         with running_etcd(work) as etcd:
+            machine["anchors"] = {"postgresql": fleet_scale.postgres_version(pg.dsn()), "etcd": etcd_version(etcd)}
             db = UserDatabase(pg.dsn())
             db.migrate()
             env = {**os.environ, "FLEET_SCALE_STEADY": "1"}
@@ -238,8 +252,8 @@ def run(servers: int, users: int, interval: float, lease: float, rng: random.Ran
             stop(p)
         pg.close()
         subprocess.run(["rm", "-rf", str(work)], check=False)
-    return judge(before, after, pointer_before, pointer_after, float(new["since"]) - killed, first_state, lease,
-                 setup_s, servers, users)
+    return {"machine": machine, **judge(before, after, pointer_before, pointer_after, float(new["since"]) - killed,
+                                        first_state, lease, setup_s, servers, users)}
 
 
 def judge(before: Any, after: Any, pointer_before: dict[str, Any], pointer_after: dict[str, Any], leads_after: float,
@@ -255,7 +269,7 @@ def judge(before: Any, after: Any, pointer_before: dict[str, Any], pointer_after
     evaluations_on = int(np.asarray(after.health.evaluations).sum()) >= int(np.asarray(before.health.evaluations).sum())
     figures = {
         "servers": servers, "users": users, "lease_s": lease,
-        "leads_after_s": round(leads_after, 2), "first_state_after_s": round(first_state, 2),
+        "leads_after_s": round(leads_after, 2), "leads_after_leases": round(leads_after / lease, 3), "first_state_after_s": round(first_state, 2),
         "ticks_killed_row": int(pointer_before.get("ticks") or 0), "ticks_new_leader": int(pointer_after.get("ticks") or 0),
         "fence_old": int(pointer_before.get("fence") or 0), "fence_new": int(pointer_after.get("fence") or 0),
         "users_by_steps_gained": counts, "users_outside": outside,
