@@ -109,6 +109,8 @@ from typing import Any
 
 import numpy as np
 
+from reconciler.health.pairs import Pairs
+from reconciler.health.pairs import memo as pairs_memo
 from reconciler.health.topology import Topology
 from reconciler.health.verdicts import BLOCKED, IN_ROTATION, NO_DATA, OK, UNAVAILABLE, UNREACHABLE, Verdicts
 from reconciler.model.cluster import HealthSettings
@@ -261,25 +263,28 @@ class StreakOdds:
     ended: tuple[float, float]  # the fleet's ended streaks: (continued, steps)
     hazard: float  # the fleet's hazard: how often a failure starts
 
-    def log_chance(self, fail: np.ndarray, least: int) -> np.ndarray:
-        """(N, M) log P(a streak at least this long by chance), where ``fail`` >= ``least``; 0 elsewhere.
+    def log_chance(self, fail: np.ndarray, witness: np.ndarray) -> np.ndarray:
+        """log P(a streak at least this long by chance), per pair: its streak ``fail`` (>= 1) and its witness.
+        float32, as the engine has always judged streaks.
 
         The fleet's continuation is a Beta: the ended streaks, plus the prior of the class docstring.
         """
-        out = np.zeros(fail.shape, dtype=np.float32)
-        ws, ts = np.nonzero(fail >= max(least, 1))
-        if ws.size:
-            k = fail[ws, ts].astype(np.float64) - 1.0
-            prior = min(_C_PRIOR + _C_PER_HAZARD * self.hazard, _C_COLD_MAX)
-            a = self.ended[0] + prior * _C_PRIOR_N
-            b = self.ended[1] - self.ended[0] + (1.0 - prior) * _C_PRIOR_N
-            predictive = _lgamma(a + k) - math.lgamma(a) + math.lgamma(a + b) - _lgamma(a + b + k)
-            out[ws, ts] = self.log_pi[ws] + np.maximum(predictive, k * self.log_c[ws])
+        k = fail.astype(np.float64) - 1.0
+        prior = min(_C_PRIOR + _C_PER_HAZARD * self.hazard, _C_COLD_MAX)
+        a = self.ended[0] + prior * _C_PRIOR_N
+        b = self.ended[1] - self.ended[0] + (1.0 - prior) * _C_PRIOR_N
+        predictive = _lgamma(a + k) - math.lgamma(a) + math.lgamma(a + b) - _lgamma(a + b + k)
+        out: np.ndarray = (self.log_pi[witness] + np.maximum(predictive, k * self.log_c[witness])).astype(np.float32)
         return out
 
 
 class HealthEngine:
-    """Carries the state and evaluates one observation at a time. Deterministic."""
+    """Carries the state and evaluates one observation at a time. Deterministic.
+
+    It reads and writes only the (witness, inbound) pairs in some report (``reconciler.health.pairs``): arrays
+    by pair, reduced with ``np.bincount``. The N × M arrays it keeps (the streaks, the votes of ``Verdicts``)
+    are written at those pairs, never scanned.
+    """
 
     def __init__(self, topology: Topology, settings: HealthSettings, state: HealthState | None = None):
         self.topology = topology
@@ -289,18 +294,11 @@ class HealthEngine:
     def evaluate(self, obs: Observation) -> Verdicts:
         topo, cfg, st = self.topology, self.settings, self.state
         n, m = topo.n, topo.m
-        own = topo.own
         F = cfg.failure_streak
         long_streak = cfg.prober_streak
 
         # 1-2. Streaks, and the background-loss samples they give. -1: the pair is not in the witness's latest report.
-        present = obs.probe_present & obs.reported[:, None] & ~own
-        failed = present & ~obs.probe_ok
-        prev = np.maximum(st.fail, 0)
-        held = np.where(obs.reported[:, None], np.int16(-1), st.fail)
-        st.fail = np.where(present, np.where(failed, np.minimum(prev + 1, _STREAK_CAP), 0), held).astype(np.int16)
-        fail = st.fail
-        probing = (fail >= 0) & ~own  # the witness's latest report has this pair
+        present, failed, prev, probing, f, fail = self._streaks(obs)
 
         # Self-reports (HEALTH-1..3).
         st.last_report = np.where(obs.reported, obs.now, st.last_report)
@@ -312,57 +310,29 @@ class HealthEngine:
         # 3. Votes of fresh witnesses, and who among them is unreliable (HEALTH-6) or a failing prober (HEALTH-9).
         # A prober's own inbounds are judged like anyone's (HEALTH-9): one server failing to reach it means nothing
         # (no pair mark, below), but a quorum that cannot reach it takes it out of rotation like any other server.
-        vote = (fail >= F) & fresh[:, None] & ~own
-        witness = self._witnesses(vote, probing, fresh)
+        # Votes need a streak of at least F, and so do blocks and marks (their evidence test takes a shorter streak
+        # for no evidence at all), so from here on the pairs that matter are those: few, unless something is down.
+        long = np.flatnonzero(f >= F)  # indices into ``probing``, in its order
+        w_long, t_long, f_long = probing.w[long], probing.t[long], f[long]
+        voting = fresh[w_long]
+        witness = self._witnesses(probing, long[voting], fresh)
         self._learn_loss(present, failed, prev, witness.judged)
         unreliable = witness.unreliable
         reliable = fresh & ~unreliable
-        V = vote & reliable[:, None]
+        V = voting & reliable[w_long]  # by pair of ``long``
 
         # 4. Quorum: globally and per country, with the evidence test (HEALTH-5, HEALTH-7).
-        log_chance = self._odds().log_chance(fail, F)  # (N, M) log P(a streak this long by chance), where >= F
-        # -log P(streak >= s by chance), summed over the voters (Fisher's statistic / 2).
-        surprise = np.where(V, -log_chance, np.float32(0))
-        eligible = (reliable[:, None] & probing).astype(np.int32)
-        votes = V.sum(axis=0, dtype=np.int32)
-        witnesses = eligible.sum(axis=0, dtype=np.int32)
+        log_chance = self._odds().log_chance(f_long, w_long)  # log P(a streak this long by chance)
         log_evidence = math.log(cfg.evidence)
-        global_conv = self._quorum(votes, witnesses, surprise.sum(axis=0), log_evidence)
-
-        local_country = np.full(m, -1, dtype=np.int32)
-        scope_now = np.full(m, -1, dtype=np.int16)
-        if len(topo.country_codes) > 1 and n:
-            order, starts = topo.country_order, topo.country_starts
-            votes_c = np.add.reduceat(V[order].astype(np.int32), starts, axis=0)
-            wit_c = np.add.reduceat(eligible[order], starts, axis=0)
-            ev_c = np.add.reduceat(surprise[order], starts, axis=0)
-            conv_c = self._quorum(votes_c, wit_c, ev_c, log_evidence)
-            any_c = conv_c.any(axis=0)
-            # A fleet-wide quorum whose voters all stand in one country, while witnesses elsewhere reach the target,
-            # is that country's block too: its witnesses are not independent of its censor (HEALTH-7).
-            voter_country = np.argmax(votes_c, axis=0)
-            reach_c = wit_c - votes_c
-            elsewhere = reach_c.sum(axis=0) - reach_c[voter_country, np.arange(m)]
-            one_country = global_conv & ((votes_c > 0).sum(axis=0) == 1) & (elsewhere > 0)
-            local_country = np.where(any_c & ~global_conv, np.argmax(conv_c, axis=0),
-                                     np.where(one_country, voter_country, -1)).astype(np.int32)
-            # One country alone convicts for its region (HEALTH-15); the fleet, or two countries at once: everywhere.
-            alone = (conv_c.sum(axis=0) == 1) & ~global_conv
-            scope_now = np.where(alone | one_country, local_country, -1).astype(np.int16)
-            unreach_now = global_conv | any_c
-        else:
-            unreach_now = global_conv
+        voters = long[V]
+        votes, witnesses, unreach_now, local_country, scope_now = self._convictions(
+            probing, voters, -log_chance[V], probing.of_witnesses(reliable), log_evidence)
 
         # 5. Probers (HEALTH-9): the long streak, and (on lossy networks) the evidence of one witness.
-        probers = np.flatnonzero(topo.prober_mask & fresh & ~witness.prober_failing)
-        blocked_by = np.full(m, -1, dtype=np.int32)
-        if probers.size:
-            f = fail[probers]
-            hits = (f >= long_streak) & probing[probers] & (log_chance[probers] <= log_evidence)
-            any_hit = hits.any(axis=0)
-            blocked_by = np.where(any_hit, probers[np.argmax(hits, axis=0)], -1).astype(np.int32)
-        else:
-            any_hit = np.zeros(m, dtype=bool)
+        evident = (f_long >= long_streak) & (log_chance <= log_evidence)
+        hits = evident & (topo.prober_mask & fresh & ~witness.prober_failing)[w_long]
+        blocked_by = _first_witness(t_long[hits], w_long[hits], m)  # the first prober in the fleet's order
+        any_hit = blocked_by >= 0
 
         # A fresh "not well" report explains every failed probe: it replaces, not adds to, a conviction.
         report_fresh_t = fresh[topo.server_of]
@@ -401,49 +371,94 @@ class HealthEngine:
         # 6. Pair marks (HEALTH-8): sparse, long streaks of any fresh witness but a prober that blocks, no quorum.
         marks: list[tuple[int, int, bool]] = []
         marking = fresh & ~(topo.prober_mask & ~witness.prober_failing)
-        candidates = (fail >= long_streak) & marking[:, None] & ~own
-        if candidates.any():
-            candidates &= log_chance <= log_evidence
-        if candidates.any():
-            ws, ts = np.nonzero(candidates & ~st.unreach_on[None, :] & ~topo.prober_target[None, :])
-            for w, t in zip(ws.tolist(), ts.tolist(), strict=True):
-                back = fail[topo.server_of[t]][topo.server_of == w]
-                both = bool(back.size and (back >= long_streak).any() and fresh[topo.server_of[t]])
-                marks.append((w, t, both))
+        candidates = evident & marking[w_long] & ~(st.unreach_on | topo.prober_target)[t_long]
+        for w, t in zip(w_long[candidates].tolist(), t_long[candidates].tolist(), strict=True):
+            back = fail[topo.server_of[t]][topo.server_of == w]
+            both = bool(back.size and (back >= long_streak).any() and fresh[topo.server_of[t]])
+            marks.append((w, t, both))
 
+        vote_matrix = np.zeros((n, m), dtype=bool)
+        vote_matrix.reshape(-1)[probing.flat[voters]] = True
         st.evaluations += 1
         return Verdicts(
             topology=topo, now=obs.now, status=status, in_rotation=IN_ROTATION[status],
             votes=votes, witnesses=witnesses, local_country=local_country, blocked_by=blocked_by,
             server_status=server_status, server_report_status=report_status, unreliable=unreliable,
             last_report=st.last_report.copy(), service_ok=st.last_service_ok.copy(), settings=cfg,
-            vote_matrix=V, fail=fail, pair_marks=marks, regional=regional, censored=witness.censored,
+            vote_matrix=vote_matrix, fail=fail, pair_marks=marks, regional=regional, censored=witness.censored,
             prober_failing=witness.prober_failing, fresh=fresh,
         )
 
-    def _learn_loss(self, present: np.ndarray, failed: np.ndarray, prev: np.ndarray, judged: np.ndarray) -> None:
-        """Fold this evaluation's background-loss samples into the witnesses' and the fleet's rates (in place)."""
+    def _streaks(self, obs: Observation) -> tuple[Pairs, np.ndarray, np.ndarray, Pairs, np.ndarray, np.ndarray]:
+        """Advance the streaks by one observation (1). Returns the pairs present now (the reporting witnesses'
+        probes, each witness's own inbounds left out), which of them failed and their streaks before (at least 0);
+        the pairs in the witnesses' latest reports (streak >= 0) and their streaks; and the new (N, M) streaks,
+        now the state's.
+
+        A reporting witness's pair that is not present drops out (-1); a witness that did not report keeps its
+        streaks. So only two sets of entries change: the pairs present, and the reporting witnesses' entries that
+        were not -1 — both known without a scan of the mesh (``reconciler.health.pairs``).
+        """
+        st = self.state
+        memo = pairs_memo(self.topology)
+        reported = np.asarray(obs.reported, dtype=bool)
+        present = memo.present(obs.probe_present).of_witnesses(reported)
+        failed = ~np.ravel(obs.probe_ok)[present.flat].astype(bool, copy=False)
+        prev = np.maximum(np.ravel(st.fail)[present.flat], 0)
+        now = np.where(failed, np.minimum(prev + 1, _STREAK_CAP), 0)
+        live = memo.live(st.fail)
+        fail = np.array(st.fail, dtype=np.int16, order="C")  # a new array: the last Verdicts keep the old one
+        streaks = fail.reshape(-1)
+        dropped = live.of_witnesses(reported)
+        if dropped is not present:  # the same pairs as last time (the same plan, all reported): all overwritten
+            streaks[dropped.flat] = -1
+        streaks[present.flat] = now
+        held = live.of_witnesses(~reported)
+        if len(held):
+            live = held.union(present)
+            values = streaks[live.flat]
+            probing = live.subset((values >= 0) & ~live.own)
+        else:
+            live, values = present, now
+            probing = present.subset(now >= 0)  # all but a streak that wrapped around in an odd saved state
+        memo.wrote(fail, live)
+        st.fail = fail
+        return present, failed, prev, probing, values if probing is live else streaks[probing.flat], fail
+
+    def _learn_loss(self, present: Pairs, failed: np.ndarray, prev: np.ndarray, judged: np.ndarray) -> None:
+        """Fold this evaluation's background-loss samples into the witnesses' and the fleet's rates (in place).
+        ``failed`` and ``prev`` (the streak before, at least 0) are by pair of ``present``."""
         st, F = self.state, self.settings.failure_streak
-        n = present.shape[0]
+        n, m = self.topology.n, self.topology.m
+        w, t = present.w, present.t
         # Background loss is learnt from targets not already convicted, and not failed by at least half (and 3)
         # of the witnesses at once: random loss is uncorrelated across witnesses, an outage is not. Likewise not
         # from a witness failing half (and 3) of its targets at once (its own network, or a censor), nor from one
         # ``judged`` unreliable, censored or a failing prober.
-        n_present, n_failed = present.sum(axis=0), failed.sum(axis=0)  # ``failed`` is within ``present``
+        lost = np.flatnonzero(failed)  # few: the probes that failed now
+        n_present, n_failed = present.per_inbound, np.bincount(t[lost], minlength=m)
         correlated = (n_failed >= 3) & (2 * n_failed >= n_present)
-        w_present, w_failed = present.sum(axis=1), failed.sum(axis=1)
+        w_present, w_failed = present.per_witness, np.bincount(w[lost], minlength=n)
         # Judged now or in the previous evaluation: the streaks of a witness cut off end all at once when it is
         # reconnected, and would teach that failures last.
         rows = ~(judged | st.judged | ((w_failed >= 3) & (2 * w_failed >= w_present)))
         st.judged = judged.copy()
-        background = present & ~(st.unreach_on | st.blocked_on | correlated)[None, :] & rows[:, None]
-        fresh_start = background & (prev == 0)
-        h_n, h_f = fresh_start.sum(axis=1), (fresh_start & failed).sum(axis=1)
+        targets = ~(st.unreach_on | st.blocked_on | correlated)
+        # A fresh start is a background pair whose streak was 0: nearly every pair, so counted as all of a
+        # witness's pairs but those that are not (few: streaks running, targets not sampled).
+        other = prev > 0
+        if not targets.all():
+            other |= ~targets[t]
+        other_at = np.flatnonzero(other)
+        h_n = np.where(rows, w_present - np.bincount(w[other_at], minlength=n), 0)
+        started = lost[(prev[lost] == 0) & targets[t[lost]]]
+        h_f = np.where(rows, np.bincount(w[started], minlength=n), 0)
         # Continuation is learnt from streaks that ended: a streak of L failures made min(L-1, F-1) continuations
         # among the steps 1..F-1, then (when L < F) a success among them. A streak still running says nothing yet:
         # counted while it runs, a real block's own failures would pass for bursty loss and slow its detection.
-        ws, ts = np.nonzero(background & (prev > 0) & ~failed)  # few: the streaks that ended now
-        length = prev[ws, ts].astype(np.int64)
+        ended = other_at[(prev[other_at] > 0) & ~failed[other_at] & targets[t[other_at]] & rows[w[other_at]]]
+        ws = w[ended]
+        length = prev[ended].astype(np.int64)
         continued = np.minimum(length - 1, F - 1)
         c_f = np.bincount(ws, weights=continued, minlength=n)
         c_n = c_f + np.bincount(ws, weights=length < F, minlength=n)
@@ -467,37 +482,81 @@ class HealthEngine:
         return StreakOdds(log_pi=np.log(h / (h + 1.0 - c)).astype(np.float32), log_c=np.log(c).astype(np.float32),
                           ended=(failures, weight), hazard=float(h_fleet[0]))
 
-    def _witnesses(self, vote: np.ndarray, probing: np.ndarray, fresh: np.ndarray) -> Witnesses:
-        """Who is an unreliable witness, a censored one, and a failing prober, read per server (3)."""
+    def _witnesses(self, probing: Pairs, voting: np.ndarray, fresh: np.ndarray) -> Witnesses:
+        """Who is an unreliable witness, a censored one, and a failing prober, read per server (3). ``voting``: the
+        pairs of ``probing`` (indices) whose witness votes against the inbound."""
         topo, cfg, st = self.topology, self.settings, self.state
-        probed = topo.any_per_server(probing)  # (N, N): w probes server s
-        lost = topo.any_per_server(vote)  # w votes against an inbound of s (``vote`` is within ``probing``)
-        neighbours = probed.sum(axis=1)
-        lost_n = lost.sum(axis=1)
+        n = topo.n
+        # By (witness, server) pair: w probes server s, and loses it when it votes against an inbound of s.
+        w, s, index = probing.by_server
+        lost_at = np.unique(index[voting])
+        neighbours = probing.servers_per_witness
+        lost_n = np.bincount(w[lost_at], minlength=n)
         share = lost_n / np.maximum(1, neighbours)
         meaningful = fresh & (neighbours >= MIN_NEIGHBOURS)
         median = float(np.median(share[fresh])) if fresh.any() else 0.0
         heavy = meaningful & (share >= cfg.unreliable_ratio)
         suspect = heavy & (share >= median + cfg.unreliable_margin)
         ordinary = ~topo.prober_mask
-        censored = np.zeros(topo.n, dtype=bool)
+        censored = np.zeros(n, dtype=bool)
         if (heavy & ordinary).any():  # the pattern is read only for the witnesses it could clear
             h = np.flatnonzero(heavy & ordinary)
+            lost = np.zeros(w.size, dtype=bool)
+            lost[lost_at] = True
+            of_h = (heavy & ordinary)[w]
             # The censor's pattern (a): it still reaches at least half of its own country's servers.
-            home = probed[h] & topo.same_country[h]
-            home_n = home.sum(axis=1)
-            home_reached = (home & ~lost[h]).sum(axis=1)
+            home = of_h & (topo.country_idx[w] == topo.country_idx[s])
+            home_n = np.bincount(w[home], minlength=n)[h]
+            home_reached = np.bincount(w[home & ~lost], minlength=n)[h]
             # (b), with no server of its own country to probe: the controller reached it, its self-check passed,
             # and most of what it loses the others reach (the loss is its own, not the targets').
-            reached_by = (probed & ~lost & fresh[:, None]).sum(axis=0)
-            probed_by = (probed & fresh[:, None]).sum(axis=0)
+            by_fresh = fresh[w]
+            reached_by = np.bincount(s[by_fresh & ~lost], minlength=n)
+            probed_by = np.bincount(s[by_fresh], minlength=n)
             fine_elsewhere = 2 * reached_by > probed_by  # (N,) by target server
-            lost_fine = (lost[h] & fine_elsewhere[None, :]).sum(axis=1)
+            lost_fine = np.bincount(w[of_h & lost & fine_elsewhere[s]], minlength=n)[h]
             alone = st.last_service_ok[h] & (2 * lost_fine >= np.maximum(lost_n[h], 1))
             censored[h] = np.where(home_n > 0, (home_reached > 0) & (2 * home_reached >= home_n), alone)
         prober_failing = topo.prober_mask & meaningful & (2 * lost_n > neighbours)
         unreliable = np.where(ordinary, suspect & ~censored, prober_failing)
         return Witnesses(unreliable=unreliable, censored=censored, prober_failing=prober_failing)
+
+    def _convictions(self, probing: Pairs, voters: np.ndarray, surprise: np.ndarray, eligible: Pairs,
+                     log_evidence: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Quorums globally and per country (4). ``voters``: the pairs of ``probing`` (indices, in its order) that
+        vote; ``surprise``: their -log P(streak by chance); ``eligible``: the pairs of reliable fresh witnesses.
+        Returns votes and witnesses by inbound, which inbounds are unreachable now, the country that convicted
+        (or -1), and the scope of a regional conviction (or -1)."""
+        topo = self.topology
+        n, m = topo.n, topo.m
+        t_voters = probing.t[voters]
+        votes = _count(t_voters, m)
+        witnesses = eligible.per_inbound.astype(np.int32)
+        # Fisher's statistic / 2, summed over the voters (``_sum32``: in float32, in the witnesses' order).
+        global_conv = self._quorum(votes, witnesses, _sum32(t_voters, surprise, m), log_evidence)
+        local_country = np.full(m, -1, dtype=np.int32)
+        scope_now = np.full(m, -1, dtype=np.int16)
+        if len(topo.country_codes) <= 1 or not n:
+            return votes, witnesses, global_conv, local_country, scope_now
+        c = len(topo.country_codes)
+        key = probing.country_key[voters]
+        votes_c = _count(key, c * m).reshape(c, m)
+        wit_c = eligible.per_country_inbound.astype(np.int32)
+        ev_c = _sum32(key, surprise, c * m).reshape(c, m)
+        conv_c = self._quorum(votes_c, wit_c, ev_c, log_evidence)
+        any_c = conv_c.any(axis=0)
+        # A fleet-wide quorum whose voters all stand in one country, while witnesses elsewhere reach the target,
+        # is that country's block too: its witnesses are not independent of its censor (HEALTH-7).
+        voter_country = np.argmax(votes_c, axis=0)
+        reach_c = wit_c - votes_c
+        elsewhere = reach_c.sum(axis=0) - reach_c[voter_country, np.arange(m)]
+        one_country = global_conv & ((votes_c > 0).sum(axis=0) == 1) & (elsewhere > 0)
+        local_country = np.where(any_c & ~global_conv, np.argmax(conv_c, axis=0),
+                                 np.where(one_country, voter_country, -1)).astype(np.int32)
+        # One country alone convicts for its region (HEALTH-15); the fleet, or two countries at once: everywhere.
+        alone = (conv_c.sum(axis=0) == 1) & ~global_conv
+        scope_now = np.where(alone | one_country, local_country, -1).astype(np.int16)
+        return votes, witnesses, global_conv | any_c, local_country, scope_now
 
     def _quorum(self, votes: np.ndarray, witnesses: np.ndarray, surprise: np.ndarray, log_evidence: float) -> np.ndarray:
         cfg = self.settings
@@ -526,6 +585,29 @@ def _log_group_chance(k: np.ndarray, w: np.ndarray, y: np.ndarray, lgamma: np.nd
     w = np.maximum(w, k)
     result: np.ndarray = log_sf + lgamma[w + 1] - lgamma[k + 1] - lgamma[w - k + 1]
     return result
+
+
+def _count(index: np.ndarray, size: int) -> np.ndarray:
+    """How often each of 0..size-1 occurs in ``index``, as int32 (the verdicts' counts)."""
+    counts: np.ndarray = np.bincount(index, minlength=size).astype(np.int32)
+    return counts
+
+
+def _sum32(index: np.ndarray, values: np.ndarray, size: int) -> np.ndarray:
+    """The float32 ``values`` summed into 0..size-1 by ``index``, in float32 and in their order (pairs by witness):
+    the sums the engine has always made, bit for bit, so that no verdict near the evidence threshold flips
+    (``np.bincount`` would add in float64)."""
+    out = np.zeros(size, dtype=np.float32)
+    np.add.at(out, index, values)
+    return out
+
+
+def _first_witness(t: np.ndarray, w: np.ndarray, m: int) -> np.ndarray:
+    """(M,) int32: for each inbound, the first of the witnesses ``w`` (pairs sorted by witness) that hold it; -1."""
+    out = np.full(m, -1, dtype=np.int32)
+    found, first = np.unique(t, return_index=True)
+    out[found] = w[first]
+    return out
 
 
 def _learn(mean: np.ndarray, weight: np.ndarray, samples: np.ndarray, failures: np.ndarray, decay: float) -> None:
