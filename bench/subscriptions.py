@@ -44,6 +44,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import harness  # noqa: E402
 
 from reconciler.balance import Snapshot, rebalance  # noqa: E402
 from reconciler.credentials import Secret  # noqa: E402
@@ -122,7 +125,7 @@ def serve_live(snapshot: Snapshot, port: int) -> None:
     outlet = HttpOutlet(answers, CollectorRegistry(), lambda: None, lambda: (True, "ok"))
 
     async def main() -> None:
-        await outlet.start("127.0.0.1", port)
+        await outlet.start("127.0.0.1", port, operations=("127.0.0.1", free_port()))  # as `reconciler run` by default
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         await stop.wait()
@@ -258,6 +261,14 @@ def filesystem_of(path: Path) -> str:
     return kind
 
 
+def anchor_versions(files_only: bool) -> dict[str, str]:
+    if files_only:
+        return {}
+    nginx = subprocess.run([shutil.which("nginx") or "/usr/sbin/nginx", "-v"], capture_output=True, text=True)
+    load = subprocess.run(["wrk", "-v"], capture_output=True, text=True)
+    return {"nginx": (nginx.stderr or nginx.stdout).strip(), "wrk": (load.stdout or load.stderr).splitlines()[0].strip()}
+
+
 def wrk(port: int, script: Path, seconds: float, threads: int, connections: int) -> dict[str, float]:
     out = subprocess.run(["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds:g}s", "--latency", "-s", str(script),
                           f"http://127.0.0.1:{port}"], capture_output=True, text=True, timeout=seconds + 60)
@@ -274,6 +285,28 @@ def wrk(port: int, script: Path, seconds: float, threads: int, connections: int)
     return {"rps": rps, "p50_ms": lat.get("50", float("nan")), "p99_ms": lat.get("99", float("nan"))}
 
 
+def load_rounds(work: Path, servers: dict[str, tuple[int, str]], seconds: float, threads: int, conns: int,
+                rounds: int, log) -> dict[str, object]:
+    """wrk against each server once per round (``harness.interleaved``, nginx the anchor): requests per second,
+    and beside them each round's p50 and p99."""
+    p99: dict[str, list[float]] = {name: [] for name in servers}
+    p50: dict[str, list[float]] = {name: [] for name in servers}
+
+    def contender(name: str, port: int, script: str):
+        def run() -> float:
+            r = wrk(port, work / script, seconds, threads, conns)
+            p99[name].append(r["p99_ms"])
+            p50[name].append(r["p50_ms"])
+            return r["rps"]
+        return run
+
+    out = harness.interleaved({name: contender(name, port, script) for name, (port, script) in servers.items()},
+                              rounds, anchor="nginx", log=log)
+    out["p99_ms"] = {k: harness.summary(v, 3) for k, v in p99.items()}
+    out["p50_ms"] = {k: harness.summary(v, 3) for k, v in p50.items()}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="shorter load runs (the same 100k-user file figures)")
@@ -286,9 +319,13 @@ def main() -> int:
                     help="where the disk's floor is measured (default: the system's temporary folder; skipped on tmpfs)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                     help="worker processes of the multi-process live endpoint (default: one per CPU)")
+    ap.add_argument("--rounds", type=int, help="interleaved rounds of the load runs (default 5; 3 with --quick)")
+    ap.add_argument("--files-only", action="store_true",
+                    help="only the file outlet's figures (no live endpoint, nginx or wrk; no disk floor)")
     args = ap.parse_args()
     seconds = args.seconds or (3.0 if args.quick else 10.0)
-    for exe in ("wrk", "nginx"):
+    args.rounds = args.rounds or (3 if args.quick else 5)
+    for exe in () if args.files_only else ("wrk", "nginx"):
         if shutil.which(exe) is None and not Path(f"/usr/sbin/{exe}").exists():
             print(f"{exe} is not installed: `make setup` installs wrk and nginx-light", file=sys.stderr)
             return 1
@@ -296,7 +333,8 @@ def main() -> int:
     where = args.dir or default_dir()
     work = Path(tempfile.mkdtemp(prefix="subs-bench-", dir=where))
     work.chmod(0o755)  # nginx workers run unprivileged
-    results: dict[str, object] = {"users": args.users, "cpus": os.cpu_count(), "dir": str(work.parent),
+    results: dict[str, object] = {"machine": harness.machine(anchor_versions(args.files_only)),
+                                  "users": args.users, "cpus": os.cpu_count(), "dir": str(work.parent),
                                   "dir_filesystem": filesystem_of(work),
                                   # others' work on this machine moves every figure: say how busy it was
                                   "loadavg_before": [round(x, 2) for x in os.getloadavg()]}
@@ -344,6 +382,11 @@ def main() -> int:
         results[f"files_floor_same_bytes_s_{kind}"] = round(took, 3)
         results["files_bytes"] = size
         log(f"files: the same {size / 1e6:.0f} MB written plainly on {work.parent} ({kind}): {took:.2f}s")
+        if args.files_only:  # the file part alone: its figures, and the ratio to the same bytes written plainly
+            results["files_vs_same_bytes"] = round(results["files_full_s"] / took, 3)
+            results["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+            print(json.dumps(results) if args.json else "\n".join(f"{k:28s} {v}" for k, v in results.items()))
+            return 0  # (the finally below removes the folder)
 
         tokens = sorted(p.name for p in (work / "subs").iterdir())
         (work / "tokens.txt").write_text("\n".join(tokens) + "\n")
@@ -385,28 +428,30 @@ def main() -> int:
         log(f"load: wrk -t{threads} -c{conns} -d{seconds:g}s, a random user's token per request")
         live_cold = wrk(port_live, work / "live.lua", seconds, threads, conns)  # first pass renders most documents
         workers_cold = wrk(port_workers, work / "live.lua", seconds, threads, conns)
-        # Alternate the servers and take medians: this machine's neighbours make single runs noisy.
-        nginx_runs, live_runs, workers_runs = [], [], []
-        for _ in range(3):
-            nginx_runs.append(wrk(port_nginx, work / "nginx.lua", seconds, threads, conns))
-            live_runs.append(wrk(port_live, work / "live.lua", seconds, threads, conns))
-            workers_runs.append(wrk(port_workers, work / "live.lua", seconds, threads, conns))
-        nginx_res = sorted(nginx_runs, key=lambda r: r["rps"])[1]
-        live_res = sorted(live_runs, key=lambda r: r["rps"])[1]
-        workers_res = sorted(workers_runs, key=lambda r: r["rps"])[1]
-        # p99 "at that load": of the same (median) run whose requests per second count — wrk keeps 32 requests
-        # in flight, so the workers answer as fast as they can and that is the load.
+        # Interleaved rounds (bench/harness.py): each round runs every server once, in an order that rotates, and
+        # each round's ratio is to nginx's run of the same round; the figures are the rounds' medians.
+        rounds = load_rounds(work, {"nginx": (port_nginx, "nginx.lua"), "live": (port_live, "live.lua"),
+                                    "workers": (port_workers, "live.lua")}, seconds, threads, conns, args.rounds, log)
+        results["live_rounds"] = rounds
+        med = {k: rounds["values"][k]["median"] for k in ("nginx", "live", "workers")}
+        nginx_res = {"rps": med["nginx"], "p99_ms": rounds["p99_ms"]["nginx"]["median"],
+                     "p50_ms": rounds["p50_ms"]["nginx"]["median"]}
+        live_res = {"rps": med["live"], "p99_ms": rounds["p99_ms"]["live"]["median"],
+                    "p50_ms": rounds["p50_ms"]["live"]["median"]}
+        workers_res = {"rps": med["workers"], "p99_ms": rounds["p99_ms"]["workers"]["median"],
+                       "p50_ms": rounds["p50_ms"]["workers"]["median"]}
+        # p99 "at that load": wrk keeps 32 requests in flight, so each server answers as fast as it can, and that
+        # is the load; the figure is the median of the rounds' p99s.
         results.update({f"live_rps_workers{n}": round(workers_res["rps"]), f"live_p50_ms_workers{n}": workers_res["p50_ms"],
                         f"live_p99_ms_workers{n}": workers_res["p99_ms"],
-                        f"live_vs_nginx_workers{n}": round(workers_res["rps"] / nginx_res["rps"], 3),
+                        f"live_vs_nginx_workers{n}": rounds["ratios"]["workers"]["median"],
+                        f"live_vs_nginx_workers{n}_spread": rounds["ratios"]["workers"]["spread"],
                         f"live_cold_rps_workers{n}": round(workers_cold["rps"]),
                         f"live_cold_p99_ms_workers{n}": workers_cold["p99_ms"]})
         results.update(nginx_rps=round(nginx_res["rps"]), nginx_p99_ms=nginx_res["p99_ms"],
                        live_rps=round(live_res["rps"]), live_p50_ms=live_res["p50_ms"], live_p99_ms=live_res["p99_ms"],
                        live_cold_rps=round(live_cold["rps"]), live_cold_p99_ms=live_cold["p99_ms"],
-                       live_share_of_nginx=round(live_res["rps"] / nginx_res["rps"], 3), wrk_connections=conns,
-                       runs_rps={"nginx": [round(r["rps"]) for r in nginx_runs], "live": [round(r["rps"]) for r in live_runs],
-                                 f"workers{n}": [round(r["rps"]) for r in workers_runs]},
+                       live_share_of_nginx=rounds["ratios"]["live"]["median"], wrk_connections=conns,
                        nginx_p50_ms=nginx_res["p50_ms"])
         log(f"nginx: {nginx_res['rps']:.0f} req/s, p99 {nginx_res['p99_ms']:.2f} ms")
         log(f"live (first pass, rendering): {live_cold['rps']:.0f} req/s, p99 {live_cold['p99_ms']:.2f} ms")

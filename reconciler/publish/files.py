@@ -14,14 +14,15 @@ from pathlib import Path
 
 import numpy as np
 
+from reconciler import gcpause
 from reconciler.balance import Snapshot
 from reconciler.balance.assignments import Assignments
 from reconciler.credentials import Secret, is_token
 from reconciler.model.roster import ACTIVE
 from reconciler.publish.digests import cluster_digest, snapshot_digest, usage_steps
 from reconciler.publish.manifest import MANIFEST, MAX_MANIFEST_BYTES, Published, PublishedTable
-from reconciler.publish.parallel import SPILL_PREFIX, SpillMac, Tee, published_before, write_in_worker
-from reconciler.publish.userfiles import DIR_MODE, Part, WriteStats, has_shadowsocks, write_users
+from reconciler.publish.parallel import SPILL_PREFIX, Ends, SpillMac, Tee, locality_order, published_before, start_worker, write_in_worker
+from reconciler.publish.userfiles import DIR_MODE, STRETCH, Part, WriteStats, has_shadowsocks, write_users
 from reconciler.safe_read import read_regular_file
 from reconciler.state.files import make_private_dirs, write_atomic
 from reconciler.subscriptions import FORMATS
@@ -153,6 +154,10 @@ class FileOutlet:
         return removed
 
     def write(self, snapshot: Snapshot) -> WriteStats:
+        with gcpause.paused():  # a pass makes millions of short-lived objects beside the snapshot's millions: no walks
+            return self._write(snapshot)
+
+    def _write(self, snapshot: Snapshot) -> WriteStats:
         start = time.perf_counter()
         cluster = snapshot.cluster
         stats = WriteStats(users=len(cluster.users))
@@ -228,14 +233,10 @@ class FileOutlet:
 
     def _write_manifest(self) -> None:
         """The manifest as one JSON document, made in slices (a million users' entries as one dict were ~300 MB)."""
-        table = self.published
-        names = list(table)
-
         def pieces() -> Iterator[bytes]:
             yield b'{"digest": ' + json.dumps(self.digest).encode() + b', "users": {'
-            for lo in range(0, len(names), 20_000):
-                yield ", ".join(f"{json.dumps(name)}: {json.dumps(list(table[name]))}"
-                                for name in names[lo:lo + 20_000]).encode() + (b", " if lo + 20_000 < len(names) else b"")
+            for k, members in enumerate(self.published.json_members(20_000)):
+                yield (b", " if k else b"") + members
             yield b"}}"
 
         write_atomic(self.manifest_path, pieces(), 0o600)
@@ -246,6 +247,9 @@ class FileOutlet:
         """The users at positions ``which`` looked at (and written where changed; ``headers_only``: for each, whether
         only its headers can have changed): in this process, or split with worker processes when there are many.
         Each part: its manifest entries and counts."""
+        if len(which) > STRETCH:  # in the order of their assignments: users assigned alike share document templates
+            order = locality_order(list(snapshot.held.columns.values()), which)
+            which, headers_only = which[order], headers_only[order]
         if len(which) < self.PARALLEL_MIN or self.workers < 2:
             return [write_users(snapshot, self.secret, str(self.directory), self.formats, published_before(old, which), which,
                                  headers_only, has_shadowsocks(snapshot))]
@@ -253,8 +257,11 @@ class FileOutlet:
 
     def _in_workers(self, snapshot: Snapshot, old: PublishedTable, which: np.ndarray,
                     headers_only: np.ndarray) -> list[Part]:
-        """Worker processes render and write slices of the users from one pickled snapshot; this process
-        takes the first slice meanwhile (a bigger one: the workers start ~2 s later).
+        """Worker processes and this one render and write the users from one pickled snapshot, taken in blocks
+        from the two ends of one list (``parallel``): this process from the front as soon as the file is written,
+        the workers from the back once they have started and read it (~1 s later at 100k users), until the ends
+        meet. ``which`` is in the order of the users' assignments:
+        each process renders the templates of its own end of it.
 
         forkserver, not fork: the loop has threads (the event loop, watchfiles), and a forked child
         could inherit a lock some other thread held.
@@ -263,28 +270,30 @@ class FileOutlet:
         import pickle
         from concurrent.futures import ProcessPoolExecutor
 
-        n = len(which)
-        extra = self.workers - 1
-        head = round(n * 0.6) if extra == 1 else n // self.workers
-        bounds = [head + round(i * (n - head) / extra) for i in range(extra + 1)]
-        # The snapshot goes to the workers as a file in the state folder, pickled straight into it: as bytes it was
-        # in memory twice more (the pickle, and the executor's own pickle of the call), ~250 MB at a million users,
-        # the loop's peak. The secret travels with the call, never in the file; the call carries the file's HMAC
+        before = published_before(old, which)
+        context = multiprocessing.get_context("forkserver")
+        ends = Ends(context.Array("q", [0, len(which)]))
+        # The snapshot (with the pass's users) goes to the workers as a file in the state folder, pickled straight into
+        # it: as bytes it was in memory twice more (the pickle, and the executor's own pickle of the call), ~250 MB at a
+        # million users, the loop's peak. The secret travels with the call, never in the file; the call carries the file's HMAC
         # too, and a worker unpickles only the bytes it checked (a file swapped in the folder is refused).
         spill = self.manifest_path.parent / f"{SPILL_PREFIX}{os.getpid()}.{os.urandom(4).hex()}.pickle"
         make_private_dirs(spill.parent)
         try:
-            mac = SpillMac(self.secret)
-            with open(os.open(spill, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
-                pickle.dump(snapshot, Tee(f, mac.update), protocol=pickle.HIGHEST_PROTOCOL)
-            with ProcessPoolExecutor(extra, mp_context=multiprocessing.get_context("forkserver")) as pool:
-                futures = []
-                for lo, hi in zip(bounds, bounds[1:], strict=False):
-                    mine = which[lo:hi]
-                    futures.append(pool.submit(write_in_worker, str(spill), mac.hexdigest(), self.secret, str(self.directory),
-                                               self.formats, published_before(old, mine), mine, headers_only[lo:hi]))
-                here = write_users(snapshot, self.secret, str(self.directory), self.formats, published_before(old, which[:head]),
-                                    which[:head], headers_only[:head], has_shadowsocks(snapshot))
+            with ProcessPoolExecutor(self.workers - 1, mp_context=context, initializer=start_worker,
+                                     initargs=(ends.shared,)) as pool:
+                for _ in range(self.workers - 1):  # the workers start while the file is written (~0.3 s at 100k users)
+                    pool.submit(os.getpid)
+                mac = SpillMac(self.secret)
+                with open(os.open(spill, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                    pickle.dump((snapshot, which, headers_only, before), Tee(f, mac.update), protocol=pickle.HIGHEST_PROTOCOL)
+                futures = [pool.submit(write_in_worker, str(spill), mac.hexdigest(), self.secret, str(self.directory),
+                                       self.formats) for _ in range(self.workers - 1)]
+                try:
+                    here = write_users(snapshot, self.secret, str(self.directory), self.formats, before, which,
+                                       headers_only, has_shadowsocks(snapshot), ends.blocks(front=True))
+                finally:
+                    ends.close()  # (a failure here: the workers stop after their block)
                 return [here] + [f.result() for f in futures]
         finally:
             spill.unlink(missing_ok=True)

@@ -1,19 +1,30 @@
 """A big pass in worker processes: the snapshot spilled to the state folder (0600, HMAC'd under a key from the master
-secret, never with the secret), each worker writing a slice of the users."""
+secret, never with the secret), the users handed out as they are taken, from both ends of one list.
+
+The pass's users are ordered by what they are assigned (users with the same entries share a document template, and a
+snapshot keeps a bounded number of templates, see ``subscriptions.document.TEMPLATES_KEPT``). The calling process takes
+blocks of them from the front and the workers from the back, through a cursor they share (``Ends``), until the two
+ends meet: nobody waits for a slice cut in advance (a worker starts a second or more after the pass), and each process
+renders the templates of its own end of the list.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import BinaryIO
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, BinaryIO
 
 import numpy as np
 
-from reconciler.credentials import Secret
+from reconciler import gcpause
+from reconciler.credentials import TOKEN_CHARS, Secret
+from reconciler.publish.digests import FINGERPRINT_CHARS
 from reconciler.publish.manifest import PublishedTable
 from reconciler.publish.userfiles import Before, Part, has_shadowsocks, write_users
 from reconciler.state.files import Mac, mac_matches
 
 SPILL_PREFIX = ".outlet-snapshot."  # the snapshot file of a pass in worker processes (state folder; see _in_workers)
+BLOCK = 128  # users taken at a time (~20-40 ms of work): the two ends meet within one block of each other
 
 
 def _spill_key(secret: Secret) -> bytes:
@@ -39,18 +50,87 @@ class Tee:
         return self._f.write(data)
 
 
-def write_in_worker(spill: str, mac: str, secret: Secret, directory: str, formats: tuple[str, ...], before: Before,
-            which: np.ndarray, headers_only: np.ndarray) -> Part:
+class Ends:
+    """The users of a pass not taken yet, ``[lo, hi)`` in the pass's order, shared by its processes: the calling one
+    takes blocks from the front, the workers from the back. ``shared``: a ``multiprocessing`` array of two 64-bit
+    integers with its lock (``context.Array("q", [0, n])``), handed to the workers as they start."""
+
+    WAIT = 30.0  # seconds: a lock held longer was held by a process that died holding it (the pass fails, said so)
+
+    def __init__(self, shared: Any) -> None:
+        self.shared = shared
+        self._lock, self._ends = shared.get_lock(), shared.get_obj()
+
+    @contextmanager
+    def _held(self) -> Iterator[Any]:
+        if not self._lock.acquire(timeout=self.WAIT):
+            raise RuntimeError("the users of this pass could not be handed out: a worker process held their lock")
+        try:
+            yield self._ends
+        finally:
+            self._lock.release()
+
+    def take(self, front: bool, block: int = BLOCK) -> tuple[int, int] | None:
+        with self._held() as ends:
+            lo, hi = ends[0], ends[1]
+            if lo >= hi:
+                return None
+            if front:
+                ends[0] = end = min(hi, lo + block)
+                return lo, end
+            ends[1] = start = max(lo, hi - block)
+            return start, hi
+
+    def blocks(self, front: bool) -> Iterator[tuple[int, int]]:
+        while (got := self.take(front)) is not None:
+            yield got
+
+    def left(self) -> int:
+        with self._held() as ends:
+            return max(0, int(ends[1] - ends[0]))
+
+    def close(self) -> None:
+        """Nothing more is taken (this pass failed here: the workers stop after the block they hold)."""
+        with self._held() as ends:
+            ends[0] = ends[1]
+
+
+_ends: Ends | None = None  # in a worker process: the cursor of the pass its pool serves (``start_worker``)
+
+
+def start_worker(shared: Any) -> None:
+    """A worker process's start (the pool's initializer): the pass's cursor, inherited as the process starts."""
+    global _ends
+    _ends = Ends(shared)
+
+
+def write_in_worker(spill: str, mac: str, secret: Secret, directory: str, formats: tuple[str, ...]) -> Part:
+    """The users this worker takes from the back of the pass's list until the ends meet (nothing when the calling
+    process took them all before this worker started). The file is checked before anything is made of it."""
     import pickle
 
+    assert _ends is not None, "a worker of a pass's pool (start_worker)"
     with open(spill, "rb") as f:
         data = f.read()
     if not mac_matches(_spill_key(secret), data, mac):  # not the file the pass wrote: never unpickled
         raise RuntimeError(f"the snapshot file {spill} is not the one this pass wrote")
-    snapshot = pickle.loads(data)
-    del data
-    return write_users(snapshot, secret, directory, formats, before, which, headers_only, has_shadowsocks(snapshot))
+    if not _ends.left():  # taken by the calling process meanwhile: no snapshot to unpickle
+        return Part(np.zeros(0, np.int64), np.zeros(0, f"S{TOKEN_CHARS}"), np.zeros(0, f"S{FINGERPRINT_CHARS}"),
+                    np.zeros(0, np.int64), 0, 0)
+    with gcpause.paused():  # millions of long-lived objects unpickled: the collector would walk them again and again
+        snapshot, which, headers_only, before = pickle.loads(data)
+        del data
+        return write_users(snapshot, secret, directory, formats, before, which, headers_only, has_shadowsocks(snapshot),
+                           _ends.blocks(front=False))
 
 
 def published_before(table: PublishedTable, which: np.ndarray) -> Before:
     return table.tokens[which], table.prints[which], table.sizes[which]
+
+
+def locality_order(columns: list[np.ndarray], which: np.ndarray) -> np.ndarray:
+    """An order of ``which`` (positions) that keeps users with the same assignments (one column of inbounds per route
+    key) together: their documents share templates."""
+    if not columns or not len(which):
+        return np.arange(len(which))
+    return np.lexsort([col[which] for col in reversed(columns)])

@@ -3,8 +3,10 @@ rendered whole, or only its ``headers.json`` restamped when the usage step alone
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +39,15 @@ class WriteStats:
     seconds: float = 0.0
 
 
+#: The fewest users rendered on one copy of the snapshot. Users with the same entries share a document template, and a
+#: snapshot keeps the first ``TEMPLATES_KEPT`` templates it made (``subscriptions.document``): past them, every
+#: document was made from scratch (~100 µs a user at 100k users on 20 servers, 3 in a failover order: 6,840 templates
+#: for sing-box and as many for clash). A big pass's users go in the order of their assignments (``locality_order``),
+#: and each run of users assigned alike (short runs together, until they are this many users) is rendered on a copy of
+#: the snapshot of its own (``dataclasses.replace``: its memo starts empty and is filled again in ~1 ms at 100k users),
+#: whose templates are that run's and go with it.
+STRETCH = 4096
+
 Before = tuple[np.ndarray, np.ndarray, np.ndarray]  # what was published of some users: tokens, fingerprints, sizes
 
 
@@ -62,49 +73,93 @@ def has_shadowsocks(snapshot: Snapshot) -> bool:
 
 
 def write_users(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], before: Before,
-                 which: np.ndarray, headers_only: np.ndarray, shadowsocks: bool) -> Part:
+                which: np.ndarray, headers_only: np.ndarray, shadowsocks: bool,
+                blocks: Iterable[tuple[int, int]] | None = None) -> Part:
     """The users at these positions: fingerprint each, (re)write those that changed (only the headers where only
-    they can have changed). ``before``: what was published of each of them."""
+    they can have changed). ``before``: what was published of each of them. ``blocks``: only these ranges of them
+    (``[lo, hi)`` over ``which``, as a pass in processes hands them out); None: all."""
     cluster = snapshot.cluster
-    inbound_json = {r.inbound.id: r.inbound.model_dump_json() for r in cluster.inbounds}
-    outputs_json = cluster.settings.outputs.model_dump_json()
-    tokens, prints, sizes = (np.zeros(len(which), a.dtype) for a in before)
-    written = unchanged = 0
     users = cluster.users
-    steps = usage_steps(cluster.roster.data_limit[which], cluster.roster.measured(snapshot.usage)[0][which]).tolist()
-    for k, (i, light) in enumerate(zip(which.tolist(), headers_only.tolist(), strict=True)):
-        user = users[i]
-        had, printed = bytes(before[0][k]), bytes(before[1][k])
+    steps = usage_steps(cluster.roster.data_limit[which], cluster.roster.measured(snapshot.usage)[0][which])
+    groups = _groups(snapshot, which)
+    tokens, prints, sizes = (np.zeros(len(which), a.dtype) for a in before)
+    each = _EachUser(snapshot, secret, directory, formats, shadowsocks)
+    done: list[tuple[int, int]] = []
+    for lo, hi in ((lo, min(len(which), lo + CHUNK)) for lo in range(0, len(which), CHUNK)) if blocks is None else blocks:
+        done.append((lo, hi))
+        rows = zip(which[lo:hi].tolist(), headers_only[lo:hi].tolist(), before[0][lo:hi].tolist(), before[1][lo:hi].tolist(),
+                   before[2][lo:hi].tolist(), steps[lo:hi].tolist(), groups[lo:hi].tolist(), strict=True)
+        out = [each.user(users[i], light, had, printed, size, step, group)
+               for i, light, had, printed, size, step, group in rows]
+        if out:  # (read and written a block at a time: as lists for the whole pass, ~360 MB at a million users)
+            tokens[lo:hi], prints[lo:hi], sizes[lo:hi] = zip(*out, strict=True)
+    if blocks is None:
+        return Part(which, tokens, prints, sizes, each.written, each.unchanged)
+    took = np.concatenate([np.arange(lo, hi) for lo, hi in done]) if done else np.zeros(0, np.int64)
+    return Part(which[took], tokens[took], prints[took], sizes[took], each.written, each.unchanged)
+
+
+CHUNK = 1024  # users read and recorded at a time (when the caller hands out no blocks)
+
+
+class _EachUser:
+    """One call's users, one at a time (``write_users``): what they share, and what each was published as."""
+
+    def __init__(self, snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], shadowsocks: bool):
+        self.snapshot, self.secret, self.directory, self.formats, self.shadowsocks = snapshot, secret, directory, formats, shadowsocks
+        cluster = snapshot.cluster
+        self.inbound_json = {r.inbound.id: r.inbound.model_dump_json() for r in cluster.inbounds}
+        self.outputs_json = cluster.settings.outputs.model_dump_json()
+        self.view, self.fresh, self.group = snapshot, 0, -1  # the snapshot this stretch renders on, its users, their run
+        self.written = self.unchanged = 0
+
+    def user(self, user: User, light: bool, had: bytes, printed: bytes, had_size: int, step: int,
+             group: int) -> tuple[bytes, bytes, int]:
+        """The user's token, fingerprint and size as published now (``had``, ``printed``, ``had_size``: before;
+        ``light``: only its headers can have changed; ``group``: its run of users assigned alike)."""
+        if group != self.group:  # users assigned alike end here: a stretch of users on a copy of its own (STRETCH)
+            if self.fresh >= STRETCH:
+                self.view, self.fresh = dataclasses.replace(self.snapshot), 0
+            self.group = group
+        self.fresh += 1
+        view, secret, directory, formats = self.view, self.secret, self.directory, self.formats
         # Only the usage step moved (the same file and keys): the same token and bodies, new figures in headers.json.
         # Its entries are the same too (its inbounds did not move), so its fingerprint is the last one at this step:
         # no decision (~30 µs a user, 20k users a pass at a million).
         stamp = light and bool(had) and len(printed) == FINGERPRINT_CHARS
         entries: list[Entry] | None = None
         if stamp:
-            fp = restepped(printed, steps[k]).decode()
+            fp = restepped(printed, step).decode()
         else:
-            entries = decide(snapshot, user.name)
-            fp = user_fingerprint(snapshot, user.name, inbound_json, outputs_json, entries, steps[k])
-        creds = None if stamp else user_credentials(secret, user.name, user.rotate, shadowsocks)  # not kept (~500 B)
+            entries = decide(view, user.name)
+            fp = user_fingerprint(view, user.name, self.inbound_json, self.outputs_json, entries, step)
+        creds = None if stamp else user_credentials(secret, user.name, user.rotate, self.shadowsocks)  # not kept (~500 B)
         token = had if creds is None else creds.token.encode()
-        if (had == token and printed == fp.encode()
-                and os.path.isdir(os.path.join(directory, token.decode()))):
-            tokens[k], prints[k], sizes[k] = token, before[1][k], before[2][k]
-            unchanged += 1
-            continue
-        size = _restamp_userinfo(snapshot, directory, formats, token.decode(), user, int(before[2][k])) if stamp else None
+        if had == token and printed == fp.encode() and os.path.isdir(os.path.join(directory, token.decode())):
+            self.unchanged += 1
+            return token, printed, had_size
+        size = _restamp_userinfo(view, directory, formats, token.decode(), user, had_size) if stamp else None
         if size is None:
             if entries is None:  # the file was not ours to restamp: rendered whole, decided afresh
-                entries = decide(snapshot, user.name)
-                fp = user_fingerprint(snapshot, user.name, inbound_json, outputs_json, entries, steps[k])
+                entries = decide(view, user.name)
+                fp = user_fingerprint(view, user.name, self.inbound_json, self.outputs_json, entries, step)
             if creds is None:
-                creds = user_credentials(secret, user.name, user.rotate, shadowsocks)
+                creds = user_credentials(secret, user.name, user.rotate, self.shadowsocks)
             token = creds.token.encode()
-            size = _write_user(snapshot, secret, directory, formats, user.name, creds.token, entries, creds,
+            size = _write_user(view, secret, directory, formats, user.name, creds.token, entries, creds,
                                known=bool(had), headers_only=light and had == token)
-        tokens[k], prints[k], sizes[k] = token, fp.encode(), size
-        written += 1
-    return Part(which, tokens, prints, sizes, written, unchanged)
+        self.written += 1
+        return token, fp.encode(), size
+
+
+def _groups(snapshot: Snapshot, which: np.ndarray) -> np.ndarray:
+    """For each of these users, which run of users with the same assignments it is in (one number per run)."""
+    change = np.zeros(len(which), bool)
+    for col in snapshot.held.columns.values():
+        at = col[which]
+        change[1:] |= at[1:] != at[:-1]
+    groups: np.ndarray = np.cumsum(change)
+    return groups
 
 
 HEADERS_MAX = 1 << 16  # a headers.json this long or longer is not one the outlet wrote (a few formats: < 2 kB)
