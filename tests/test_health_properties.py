@@ -10,15 +10,20 @@ from reconciler.health import HealthEngine, Observation, Topology
 from reconciler.model.cluster import HealthSettings
 
 
-@st.composite
-def fleets(draw):
-    n = draw(st.integers(1, 7))
+def topology_of(draw, servers: int, inbounds_per_server: int) -> Topology:  # type: ignore[no-untyped-def]
+    """A random topology: 1..servers servers in three countries, some probers, 0..inbounds_per_server inbounds each."""
+    n = draw(st.integers(1, servers))
     countries = tuple(draw(st.sampled_from(["DE", "RU", "US"])) for _ in range(n))
     probers = tuple(draw(st.booleans()) for _ in range(n))
-    per_server = [draw(st.integers(0, 2)) for _ in range(n)]
+    per_server = [draw(st.integers(0, inbounds_per_server)) for _ in range(n)]
     inbound_server = tuple(i for i, k in enumerate(per_server) for _ in range(k))
-    topology = Topology(servers=tuple(f"s{i}" for i in range(n)), countries=countries, probers=probers,
-                        inbounds=tuple(f"in{j}" for j in range(len(inbound_server))), inbound_server=inbound_server)
+    return Topology(servers=tuple(f"s{i}" for i in range(n)), countries=countries, probers=probers,
+                    inbounds=tuple(f"in{j}" for j in range(len(inbound_server))), inbound_server=inbound_server)
+
+
+@st.composite
+def fleets(draw):
+    topology = topology_of(draw, 7, 2)
     ticks = draw(st.integers(1, 25))
     seed = draw(st.integers(0, 2**32 - 1))
     cfg = HealthSettings(failure_streak=draw(st.integers(1, 4)), prober_streak=draw(st.integers(1, 9)),

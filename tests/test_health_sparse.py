@@ -14,19 +14,14 @@ from reconciler.health import HealthEngine, HealthState, Observation, Topology
 from reconciler.health import pairs as health_pairs
 from reconciler.health.simulate import Scenario, World, inline_topology
 from reconciler.model.cluster import HealthSettings
+from tests.test_health_properties import topology_of
 
 _STREAK_CAP = 30000
 
 
 @st.composite
 def fleets(draw):
-    n = draw(st.integers(1, 9))
-    countries = tuple(draw(st.sampled_from(["DE", "RU", "US"])) for _ in range(n))
-    probers = tuple(draw(st.booleans()) for _ in range(n))
-    per_server = [draw(st.integers(0, 3)) for _ in range(n)]
-    inbound_server = tuple(i for i, k in enumerate(per_server) for _ in range(k))
-    topology = Topology(servers=tuple(f"s{i}" for i in range(n)), countries=countries, probers=probers,
-                        inbounds=tuple(f"in{j}" for j in range(len(inbound_server))), inbound_server=inbound_server)
+    topology = topology_of(draw, 9, 3)
     cfg = HealthSettings(failure_streak=draw(st.integers(1, 4)), prober_streak=draw(st.integers(1, 9)),
                          recovery_streak=draw(st.integers(1, 3)), min_witnesses=draw(st.integers(2, 3)),
                          evidence=draw(st.sampled_from([1e-7, 1e-2, 0.5])))
