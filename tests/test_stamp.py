@@ -98,15 +98,24 @@ def test_the_real_runners_command_stamps_compares_and_runs_the_facts_script_only
 
 
 def test_a_hostile_same_without_kept_facts_is_not_facts(tmp_path):
+    # A server answering "=same" to an observation that kept nothing for it (its expected stamp was empty): that is
+    # not facts, and nothing is kept from it.
+    import pytest
+
+    from reconciler.engine.adapters import desired
     from reconciler.errors import RemoteError
+    from tests.test_fakehost import NOW
+
+    c = cluster(tmp_path)
+    d = desired(c, c.servers[0], SECRET, NOW, ".")
+    asked: list[Unless | None] = []
 
     class Liar:
-        async def script(self, target, script, request, **kw):  # type: ignore[no-untyped-def]
+        async def script(self, target, script, request, unless=None, **kw):  # type: ignore[no-untyped-def]
+            asked.append(unless)
             return Result(0, SAME + "\n", "")
 
-    try:
-        asyncio.run(gather(Liar(), Target("a", "192.0.2.1"), None, FactsCache()))  # type: ignore[arg-type]
-    except RemoteError as exc:
-        assert "not facts" in str(exc)
-    else:
-        raise AssertionError("an unasked '=same' was taken for facts")
+    cache = FactsCache()
+    with pytest.raises(RemoteError, match="not facts"):
+        asyncio.run(gather(Liar(), Target("a", "192.0.2.1"), d, cache))  # type: ignore[arg-type]
+    assert asked and asked[0] is not None and asked[0].expected == "" and cache.entries == {}

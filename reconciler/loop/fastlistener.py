@@ -67,14 +67,13 @@ def date_line() -> bytes:
 def encode_head(reply: Reply) -> bytes:
     """The status line and the reply's header fields with ``Content-Length``; ``Date``, ``Connection`` and the
     blank line are added per response. A field that would split the head (CR or LF in it) is a bug: ValueError."""
-    lines = [f"HTTP/1.1 {reply.status} {http.HTTPStatus(reply.status).phrase}"]
-    lines += [f"{name}: {value}" for name, value in reply.headers.items()]
-    if reply.status != 304:
-        lines.append(f"Content-Length: {len(reply.body)}")
-    head = "\r\n".join(lines) + "\r\n"
-    if "\n" in head.replace("\r\n", "") or "\r" in head.replace("\r\n", ""):
+    fields = [f"{name}: {value}" for name, value in reply.headers.items()]
+    if any("\r" in field or "\n" in field for field in fields):
         raise ValueError("a header field holds a line break")
-    return head.encode()
+    if reply.status != 304:
+        fields.append(f"Content-Length: {len(reply.body)}")
+    status = f"HTTP/1.1 {reply.status} {http.HTTPStatus(reply.status).phrase}"
+    return "\r\n".join([status, *fields, ""]).encode()
 
 
 class FastListener(Guards):

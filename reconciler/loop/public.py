@@ -130,15 +130,12 @@ class PublicSide:
             region = self._region_of(client_address(remote, headers, self._trusted_proxies))
         doc = self.answers.answer(user, fmt, region)
         varies = None if self._region_of else () if requested else BY_AGENT
-        if doc.refused:  # a disabled or expired user: the renderer's status and its one line, never a 304
-            reply_headers = doc.headers
-        elif none_match(headers.get("If-None-Match"), doc.etag):
-            return Reply(304, b"", {"etag": doc.etag, **_VARY_AGENT} if requested is None else {"etag": doc.etag})
-        else:
-            reply_headers = doc.headers
-        if requested is None:  # the same URL gives a browser the page: caches must tell them apart
-            reply_headers = {**reply_headers, **_VARY_AGENT}
-        return Reply(doc.status, doc.body, reply_headers, varies)
+        # The same URL gives a browser the page: caches must tell them apart.
+        vary = _VARY_AGENT if requested is None else {}
+        # A disabled or expired user gets the renderer's status and its one line, never a 304.
+        if not doc.refused and none_match(headers.get("If-None-Match"), doc.etag):
+            return Reply(304, b"", {"etag": doc.etag, **vary})
+        return Reply(doc.status, doc.body, {**doc.headers, **vary} if vary else doc.headers, varies)
 
     def page(self, token: str, user: str, query: Mapping[str, str], headers: Mapping[str, str], remote: str,
              secure: bool) -> Reply:
