@@ -83,7 +83,7 @@ def test_a_bare_host_is_planned_then_provisioned(tmp_path, runner):
     # spec: GITOPS-3, GITOPS-4 — the plan says what changes; apply does exactly that, and verifies it
     c = cluster(tmp_path)
     [o] = plan(c, runner)
-    assert kinds(o) == [("+", "install-engine")] + [("+", "write-file")] * 9 + [("~", "restart"), ("+", "harden")]
+    assert kinds(o) == [("+", "install-engine")] + [("+", "write-file")] * 10 + [("~", "restart"), ("+", "harden")]
     host = runner.host("a")
     assert host.read(TEMPLATE) is None and host.unit(SERVICE)["active"] == "inactive"
 
@@ -282,8 +282,9 @@ def test_prune_removes_keys_of_inbounds_that_left_and_whole_servers(tmp_path, ru
     observed = plan(smaller, runner, prune=True, previous=previous)
     [oa, ob] = observed
     assert ("-", "remove-file") in kinds(oa) and ob.plan.removed
-    # configuration, its copy, unit, binary, TLS pair, the agent and the per-user counters
-    assert kinds(ob) == [("-", "stop")] + [("-", "remove-file")] * 11
+    # configuration, its copy, unit, binary, TLS pair; the responder's listener stopped; the agent, the responder and
+    # the per-user counters
+    assert kinds(ob) == [("-", "stop")] + [("-", "remove-file")] * 6 + [("-", "stop")] + [("-", "remove-file")] * 6
     results = apply(observed, runner)
     assert all(r.ok for r in results), [r.message for r in results]
     assert a.read("/etc/sing-box/tls/a-tls.crt") is None and a.read("/etc/sing-box/tls/a-tls.key") is None
@@ -507,7 +508,7 @@ def test_a_server_that_left_the_file_is_removed_by_default_unless_kept(tmp_path,
     path = _two_server_file(tmp_path, servers=("a",))
     run = cli("plan", "-f", path)
     assert run.rc == 2 and "server b (192.0.2.2) — left the cluster file" in run.out, run.text
-    assert "- stop sing-box.service" in run.out and "Plan: 0 to add, 0 to change, 10 to destroy." in run.out
+    assert "- stop sing-box.service" in run.out and "Plan: 0 to add, 0 to change, 12 to destroy." in run.out
     assert "left the cluster file" not in cli("plan", "-f", path, "--keep", "b").out  # kept this time
     kept = _two_server_file(tmp_path, servers=("a",), retired=("b",))
     assert cli("plan", "-f", kept).rc == 0  # kept on purpose

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from reconciler.credentials import Redactor, Secret, fingerprint, fingerprint_digest, reality_keys, user_credentials
 from reconciler.engine import remote
 from reconciler.engine.adapters import LAYOUTS, desired
-from reconciler.engine.base import AGENT, RESPONDER, RESPONDER_IDS, RESPONDER_UNIT, USAGE_NFT, ManagedFile
+from reconciler.engine.base import AGENT, RESPONDER, RESPONDER_IDS, RESPONDER_SOCKET, RESPONDER_SOCKET_UNIT, RESPONDER_UNIT, USAGE_NFT, ManagedFile
 from reconciler.engine.scripts import facts as facts_script
 from reconciler.engine.singbox import LAYOUT
 from reconciler.model import Cluster
@@ -98,9 +98,9 @@ def test_bare_host_plan():
     d = desired(cluster(), cluster().servers[0], SECRET, 1.8e9)
     acts = plan_server(d, facts())
     # issue 14: the self-signed certificate is derived on the controller and written like any file (opaque)
-    assert kinds(acts) == [("+", "install-engine")] + [("+", "write-file")] * 9 + [("~", "restart"), ("+", "harden")]
+    assert kinds(acts) == [("+", "install-engine")] + [("+", "write-file")] * 10 + [("~", "restart"), ("+", "harden")]
     assert {a.target for a in acts if a.kind == "write-file"} == {TEMPLATE, UNIT, AGENT, RESPONDER, RESPONDER_IDS,
-                                                                   RESPONDER_UNIT, USAGE_NFT, CERT, KEY}
+                                                                   RESPONDER_UNIT, RESPONDER_SOCKET_UNIT, USAGE_NFT, CERT, KEY}
     key = next(a for a in acts if a.target == KEY)
     assert key.diff.startswith("create: fp:") and "BEGIN" not in render_human([ServerPlan("a", "h", acts)])
 
@@ -112,7 +112,7 @@ def test_a_fresh_reality_server_plans_no_key_generation_and_shows_no_key():
                                 "routes": [{"id": "r", "name": "R"}], "users": [{"name": "alice"}]})
     d = desired(c, c.servers[0], SECRET, 1.8e9)
     acts = plan_server(d, facts())
-    assert kinds(acts) == [("+", "install-engine")] + [("+", "write-file")] * 7 + [("~", "restart"), ("+", "harden")]
+    assert kinds(acts) == [("+", "install-engine")] + [("+", "write-file")] * 8 + [("~", "restart"), ("+", "harden")]
     private = reality_keys(SECRET, "a-in").private_key
     shown = render_human([ServerPlan("a", "192.0.2.1", acts)]) + json.dumps([a.as_json() for a in acts])
     assert private not in shown and '"private_key": "fp:' in shown
@@ -240,17 +240,18 @@ def test_prune_removes_keys_of_inbounds_that_left_and_whole_servers():
     installed = facts(**{**installed.__dict__, "files": {**installed.files, BINARY: "ab" * 32}})
     removal = plan_removal(installed, LAYOUTS)
     assert kinds(removal)[0] == ("-", "stop") and {a.target for a in removal[1:]} == {
-        TEMPLATE, UNIT, BINARY, AGENT, RESPONDER, RESPONDER_IDS, RESPONDER_UNIT, USAGE_NFT}
+        TEMPLATE, UNIT, BINARY, AGENT, RESPONDER, RESPONDER_IDS, RESPONDER_SOCKET_UNIT, RESPONDER_UNIT, USAGE_NFT,
+        RESPONDER_SOCKET}  # the responder's listener is held by systemd: stopped, not only its unit removed
     assert plan_removal(facts(), LAYOUTS) == []
 
 
 def test_human_output_ends_like_terraform():
     p = ServerPlan("a", "192.0.2.1", actions=plan_server(desired(cluster(), cluster().servers[0], SECRET, 1.8e9), facts()))
     text = render_human([p])
-    assert text.strip().endswith("Plan: 11 to add, 1 to change, 0 to destroy.") and "\033[" not in text
+    assert text.strip().endswith("Plan: 12 to add, 1 to change, 0 to destroy.") and "\033[" not in text
     # issue 15: a server that could not be planned is never summarised away
     text = render_human([p, ServerPlan("b", "192.0.2.2", error="cannot connect")])
-    assert "Plan: 11 to add, 1 to change, 0 to destroy." in text
+    assert "Plan: 12 to add, 1 to change, 0 to destroy." in text
     assert text.strip().endswith("Incomplete: 1 server could not be planned (b); what they need is not counted above.")
     assert "! server b (192.0.2.2): cannot observe: cannot connect" in text
     painted = render_human([p], color=True)

@@ -21,6 +21,8 @@ from reconciler.engine.base import (
     AGENT_SOURCE,
     RESPONDER,
     RESPONDER_IDS,
+    RESPONDER_SOCKET_TEXT,
+    RESPONDER_SOCKET_UNIT,
     RESPONDER_SOURCE,
     RESPONDER_UNIT,
     RESPONDER_UNIT_TEXT,
@@ -92,6 +94,7 @@ def desired(cluster: Cluster, server: Server, secret: Secret, now: float, base_d
              ManagedFile(AGENT, AGENT_SOURCE, 0o755, engine=False, summary=True),
              ManagedFile(RESPONDER, RESPONDER_SOURCE, 0o755, engine=False, summary=True),
              ManagedFile(RESPONDER_UNIT, RESPONDER_UNIT_TEXT.encode(), 0o644, engine=False),
+             ManagedFile(RESPONDER_SOCKET_UNIT, RESPONDER_SOCKET_TEXT.encode(), 0o644, engine=False),
              ManagedFile(RESPONDER_IDS, responder_ids(server), 0o644, engine=False),
              ManagedFile(USAGE_NFT, USAGE_NFT_TEXT.encode(), 0o644, engine=False),
              *tls_files(server, secret, layout, base_dir, acme_dir(cluster, base_dir), cluster.controller_private())]

@@ -42,21 +42,33 @@ RESPONDER_HOST = "127.0.0.1"
 RESPONDER_IDS = "/etc/reconciler/responder.json"  # this server's inbounds as an order names them (``responder.rank_id``)
 RESPONDER_SERVICE = "reconciler-responder.service"
 RESPONDER_UNIT = f"/etc/systemd/system/{RESPONDER_SERVICE}"
+RESPONDER_SOCKET = "reconciler-responder.socket"
+RESPONDER_SOCKET_UNIT = f"/etc/systemd/system/{RESPONDER_SOCKET}"
+# Socket-activated: systemd holds the listener from the engine's start on, and the responder (a Python start and
+# asyncio's import: ~40 ms of a server's CPU) starts at the first probe, not during every apply's restart. Started
+# directly (the engine's PartOf restart of a running one), it is handed the same socket; with none (its socket unit
+# failed: the port was still held by an older responder), it listens itself.
 RESPONDER_UNIT_TEXT = f"""\
-# Managed by reconciler: the probe responder (loopback only), started with the proxy engine.
+# Managed by reconciler: the probe responder (loopback only), started by its socket at the first probe.
 [Unit]
 Description=reconciler probe responder (managed by reconciler)
 PartOf=sing-box.service mihomo.service
 
 [Service]
-ExecStart=/usr/bin/python3 {RESPONDER} {RESPONDER_HOST}:{RESPONDER_PORT}
-Restart=always
+ExecStart=/usr/bin/python3 -I -S {RESPONDER} {RESPONDER_HOST}:{RESPONDER_PORT}
+Restart=on-failure
 RestartSec=2s
 DynamicUser=yes
 MemoryMax=64M
+"""
+RESPONDER_SOCKET_TEXT = f"""\
+# Managed by reconciler: the probe responder's listener (loopback only), pulled in by the proxy engine's unit.
+[Unit]
+Description=reconciler probe responder listener (managed by reconciler)
 
-[Install]
-WantedBy=multi-user.target
+[Socket]
+ListenStream={RESPONDER_HOST}:{RESPONDER_PORT}
+Backlog=1024
 """
 CLASH_API = "127.0.0.1:9090"  # every engine's statistics API, on the server's loopback
 
@@ -164,11 +176,11 @@ def unit_text(description: str, *service: str) -> str:
     """An engine's systemd unit: ``service`` lines (how it starts) and what every engine shares (reload by SIGHUP,
     restart on failure, file limit)."""
     # The responder's digest: a new responder restarts the engine, and with it (PartOf) the responder.
-    responder = hashlib.sha256(RESPONDER_SOURCE + RESPONDER_UNIT_TEXT.encode()).hexdigest()[:12]
+    responder = hashlib.sha256(RESPONDER_SOURCE + RESPONDER_UNIT_TEXT.encode() + RESPONDER_SOCKET_TEXT.encode()).hexdigest()[:12]
     lines = [
         "# Managed by reconciler: edits here are drift and will be corrected.", f"# probe responder {responder}", "[Unit]",
         f"Description={description} (managed by reconciler)", "After=network-online.target",
-        f"Wants=network-online.target {RESPONDER_SERVICE}", "", "[Service]", f"ExecStartPre=-{USAGE_LOAD}", *service,
+        f"Wants=network-online.target {RESPONDER_SOCKET}", "", "[Service]", f"ExecStartPre=-{USAGE_LOAD}", *service,
         "ExecReload=/bin/kill -HUP $MAINPID",
         "Restart=on-failure", "RestartSec=2s", "LimitNOFILE=1048576", "", "[Install]", "WantedBy=multi-user.target",
     ]

@@ -2,7 +2,8 @@
 """The probe responder: what a probe or a user's app fetches *through* an inbound to see the flow work (HEALTH-16).
 
 Python 3 standard library only, installed on every server as a managed file
-(``/usr/local/lib/reconciler/responder.py``) and run by its own unit, which the engine's unit pulls in. It
+(``/usr/local/lib/reconciler/responder.py``) and run by its own unit, socket-activated: the engine's unit pulls in
+the listener (systemd holds it) and the responder starts at the first request (``handed_socket``). It
 listens on the server's loopback only (the engine's ``direct`` outbound reaches it; nothing outside does) and
 answers ``GET /pad/<n>`` with ``204 No Content`` whose *headers* carry ``n`` bytes of padding.
 
@@ -136,8 +137,28 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         writer.close()
 
 
+def handed_socket() -> Any:
+    """The listening socket systemd hands over (socket activation: ``LISTEN_PID`` names this process, ``LISTEN_FDS``
+    at least one, the first is fd 3), or None: then the responder listens itself."""
+    if os.environ.get("LISTEN_PID") != str(os.getpid()):
+        return None
+    try:
+        count = int(os.environ.get("LISTEN_FDS", "0"))
+    except ValueError:
+        return None
+    if count < 1:
+        return None
+    import socket
+
+    return socket.socket(fileno=3)
+
+
 async def main(host: str, port: int) -> None:
-    server = await asyncio.start_server(serve, host, port, limit=LINE * 2, reuse_address=True)
+    sock = handed_socket()
+    if sock is not None:
+        server = await asyncio.start_server(serve, sock=sock, limit=LINE * 2)
+    else:
+        server = await asyncio.start_server(serve, host, port, limit=LINE * 2, reuse_address=True)
     async with server:
         await server.serve_forever()
 

@@ -16,7 +16,18 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from reconciler.credentials import Redactor, fingerprint_digest
-from reconciler.engine.base import AGENT, RESPONDER, RESPONDER_IDS, RESPONDER_UNIT, USAGE_NFT, DesiredServer, Layout, ManagedFile
+from reconciler.engine.base import (
+    AGENT,
+    RESPONDER,
+    RESPONDER_IDS,
+    RESPONDER_SOCKET,
+    RESPONDER_SOCKET_UNIT,
+    RESPONDER_UNIT,
+    USAGE_NFT,
+    DesiredServer,
+    Layout,
+    ManagedFile,
+)
 from reconciler.plan.facts import Facts
 from reconciler.text import plural, printable, printable_json
 
@@ -254,7 +265,10 @@ def plan_removal(facts: Facts, layouts: tuple[Layout, ...]) -> list[Action]:
         if found:
             actions.append(Action("-", "stop", engine.service, "the server left the cluster file (prune)"))
             actions += [Action("-", "remove-file", p, "the server left the cluster file (prune)") for p in found]
-    shared = [p for p in (AGENT, RESPONDER, RESPONDER_IDS, RESPONDER_UNIT, USAGE_NFT) if facts.files.get(p)]
+    shared = [p for p in (AGENT, RESPONDER, RESPONDER_IDS, RESPONDER_SOCKET_UNIT, RESPONDER_UNIT, USAGE_NFT)
+              if facts.files.get(p)]
+    if RESPONDER_SOCKET_UNIT in shared:  # systemd holds its listener: stopped, not only its file removed
+        actions.append(Action("-", "stop", RESPONDER_SOCKET, "the server left the cluster file (prune)"))
     if actions or shared:  # the agent and the per-user counters (their nftables table goes with its file)
         actions += [Action("-", "remove-file", p, "the server left the cluster file (prune)") for p in shared]
     return actions

@@ -82,11 +82,13 @@ def ssh(lab: Lab, host, command: str, timeout: float = 60) -> subprocess.Complet
 def reset_hosts(lab: Lab) -> None:
     """Bring every host back to bare: no engine, no config, no lock (between tests)."""
     for h in lab.state.hosts:
-        ssh(lab, h, "systemctl disable --now sing-box mihomo reconciler-firewall reconciler-responder 2>/dev/null; "
+        ssh(lab, h, "systemctl disable --now sing-box mihomo reconciler-firewall reconciler-responder "
+                    "reconciler-responder.socket 2>/dev/null; "
                     "nft delete table inet reconciler 2>/dev/null; nft delete table inet reconciler_usage 2>/dev/null; "
                     "rm -rf /etc/sing-box /usr/local/bin/sing-box* "
                     "/etc/mihomo /var/lib/mihomo /usr/local/bin/mihomo* /etc/systemd/system/mihomo.service "
-                    "/etc/reconciler /etc/systemd/system/reconciler-firewall.service /etc/systemd/system/reconciler-responder.service "
+                    "/etc/reconciler /etc/systemd/system/reconciler-firewall.service "
+                    "/etc/systemd/system/reconciler-responder.service /etc/systemd/system/reconciler-responder.socket "
                     "/usr/local/lib/reconciler /etc/systemd/system/sing-box.service /run/reconciler.lock; systemctl daemon-reload")
     lab.unblock_all()
 
