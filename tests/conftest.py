@@ -24,6 +24,17 @@ class Run:
         return self.out + self.err
 
 
+@pytest.fixture(autouse=True)
+def _no_release_versions_from_other_tests():
+    """What a release's binary reported is kept per process (``reconciler.apply.engine.known``): each test starts
+    knowing none, as a fresh ``reconciler apply`` without a state folder would."""
+    from reconciler.apply import engine
+
+    engine._VERSIONS.clear()
+    yield
+    engine._VERSIONS.clear()
+
+
 @pytest.fixture
 def cli(capsys: pytest.CaptureFixture[str]):
     """Run `reconciler ARGS…` in-process; returns exit code and captured output."""

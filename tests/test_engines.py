@@ -340,6 +340,9 @@ def test_engine_pin_writes_the_hashes_and_capabilities_in_place(tmp_path, mirror
     assert "capabilities: []" in text  # the fake engine prints no build tags: it claims nothing
     assert "arm64" in run.err  # the mirror has no arm64 release: said, not fatal
     assert "engine-unpinned" not in cli("validate", "-f", str(path), "--json").out
+    # what the release's binary printed is kept in the state folder: servers then stage it in their commit's session
+    [kept] = tmp_path.rglob("releases.json")
+    assert "1.14.4" in json.loads(kept.read_text())[mirror["sha256"]]
 
 
 def test_engine_pin_learns_the_capabilities_of_a_real_build(tmp_path, monkeypatch, cli):
@@ -546,6 +549,88 @@ def test_servers_downloading_one_release_start_its_binary_once_for_the_version(t
     results = apply(plan(Cluster.model_validate(doc), runner), runner)
     assert all(r.ok for r in results), [r.message for r in results]
     assert all(b"1.14.4" in (runner.host(n).read("/usr/local/bin/sing-box.version") or b"") for n in "abc")
+
+
+def _commit_calls(runner: FakeRunner, server: str) -> list[dict]:
+    """The commits run for ``server``, on their own or in the lock's session."""
+    return [q for s, name, q in runner.calls
+            if s == server and (name == "commit" or (name == "lock" and q.get("then_name") == "commit"))]
+
+
+def test_a_known_release_is_staged_by_the_commit_in_the_locks_session(tmp_path, runner, mirror, monkeypatch):
+    # A release whose binary's version is known (a server answered it before; the state folder keeps it) is fetched
+    # and checked against the pin by the commit itself, in the lock's session: no engine step, one session in all.
+    from reconciler.apply import engine
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    c = cluster(tmp_path, engine={"install": "download", "url": mirror["zst_url"], "sha256": {"amd64": mirror["zst_sha256"]},
+                                  "capabilities": ["reality", "quic", "clash-api"]})
+    [r] = apply(plan(c, runner), runner)
+    assert r.ok, r.message
+    learned = engine.known()
+    assert list(learned) == [mirror["zst_sha256"]] and "1.14.4" in learned[mirror["zst_sha256"]]
+    host = runner.host("a")
+    for path in ("/usr/local/bin/sing-box", "/usr/local/bin/sing-box.version", "/usr/local/bin/sing-box.sha256"):
+        host.path(path).unlink()
+    runner.calls.clear()
+    [r] = apply(plan(c, runner), runner)
+    assert r.ok, r.message
+    assert host.read("/usr/local/bin/sing-box") == mirror["binary"]
+    assert host.read("/usr/local/bin/sing-box.sha256").decode() == mirror["zst_sha256"]
+    assert host.read("/usr/local/bin/sing-box.version").decode() == learned[mirror["zst_sha256"]]
+    assert [name for s, name, _ in runner.calls if s == "a" and not name.startswith("facts")] == ["lock"]
+    assert not engine_requests(runner) and r.details["commit"]["engine"]["ok"] is True
+    assert not host.path("/run/reconciler.lock").exists()  # the commit released it
+    assert not list(host.path("/usr/local/bin").glob("*.reconciler-new*"))
+
+
+def test_a_known_release_whose_file_differs_from_the_pin_is_refused_and_the_lock_given_back(tmp_path, runner, mirror,
+                                                                                          monkeypatch):
+    from reconciler.apply import engine
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    wrong = "0" * 64
+    engine.learn({wrong: "sing-box version 1.14.4\n"})
+    c = cluster(tmp_path, engine={"install": "download", "url": mirror["zst_url"], "sha256": {"amd64": wrong},
+                                  "capabilities": ["reality", "quic", "clash-api"]})
+    [r] = apply(plan(c, runner), runner)
+    assert not r.ok and "not the pinned" in r.message and "nothing installed" in r.message, r.message
+    host = runner.host("a")
+    assert host.read("/usr/local/bin/sing-box") is None and host.read("/etc/sing-box/config.json") is None
+    assert not host.path("/run/reconciler.lock").exists()  # given back by the apply: the commit changed nothing
+    assert not list(host.path("/usr/local/bin").glob("*.reconciler-new*"))
+    good = cluster(tmp_path, engine={"install": "download", "url": mirror["zst_url"],
+                                     "sha256": {"amd64": mirror["zst_sha256"]}, "capabilities": ["reality", "quic", "clash-api"]})
+    [r] = apply(plan(good, runner), runner)
+    assert r.ok, r.message
+
+
+def test_a_known_release_the_server_cannot_unpack_is_uploaded_under_the_same_lock(tmp_path, mirror, monkeypatch):
+    # No libzstd there: the commit's staging says so (nothing changed, the lock still taken), the controller unpacks
+    # the same pinned file and uploads its binary (gzip), and the commit runs again.
+    from reconciler.apply import engine
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    runner = FactsSaying(tmp_path / "hosts", "")
+    engine.learn({mirror["zst_sha256"]: "sing-box version 1.14.4\n"})
+    c = cluster(tmp_path, engine={"install": "download", "url": mirror["zst_url"], "sha256": {"amd64": mirror["zst_sha256"]},
+                                  "capabilities": ["reality", "quic", "clash-api"]})
+    [r] = apply(plan(c, runner), runner)
+    assert r.ok, r.message
+    host = runner.host("a")
+    assert host.read("/usr/local/bin/sing-box") == mirror["binary"]
+    assert [(q["mode"], q.get("codec")) for q in engine_requests(runner)] == [("upload", "gzip")]
+    commits = _commit_calls(runner, "a")
+    assert len(commits) == 2 and [name for s, name, _ in runner.calls if s == "a"][1] == "lock"
+    assert not host.path("/run/reconciler.lock").exists()
+
+
+def test_release_versions_from_the_state_folder_are_checked():
+    from reconciler.apply import engine
+
+    engine.learn({"zz": "v", "a" * 64: 5, "b" * 64: "", "C" * 64: "v", "c" * 64: "sing-box version 1.14.4", 7: "v"})
+    engine.learn(["not", "a", "mapping"])
+    assert engine.known() == {"c" * 64: "sing-box version 1.14.4"}
 
 
 # --------------------------------------------------------------------------- the upload's codec

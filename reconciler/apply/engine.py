@@ -45,6 +45,50 @@ _ASKED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.F
 
 _PACKED: dict[str, tuple[bytes, str]] = {}
 
+#: What a release's binary reports as its version, by the release's sha256 (the same bytes report the same version),
+#: as a server that staged it answered. A server downloading a release known here stages it in its commit's own
+#: session (``in_commit``); the state folder keeps it between runs (``known``, ``learn``).
+_VERSIONS: dict[str, str] = {}
+_SHA256 = frozenset("0123456789abcdef")
+
+
+def learn(entries: object) -> None:
+    """Versions known from before (the state folder's record: hostile input like any file, odd entries dropped)."""
+    if isinstance(entries, dict):
+        for pin, version in entries.items():
+            if (isinstance(pin, str) and len(pin) == 64 and set(pin) <= _SHA256 and isinstance(version, str)
+                    and 0 < len(version) <= 4096):
+                _VERSIONS.setdefault(pin, version)
+
+
+def known() -> dict[str, str]:
+    """Every release version known to this process (what the state folder keeps)."""
+    return dict(_VERSIONS)
+
+
+def in_commit(o: Observed) -> tuple[dict[str, Any], list[list[str]]] | None:
+    """For a server that downloads a release whose version is known and is the one wanted: the commit's ``stage``
+    request (the engine script's, with its source) and the moves it stages; None otherwise (``stage_engine`` first).
+    The server checks the download against the pin as ever; the version is the one its bytes report."""
+    d = o.desired
+    assert d is not None and o.facts is not None
+    engine, b = d.engine, d.binary
+    arch = SUPPORTED_ARCH.get(o.facts.arch, o.facts.arch)
+    pin = b.pin_for(arch) if b.url and not b.local_path else None
+    version = _VERSIONS.get(pin) if pin else None
+    if version is None or parse_version(version) != b.version:
+        return None
+    tmp = f"{engine.binary}.reconciler-new"
+    req = {"tmp": tmp, "version_args": list(engine.version_args), "name": engine.process, "mode": "download",
+           "url": release.release_url(b.url or "", arch), "sha256": pin, "version": version, "library": o.facts.zstd,
+           "source": remote.ENGINE.source}
+    return req, _moves(tmp, engine.binary)
+
+
+def _moves(tmp: str, binary: str) -> list[list[str]]:
+    """A staged binary and its sidecars into place, the binary first."""
+    return [[tmp, binary], [f"{tmp}.sha256", f"{binary}.sha256"], [f"{tmp}.version", f"{binary}.version"]]
+
 
 ENGINE_UPLOAD_SECONDS = lock.LONGEST_STEP_SECONDS
 
@@ -76,6 +120,8 @@ async def _download_engine(runner: Runner, o: Observed, req: dict[str, Any], url
         if asking and not asked.done():  # always answered, so that no other server waits for it
             said = answered.get("version") if answered.get("ok") else None
             asked.set_result((str(answered.get("sha256", "")).strip(), said) if isinstance(said, str) else None)
+            if isinstance(said, str) and str(answered.get("sha256", "")).strip() == pin and parse_version(said):
+                _VERSIONS[pin] = said
     staged = answered
     sidecar: list[dict[str, Any]] = []
     if staged["ok"] and staged.get("version") is None:  # left to the asker: same sha256, same version
@@ -89,8 +135,8 @@ async def _download_engine(runner: Runner, o: Observed, req: dict[str, Any], url
     return staged, sidecar
 
 
-async def _download_or_fetch(runner: Runner, o: Observed, req: dict[str, Any],
-                             releases: str) -> tuple[dict[str, Any], list[dict[str, Any]], str | None]:
+async def _download_or_fetch(runner: Runner, o: Observed, req: dict[str, Any], releases: str,
+                             tried: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]], str | None]:
     """``install: download`` from ``releases`` (the binary's url): (the server's answer, the sidecar, None) when it
     staged the release itself; when it could not fetch or unpack it, the path of the binary the controller fetched
     (and checked) for the upload."""
@@ -104,7 +150,7 @@ async def _download_or_fetch(runner: Runner, o: Observed, req: dict[str, Any],
                                  f"no sha256 pinned for {arch} releases of {engine.name} {b.version}: run "
                                  "`reconciler engine pin` (it downloads once, checks the build and writes the pins)")
     url = release.release_url(releases, arch)
-    staged, sidecar = await _download_engine(runner, o, req, url, pin)
+    staged, sidecar = (tried, []) if tried is not None else await _download_engine(runner, o, req, url, pin)
     if staged["ok"]:
         return staged, sidecar, None
     if staged.get("kind") not in ("fetch", "codec"):
@@ -160,7 +206,8 @@ async def _check_staged(runner: Runner, o: Observed, staged: dict[str, Any], tmp
         raise RemoteCommandError(o.plan.server, "install engine", None, problem)
 
 
-async def stage_engine(runner: Runner, o: Observed) -> tuple[list[list[str]], list[dict[str, Any]]]:
+async def stage_engine(runner: Runner, o: Observed,
+                       tried: dict[str, Any] | None = None) -> tuple[list[list[str]], list[dict[str, Any]]]:
     """The engine binary, checked (sha256, version) and staged under a temporary name with its sidecars; the
     commit moves them into place. Returns those moves, the binary first, and the sidecar the commit writes
     (the version another server's identical binary reported).
@@ -169,6 +216,8 @@ async def stage_engine(runner: Runner, o: Observed) -> tuple[list[list[str]], li
     uplink) and refuses a file whose sha256 differs from the pin for its architecture, installing nothing.
     When the server cannot fetch it (no route out, a missing file) or unpack it (a zstd release, no libzstd
     there), the controller fetches it once, checks the same pin, and uploads the binary: the fallback.
+    ``tried``: the answer of a download the server already attempted in its commit (``in_commit``) and could not
+    make: the fallback at once.
     ``install: upload``: the controller's binary, compressed (zstd where the server has libzstd, else gzip)."""
     d = o.desired
     assert d is not None and o.facts is not None
@@ -178,15 +227,14 @@ async def stage_engine(runner: Runner, o: Observed) -> tuple[list[list[str]], li
     sidecar: list[dict[str, Any]] = []
     local = b.local_path
     if b.url and not local:
-        staged, sidecar, local = await _download_or_fetch(runner, o, req, b.url)
+        staged, sidecar, local = await _download_or_fetch(runner, o, req, b.url, tried)
     if local:
         staged = await _upload_engine(runner, o, req, local)
     elif not b.url:
         raise RemoteCommandError(o.plan.server, "install engine", None,
                                  "no engine binary: set settings.engine.binary, or install: download with a url")
     await _check_staged(runner, o, staged, tmp)
-    bin_ = engine.binary
-    return [[tmp, bin_], [f"{tmp}.sha256", f"{bin_}.sha256"], [f"{tmp}.version", f"{bin_}.version"]], sidecar
+    return _moves(tmp, engine.binary), sidecar
 
 
 _PACKING = threading.Lock()  # servers stage in threads: one packs, the others wait for its bytes

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from reconciler.apply.engine import stage_engine
+from reconciler.apply.engine import ENGINE_UPLOAD_SECONDS, in_commit, stage_engine
 from reconciler.credentials import Redactor
 from reconciler.engine import remote
 from reconciler.engine.base import USAGE_NFT, USAGE_TABLE
@@ -217,24 +217,29 @@ async def _transaction(runner: Runner, o: Observed, phase: Callable[[str], None]
 
 async def _commit(runner: Runner, o: Observed, phase: Callable[[str], None], result: ServerResult, verify_timeout: float,
                   held: _Held, release: bool, keep_backups: bool = False) -> None:
-    """Stage what the plan changes, then one commit round trip: render, check, swap, restart, verify."""
+    """Stage what the plan changes, then one commit round trip: render, check, swap, restart, verify. A release whose
+    version is known is downloaded by the commit itself (``engine.in_commit``): with the lock, one session in all."""
     d = o.desired
     assert d is not None and o.facts is not None
     engine = d.engine
-    moves: list[list[str]] = []
-    binary_new = None
-    files: list[dict[str, Any]] = []
+    staged: list[list[str]] = []
+    sidecar: list[dict[str, Any]] = []
+    stage: dict[str, Any] | None = None
     if _of(o, "install-engine"):
         phase("install engine")
-        staged_moves, files = await stage_engine(runner, o)
-        moves += staged_moves
-        binary_new = moves[0][0]
+        quick = in_commit(o)
+        if quick is not None:
+            stage, staged = quick
+        else:
+            staged, sidecar = await stage_engine(runner, o)
     phase("configure")
     by_path = {f.path: f for f in d.files}
+    written: list[dict[str, Any]] = []
+    moves: list[list[str]] = []
     for a in _of(o, "write-file"):
         f = by_path[a.target]
         tmp = f"{f.path}.reconciler-new"
-        files.append({"path": tmp, "data": base64.b64encode(f.content).decode(), "mode": f.mode})
+        written.append({"path": tmp, "data": base64.b64encode(f.content).decode(), "mode": f.mode})
         moves.append([tmp, f.path])
     action = next((a.kind for a in o.plan.actions if a.kind in SERVICE_KINDS), "none")
     retire = [a.target for a in _of(o, "stop")]
@@ -242,26 +247,47 @@ async def _commit(runner: Runner, o: Observed, phase: Callable[[str], None], res
         action = "restart"  # the retired engine held the ports: the new one starts once it is stopped
     phase("start")
     req = {
-        "files": files, "moves": moves, "binary_new": binary_new, "engine": engine.name,
-        "template": engine.template, "template_new": f"{engine.template}.reconciler-new", "config": engine.config,
-        "config_new": f"{engine.config}.reconciler-new", "binary": engine.binary, "service": engine.service,
-        "check": list(engine.check), "dir": engine.config_dir, "retire": retire,
+        "files": sidecar + written, "moves": staged + moves, "binary_new": staged[0][0] if staged else None,
+        "engine": engine.name, "template": engine.template, "template_new": f"{engine.template}.reconciler-new",
+        "config": engine.config, "config_new": f"{engine.config}.reconciler-new", "binary": engine.binary,
+        "service": engine.service, "check": list(engine.check), "dir": engine.config_dir, "retire": retire,
         "action": action, "listeners": [list(x) for x in d.listeners], "verify_timeout": verify_timeout,
-        "lock": lock.LOCK_DIR if release else None, "keep_backups": keep_backups,
+        "lock": lock.LOCK_DIR if release else None, "keep_backups": keep_backups, "stage": stage,
         # A server changing engines is serving with the old one: the new configuration is checked before anything moves.
         "running": o.facts.active == "active" or bool(retire),
+        # systemd knew no such unit when observed: enabled and started at once (if that fails, the long way)
+        "fresh": o.facts.enabled == "not-found" and not retire,
     }
-    lock.check(held.fence, o.plan.server, "the commit")
-    if release:
-        await held.hand_over()
-    res = await runner.script(o.target, remote.COMMIT, req, timeout=verify_timeout * 3 + 60)
+    commit = await _send_commit(runner, o, req, held, release, verify_timeout)
+    if stage is not None and not commit["ok"] and commit.get("stage") == "engine":
+        # The server could not stage the release in its commit: nothing changed, and the lock is still ours.
+        held.handed = False
+        tried = commit.get("engine")
+        tried = tried if isinstance(tried, dict) and tried.get("ok") is False else {"ok": False, "error": commit.get("error")}
+        if tried.get("kind") not in ("fetch", "codec"):
+            raise RemoteCommandError(o.plan.server, "install engine", None, str(tried.get("error"))[:600])
+        phase("install engine")
+        staged, sidecar = await stage_engine(runner, o, tried=tried)  # the controller fetches it and uploads it
+        phase("start")
+        req.update(files=sidecar + written, moves=staged + moves, binary_new=staged[0][0], stage=None)
+        commit = await _send_commit(runner, o, req, held, release, verify_timeout)
     phase("verify")
-    commit = answer(res, o.target, remote.COMMIT, {"ok": bool})
     result.details["commit"] = commit
     if not commit["ok"]:
         result.rolled_back = bool(commit.get("rolled_back"))
         where = "rolled back to the previous configuration" if result.rolled_back else "nothing was changed"
         raise CommitFailed(f"{str(commit.get('stage'))[:60]} failed: {str(commit.get('error'))[:600]} — {where}", o.plan.server)
+
+
+async def _send_commit(runner: Runner, o: Observed, req: dict[str, Any], held: _Held, release: bool,
+                       verify_timeout: float) -> dict[str, Any]:
+    """The commit's round trip (with the lock's, when the lock is taken by it): its answer."""
+    lock.check(held.fence, o.plan.server, "the commit")
+    if release:
+        await held.hand_over()
+    timeout = verify_timeout * 3 + 60 + (ENGINE_UPLOAD_SECONDS if req.get("stage") else 0)
+    res = await runner.script(o.target, remote.COMMIT, req, timeout=timeout)
+    return answer(res, o.target, remote.COMMIT, {"ok": bool})
 
 
 FIREWALL_PATHS = {"confirm": "/run/reconciler-firewall.ok", "loaded": "/run/reconciler-firewall.loaded",

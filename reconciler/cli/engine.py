@@ -78,10 +78,25 @@ def cmd_pin(args: argparse.Namespace) -> int:
         kept: dict[str, str] = {str(a): d for a, d in settings.sha256.items()} if isinstance(settings.sha256, dict) else {}
         merged = {**{a: d for a, d in kept.items() if a in pinned.missing}, **pinned.sha256}  # a failed fetch keeps its pin
         pin_engine(path, settings.name, merged, pinned.capabilities)
+        _remember_versions(path, cluster, pinned.versions)
         shown = ", ".join(f"{arch} sha256:{digest[:16]}…" for arch, digest in sorted(merged.items()))
         caps = ", ".join(pinned.capabilities) if pinned.capabilities is not None else "unknown (no release runs here)"
         print(f"pinned {settings.name} {settings.version} in {path}: {shown}; capabilities: {caps}")
     return 0
+
+
+def _remember_versions(path: str, cluster: Cluster, versions: dict[str, str]) -> None:
+    """What the pinned release's binary printed for its version, kept in the state folder: an apply then lets each
+    server download it in its commit's own session (the version needs no server to run it first)."""
+    from reconciler.apply import engine as staging
+    from reconciler.cli.common import state_of
+
+    if not versions:
+        return
+    state = state_of(path, cluster)
+    staging.learn(state.release_versions())
+    staging.learn(versions)
+    state.remember_release_versions(staging.known())
 
 
 def _settings(cluster: Cluster) -> list[EngineSettings]:

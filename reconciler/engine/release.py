@@ -22,9 +22,9 @@ import tempfile
 import threading
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from reconciler.engine.capabilities import CAPABILITIES, MIHOMO, Capability, learn
+from reconciler.engine.capabilities import CAPABILITIES, MIHOMO, Capability, learn, local_version
 from reconciler.engine.scripts import engine as script
 from reconciler.engine.scripts.facts import zstd_library
 from reconciler.errors import ReleaseError
@@ -111,6 +111,9 @@ class Pinned:
     sha256: dict[str, str]  # arch → sha256 of its release file
     capabilities: tuple[Capability, ...] | None  # what the build this machine could run can do
     missing: dict[str, str]  # arch → why it has no pin
+    #: release sha256 → what its binary printed for its version, for the release this machine could run (apply then
+    #: lets a server download it in its commit's session: ``reconciler.apply.engine.in_commit``)
+    versions: dict[str, str] = field(default_factory=dict)
 
 
 def pin_release(settings: EngineSettings, arches: tuple[str, ...] = ARCHES,
@@ -120,7 +123,7 @@ def pin_release(settings: EngineSettings, arches: tuple[str, ...] = ARCHES,
     if not settings.url:
         raise ReleaseError("settings.engine.url is not set: nothing to pin (set install: download and its url)")
     base = settings.url.replace("{version}", settings.version)
-    pins, missing = {}, {}
+    pins, missing, versions = {}, {}, {}
     capabilities: tuple[Capability, ...] | None = None
     for arch in arches:
         url = release_url(base, arch)
@@ -135,6 +138,9 @@ def pin_release(settings: EngineSettings, arches: tuple[str, ...] = ARCHES,
             if arch == LOCAL_ARCH:
                 name = "sing-box" if settings.name == "sing-box" else "mihomo"
                 binary = fetch_binary(url, digest, name, fetched=path)  # unpacked from this fetch, not a second one
+                said = local_version(binary, ("-v",) if settings.name == "mihomo" else ("version",), named_by_operator=True)
+                if said is not None:
+                    versions[digest] = said
                 if settings.name == "mihomo":
                     capabilities = MIHOMO
                 else:
@@ -147,4 +153,4 @@ def pin_release(settings: EngineSettings, arches: tuple[str, ...] = ARCHES,
         finally:
             if os.path.exists(path):
                 os.remove(path)
-    return Pinned(pins, capabilities, missing)
+    return Pinned(pins, capabilities, missing, versions)

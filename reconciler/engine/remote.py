@@ -25,6 +25,8 @@ COMMIT = Script("commit", source("commit"), stdin=True, survive=True)
 ENGINE = Script("engine", source("engine"))
 FIREWALL = Script("firewall", source("firewall"))
 LOCK = Script("lock", source("lock"))
+#: The lock script carrying a commit (``then``): under ``setsid -w`` like the commit alone.
+LOCK_SURVIVING = Script("lock", LOCK.source, survive=True)
 FILES = Script("files", source("files"))
 ACME = Script("acme", source("acme"))
 #: The collection agent: installed by apply (a managed file), run from there every report interval.

@@ -146,13 +146,16 @@ async def _settle(runner: Runner, target: Target, server: str, request: dict[str
 
 class Deferred:
     """A runner (for one server's apply) whose first script takes the server's lock in the same session: the lock
-    script takes it, then runs that script in its own Python process (``then``): one round trip and one Python
+    script takes it, then runs that script in the same Python process (``then``): one round trip and one Python
     start less per server, ~35 ms of a cold server's CPU (on a machine shared by many servers: wall time).
 
     The lock is the same as ``acquire``'s: a live one raises ``LockHeld`` (the script never ran; what it had on
     stdin was read and dropped), a stale one is taken over and the script then runs on its own, a newer fence is
-    refused. A script that reads its request on stdin, or runs detached or over a fresh connection, is preceded
-    by ``acquire`` instead. ``is_taken`` is set once the lock is ours (until then, releasing it is not ours to do)."""
+    refused. A script that reads its request on stdin (the commit) has it read for it by the lock script; one that
+    survives a dropped session (the commit) runs with the lock script under ``setsid -w``, and is never given back
+    from here when the session fails (it finishes and releases on its own). A script that runs detached, over a fresh
+    connection, or with other bytes on stdin besides a request on stdin, is preceded by ``acquire`` instead.
+    ``is_taken`` is set once the lock is ours (until then, releasing it is not ours to do)."""
 
     def __init__(self, runner: Runner, target: Target, server: str, dirs: Sequence[str], private: Sequence[str],
                  fence: Fence | None):
@@ -173,23 +176,30 @@ class Deferred:
                      timeout: float = 120.0, detach: bool = False, fresh: bool = False,
                      unless: Unless | None = None) -> Result:
         if self.pending and target == self.target and unless is None:
-            if script.stdin or detach or fresh:
+            if detach or fresh or (script.stdin and input is not None):
                 await self._take_alone()
             else:
                 self.pending = False
                 now = self.since = time.time()
                 plain = _request(self.server, self.dirs, self.private, now, self.fence)
+                then: dict[str, Any] = {"then": script.source, "then_name": script.name}
+                if script.stdin:  # its request on stdin, read by the lock script for it
+                    then.update(then_reads_request=True, then_stdin=True)
+                    input = (script.prepare(request)[1] or "").encode()
+                else:
+                    then.update(then_request=dict(request), then_stdin=input is not None)
                 try:
-                    res = await self.runner.script(target, remote.LOCK, {
-                        **plain, "then": script.source, "then_name": script.name, "then_request": dict(request),
-                        "then_stdin": input is not None}, input=input, timeout=timeout)
+                    res = await self.runner.script(target, remote.LOCK_SURVIVING if script.survive else remote.LOCK,
+                                                   {**plain, **then}, input=input, timeout=timeout)
                     lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
                     got = answer(Result(res.code, lines[0] if lines else "", res.stderr), target, remote.LOCK,
                                  {"ok": bool})
                 except BaseException:  # the lock may be ours by now (the step failed under it): given back if so
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(self.runner.script(target, remote.LOCK, {
-                            "op": "release", "lock": LOCK_DIR, "holder_file": LOCK_FILE, "holder": plain["holder"]}), 30)
+                    if not script.survive:  # ... unless that step goes on without us (a commit): it releases it
+                        with contextlib.suppress(Exception):
+                            await asyncio.wait_for(self.runner.script(target, remote.LOCK, {
+                                "op": "release", "lock": LOCK_DIR, "holder_file": LOCK_FILE, "holder": plain["holder"]}),
+                                30)
                     raise
                 await _settle(self.runner, target, self.server, plain, got, now)  # a take-over: without the script
                 self.is_taken.set()

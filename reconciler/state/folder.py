@@ -4,7 +4,9 @@ reads and writes it.
 What it holds: ``known_hosts.json`` (host keys seen on first contact), ``facts.json`` (public
 material servers generated: the pins of self-signed certificates), ``managed.json`` (servers
 an apply has managed, with how to reach them, for pruning), ``observed.json`` (each server's last facts and
-their stamp: a server that still looks so is observed without its facts script, ``reconciler.plan.stamp``), ``learned.npz`` (the fleet core's
+their stamp: a server that still looks so is observed without its facts script, ``reconciler.plan.stamp``),
+``releases.json`` (the version each engine release's binary reported, by its sha256: a server downloading a known
+release stages it in its commit, ``reconciler.apply.engine.in_commit``), ``learned.npz`` (the fleet core's
 learned state) and the file outlet's manifest. Every write goes through
 ``reconciler.state.files.write_atomic`` (mode 0600); the folder, and every folder above it that had to be made
 for it, is made 0700 (``make_private_dirs``).
@@ -39,6 +41,7 @@ KNOWN_HOSTS = "known_hosts.json"
 FACTS = "facts.json"
 MANAGED = "managed.json"
 OBSERVED = "observed.json"
+RELEASES = "releases.json"
 LEARNED = "learned.npz"
 MAX_LEARNED_FILE_BYTES = MAX_STATE_BYTES  # compressed, it is smaller than what it may inflate to
 MAX_JSON_FILE_BYTES = 64 << 20  # facts.json and managed.json are kilobytes for a fleet of thousands
@@ -109,6 +112,15 @@ class StateFolder:
 
     def remember_observed(self, entries: dict[str, Any]) -> None:
         self.write_json(OBSERVED, entries)
+
+    def release_versions(self) -> dict[str, Any]:
+        """What each engine release's binary reported as its version, by the release's sha256
+        (``reconciler.apply.engine.learn`` checks every entry)."""
+        return self.read_json(RELEASES)
+
+    def remember_release_versions(self, versions: dict[str, str]) -> None:
+        if versions != self.read_json(RELEASES):
+            self.write_json(RELEASES, versions)
 
     def remember_facts(self, learned: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
         """Merge newly learned public material into the record; returns the record."""

@@ -174,3 +174,17 @@ def test_the_sing_box_release_is_pinned_refused_missing_and_uploaded_where_a_ser
     assert not (Path.home() / ".cache" / "reconciler" / "releases").exists() or not list(
         (Path.home() / ".cache" / "reconciler" / "releases").glob("sing-box-*"))
     assert json.loads(reconciler("plan", "-f", "d.yaml", "--json").stdout)["summary"] == {"add": 0, "change": 0, "destroy": 0}
+    # What the package's binary reported is kept in the state folder: a server that downloads it again stages it in
+    # its commit, in the lock's one session (no engine step), and still checks the file against the pin.
+    kept = json.loads(Path(".reconciler-lab/releases.json").read_text())
+    assert "1.14.4" in kept[package_digest], kept
+    ssh(lab, second, "systemctl disable --now sing-box; rm -f /usr/local/bin/sing-box*")
+    again = reconciler("apply", "-f", "d.yaml", "--json")
+    assert again.returncode == 0, again.stdout + again.stderr
+    [res] = json.loads(again.stdout)
+    assert res["details"]["commit"]["engine"]["ok"] is True and "engine" in res["details"]["commit"]["seconds"], res
+    installed = ssh(lab, second, "sha256sum /usr/local/bin/sing-box; cat /usr/local/bin/sing-box.version; "
+                                 "systemctl is-active sing-box").stdout.split()
+    assert installed[0] == hashlib.sha256(Path(SING_BOX).read_bytes()).hexdigest() and installed[-1] == "active"
+    assert "1.14.4" in installed
+    assert ssh(lab, second, "test -e /run/reconciler.lock && echo held || echo free").stdout.strip() == "free"

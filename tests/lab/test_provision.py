@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shlex
 import threading
 import time
 from pathlib import Path
@@ -53,8 +54,8 @@ def test_bare_hosts_plan_apply_replan(lab, env):
     plan = reconciler("plan", "-f", "c.yaml")
     assert plan.returncode == 2, plan.stdout + plan.stderr
     # per server: the engine, its configuration, unit, agent, TLS certificate and key (derived: issue 14), the
-    # per-user counting table (issue 16); a restart
-    assert plan.stdout.strip().endswith("Plan: 30 to add, 3 to change, 0 to destroy."), plan.stdout
+    # per-user counting table (issue 16), the probe responder with its unit and listener; a restart
+    assert plan.stdout.strip().endswith("Plan: 33 to add, 3 to change, 0 to destroy."), plan.stdout
     # Credentials show as fingerprints, never as themselves (the users' uuids are derived from the lab secret).
     alice = user_credentials(Secret(SECRET.encode()), "alice")
     assert "\"uuid\": \"fp:" in plan.stdout and alice.uuid not in plan.stdout and alice.password not in plan.stdout
@@ -66,6 +67,23 @@ def test_bare_hosts_plan_apply_replan(lab, env):
     for h in lab.state.hosts[:3]:
         out = ssh(lab, h, "systemctl is-active sing-box; systemctl is-enabled sing-box; ss -Hltn sport = :443 | wc -l")
         assert out.stdout.split() == ["active", "enabled", "1"], out
+    # The probe responder is socket-activated: systemd listens for it from the engine's start on, and the responder
+    # starts at the first request, which it answers.
+    first = lab.state.hosts[0]
+    out = ssh(lab, first, "systemctl is-active reconciler-responder.socket reconciler-responder.service; "
+                          "ss -Hltn sport = :9097 | wc -l")
+    assert out.stdout.split() == ["active", "inactive", "1"], out
+    probe = ("python3 -c \"import socket; c = socket.create_connection(('127.0.0.1', 9097)); "
+             "c.sendall(b'GET /pad/2000 HTTP/1.1\\r\\n\\r\\n'); print(c.recv(64).split()[1].decode())\"; "
+             "systemctl is-active reconciler-responder.service")
+    assert ssh(lab, first, probe).stdout.split() == ["204", "active"]
+    # The commit's verify tells the engine's listeners from /proc: held by a process of the unit's own cgroup
+    from reconciler.engine import remote
+
+    held = remote.COMMIT.source.replace('if __name__ == "__main__":\n    main()', "") + (
+        "\nprint(held_by_unit('/', 'sing-box.service', [(443, 'tcp')]), "
+        "held_by_unit('/', 'sing-box.service', [(443, 'tcp'), (22, 'tcp')]), held_by_unit('/', 'ssh.service', [(443, 'tcp')]))\n")
+    assert ssh(lab, first, "python3 -I -S -c " + shlex.quote(held)).stdout.split() == ["True", "False", "False"]
     again = reconciler("plan", "-f", "c.yaml", "--json")
     assert again.returncode == 0, again.stdout
     assert json.loads(again.stdout)["summary"] == {"add": 0, "change": 0, "destroy": 0}
@@ -315,6 +333,8 @@ def test_a_server_that_left_the_file_is_removed_by_default(lab, env):
     assert "left the cluster file" not in reconciler("plan", "-f", "c.yaml", "--keep", "vps2").stdout
     assert reconciler("apply", "-f", "c.yaml").returncode == 0
     assert ssh(lab, gone, "systemctl is-active sing-box").stdout.strip() != "active"
+    assert ssh(lab, gone, "systemctl is-active reconciler-responder.socket").stdout.strip() != "active"
+    assert ssh(lab, gone, "ss -Hltn sport = :9097 | wc -l").stdout.strip() == "0"  # nothing left listening
     left = ssh(lab, gone, "find /usr/local/bin /etc/sing-box -type f 2>/dev/null").stdout
     assert left.strip() == "", left  # engine, configuration, keys and certificates: gone
     assert json.loads(reconciler("plan", "-f", "c.yaml", "--json").stdout)["summary"] == {"add": 0, "change": 0, "destroy": 0}

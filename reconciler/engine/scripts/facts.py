@@ -62,6 +62,16 @@ def read(p: str, limit: int = 65536) -> str | None:
         return None
 
 
+#: Where systemd finds a unit's file (its search path, generators and transient units included), and the unit's
+#: cgroup (it has one while it runs or is started or stopped).
+UNIT_PLACES = ("/etc/systemd/system.control", "/run/systemd/system.control", "/run/systemd/transient",
+               "/run/systemd/generator.early", "/etc/systemd/system", "/etc/systemd/system.attached", "/run/systemd/system",
+               "/run/systemd/system.attached", "/run/systemd/generator", "/usr/local/lib/systemd/system",
+               "/lib/systemd/system", "/usr/lib/systemd/system", "/run/systemd/generator.late",
+               "/sys/fs/cgroup/system.slice/%s", "/sys/fs/cgroup/unified/system.slice/%s",
+               "/sys/fs/cgroup/systemd/system.slice/%s")
+
+
 def unit_state(root: str, unit: str, wants: str, listeners: str) -> dict[str, str]:
     # Converged servers answer without systemctl (~10 ms of CPU each): a process in the unit's own cgroup
     # listening (ss names the pids) and the unit's wants link are "active" and "enabled". Anything
@@ -73,6 +83,10 @@ def unit_state(root: str, unit: str, wants: str, listeners: str) -> dict[str, st
         running = running or any(line.endswith("/" + unit) for line in cgroups.splitlines())
     if running and os.path.islink(at(root, wants)):
         return {"active": "active", "enabled": "enabled"}
+    # A bare server: no unit file systemd could load by that name and no cgroup of it is what systemd would say
+    # "inactive" and "not-found" of, without asking it.
+    if not any(os.path.lexists(at(root, (d % unit) if "%s" in d else d + "/" + unit)) for d in UNIT_PLACES):
+        return {"active": "inactive", "enabled": "not-found"}
     # One systemctl call for both words.
     props = {}
     for line in run(["systemctl", "show", "--property=ActiveState,UnitFileState,LoadState", unit])["out"].splitlines():

@@ -13,7 +13,8 @@ lock, before anything changes: the server keeps the highest fence it has accepte
 (written atomically) and refuses a lower one — ``{"ok": false, "refused": <why>}``, the lock given back
 untouched — so a deposed leader never applies where a newer one has.
 
-``then`` (an acquire's): the next script of the apply, run in this same process once the lock is taken.
+``then`` (an acquire's): the next script of the apply, run in this same process once the lock is taken; its request
+spliced in (``then_request``) or, for a script that reads it on stdin (``then_reads_request``), read from there.
 """
 
 from __future__ import annotations
@@ -128,7 +129,12 @@ def then(req: dict[str, Any], taken: bool) -> None:
     on the next line. Not taken: it never runs, and what it would have read on stdin is read and dropped, so
     that the controller's upload ends."""
     if taken:
-        inner = dict(req["then_request"])
+        if req.get("then_reads_request"):  # a script whose request is on stdin (the commit): read here for it
+            import sys
+
+            inner = json.load(sys.stdin)
+        else:
+            inner = dict(req["then_request"])
         if "root" in req:  # a fake host's directory (tests): the same for both
             inner["root"] = req["root"]
         scope: dict[str, Any] = {"__name__": "reconciler_then"}
