@@ -13,6 +13,7 @@ import json
 import os
 import tarfile
 import threading
+import time
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from reconciler.engine.base import mark_key, usage_marks
 from reconciler.engine.capabilities import refusals
 from reconciler.lab.releases import arch_package, write_mirror
 from reconciler.model import Cluster
+from reconciler.plan.lock import LEASE_SECONDS, LOCK_DIR, LOCK_FILE
 from reconciler.ssh.fake import FakeRunner, fake_engine
 from tests.test_fakehost import NOW, SECRET, apply, kinds, plan
 
@@ -584,6 +586,25 @@ def test_a_known_release_is_staged_by_the_commit_in_the_locks_session(tmp_path, 
     assert not list(host.path("/usr/local/bin").glob("*.reconciler-new*"))
 
 
+def test_a_known_release_after_a_stale_lock_is_taken_over_commits_on_its_own(tmp_path, runner, mirror, monkeypatch):
+    # The lock script finds a dead apply's lock: the controller takes it over, then sends the commit alone, with its
+    # own request (the fake host's folder in it: nothing touches this machine's own /).
+    from reconciler.apply import engine
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    engine.learn({mirror["zst_sha256"]: "sing-box version 1.14.4\n"})
+    c = cluster(tmp_path, engine={"install": "download", "url": mirror["zst_url"], "sha256": {"amd64": mirror["zst_sha256"]},
+                                  "capabilities": ["reality", "quic", "clash-api"]})
+    host = runner.host("a")
+    stale = json.dumps({"by": "ci@runner-7", "pid": 4242, "since": int(time.time()) - LEASE_SECONDS - 5})
+    host.write(LOCK_FILE, stale.encode())
+    [r] = apply(plan(c, runner), runner)
+    assert r.ok, r.message
+    assert host.read("/usr/local/bin/sing-box") == mirror["binary"] and host.read("/etc/sing-box/config.json")
+    assert [name for s, name, _ in runner.calls if s == "a" and not name.startswith("facts")] == ["lock", "lock", "commit"]
+    assert not host.path(LOCK_DIR).exists()
+
+
 def test_a_known_release_whose_file_differs_from_the_pin_is_refused_and_the_lock_given_back(tmp_path, runner, mirror,
                                                                                           monkeypatch):
     from reconciler.apply import engine
@@ -595,6 +616,7 @@ def test_a_known_release_whose_file_differs_from_the_pin_is_refused_and_the_lock
                                   "capabilities": ["reality", "quic", "clash-api"]})
     [r] = apply(plan(c, runner), runner)
     assert not r.ok and "not the pinned" in r.message and "nothing installed" in r.message, r.message
+    assert [q["op"] for s, name, q in runner.calls if name == "lock"] == ["acquire"]  # the commit released it itself
     host = runner.host("a")
     assert host.read("/usr/local/bin/sing-box") is None and host.read("/etc/sing-box/config.json") is None
     assert not host.path("/run/reconciler.lock").exists()  # given back by the apply: the commit changed nothing
@@ -606,8 +628,8 @@ def test_a_known_release_whose_file_differs_from_the_pin_is_refused_and_the_lock
 
 
 def test_a_known_release_the_server_cannot_unpack_is_uploaded_under_the_same_lock(tmp_path, mirror, monkeypatch):
-    # No libzstd there: the commit's staging says so (nothing changed, the lock still taken), the controller unpacks
-    # the same pinned file and uploads its binary (gzip), and the commit runs again.
+    # No libzstd there: the commit's staging says so (nothing changed; given the lock, it released it), the controller
+    # takes the lock again, unpacks the same pinned file and uploads its binary (gzip), and the commit runs again.
     from reconciler.apply import engine
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -620,8 +642,9 @@ def test_a_known_release_the_server_cannot_unpack_is_uploaded_under_the_same_loc
     host = runner.host("a")
     assert host.read("/usr/local/bin/sing-box") == mirror["binary"]
     assert [(q["mode"], q.get("codec")) for q in engine_requests(runner)] == [("upload", "gzip")]
-    commits = _commit_calls(runner, "a")
-    assert len(commits) == 2 and [name for s, name, _ in runner.calls if s == "a"][1] == "lock"
+    assert len(_commit_calls(runner, "a")) == 2  # in the lock's session, then alone
+    # the commit released the lock; the controller took it again before the upload
+    assert [q["op"] for s, name, q in runner.calls if s == "a" and name == "lock"] == ["acquire", "acquire"]
     assert not host.path("/run/reconciler.lock").exists()
 
 

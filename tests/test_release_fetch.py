@@ -107,6 +107,13 @@ def test_what_cannot_be_had_whole_is_a_fetch_failure(served, tmp_path, path, say
     assert e.value.kind == "fetch" and says in str(e.value), str(e.value)
 
 
+def test_a_full_disk_here_is_not_a_fetch_failure(served):
+    # The controller would upload the binary to a server whose own disk is full: the disk's error is raised as it is
+    with pytest.raises(OSError) as e:
+        script.fetch(served + "/file", "/dev/full")
+    assert not isinstance(e.value, script.Failed) and e.value.errno == 28  # ENOSPC
+
+
 def test_nothing_listening_and_not_http_are_fetch_failures(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -260,12 +260,15 @@ async def _commit(runner: Runner, o: Observed, phase: Callable[[str], None], res
     }
     commit = await _send_commit(runner, o, req, held, release, verify_timeout)
     if stage is not None and not commit["ok"] and commit.get("stage") == "engine":
-        # The server could not stage the release in its commit: nothing changed, and the lock is still ours.
-        held.handed = False
+        # The server could not stage the release in its commit: nothing changed. A commit given the lock released
+        # it (as it would have, had this controller been gone): where the controller steps in, it takes it again.
         tried = commit.get("engine")
         tried = tried if isinstance(tried, dict) and tried.get("ok") is False else {"ok": False, "error": commit.get("error")}
         if tried.get("kind") not in ("fetch", "codec"):
             raise RemoteCommandError(o.plan.server, "install engine", None, str(tried.get("error"))[:600])
+        if release:
+            await lock.acquire(runner, o.target, o.plan.server, _folders(o), [d.engine.tls_dir], fence=held.fence)
+            held.handed = False  # ours again until the next commit releases it
         phase("install engine")
         staged, sidecar = await stage_engine(runner, o, tried=tried)  # the controller fetches it and uploads it
         phase("start")

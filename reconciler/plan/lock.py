@@ -152,8 +152,9 @@ class Deferred:
     The lock is the same as ``acquire``'s: a live one raises ``LockHeld`` (the script never ran; what it had on
     stdin was read and dropped), a stale one is taken over and the script then runs on its own, a newer fence is
     refused. A script that reads its request on stdin (the commit) has it read for it by the lock script; one that
-    survives a dropped session (the commit) runs with the lock script under ``setsid -w``, and is never given back
-    from here when the session fails (it finishes and releases on its own). A script that runs detached, over a fresh
+    survives a dropped session (the commit) runs with the lock script under ``setsid -w``, and when it was given the
+    lock to release (its request's ``lock``), the lock is never given back from here when the session fails (it
+    finishes and releases on its own). A script that runs detached, over a fresh
     connection, or with other bytes on stdin besides a request on stdin, is preceded by ``acquire`` instead.
     ``is_taken`` is set once the lock is ours (until then, releasing it is not ours to do)."""
 
@@ -183,19 +184,23 @@ class Deferred:
                 now = self.since = time.time()
                 plain = _request(self.server, self.dirs, self.private, now, self.fence)
                 then: dict[str, Any] = {"then": script.source, "then_name": script.name}
+                sent = input
                 if script.stdin:  # its request on stdin, read by the lock script for it
                     then.update(then_reads_request=True, then_stdin=True)
-                    input = (script.prepare(request)[1] or "").encode()
+                    sent = (script.prepare(request)[1] or "").encode()
                 else:
                     then.update(then_request=dict(request), then_stdin=input is not None)
+                # A surviving script given the lock to release (the last commit) releases it itself, even when our
+                # session is gone: never released from here under it. Any other step's lock is given back below.
+                releases_itself = script.survive and bool(request.get("lock"))
                 try:
                     res = await self.runner.script(target, remote.LOCK_SURVIVING if script.survive else remote.LOCK,
-                                                   {**plain, **then}, input=input, timeout=timeout)
+                                                   {**plain, **then}, input=sent, timeout=timeout)
                     lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
                     got = answer(Result(res.code, lines[0] if lines else "", res.stderr), target, remote.LOCK,
                                  {"ok": bool})
                 except BaseException:  # the lock may be ours by now (the step failed under it): given back if so
-                    if not script.survive:  # ... unless that step goes on without us (a commit): it releases it
+                    if not releases_itself:  # ... unless that step goes on without us and releases it
                         with contextlib.suppress(Exception):
                             await asyncio.wait_for(self.runner.script(target, remote.LOCK, {
                                 "op": "release", "lock": LOCK_DIR, "holder_file": LOCK_FILE, "holder": plain["holder"]}),

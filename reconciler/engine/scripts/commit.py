@@ -279,25 +279,32 @@ class Commit:
     def stage_engine(self) -> bool:
         """The engine binary staged here first (``stage``: the engine script's request and ``source``, a download
         whose version is known): one session and one Python start less per server. False, with the staging's answer
-        in ``engine``, when it failed: nothing was changed and the apply lock stays taken (the controller goes on
-        under it, uploading the binary when the server could not fetch or unpack it)."""
+        in ``engine``, when it failed: nothing was changed, and the lock is released as after any commit given it
+        (its controller may be gone); a controller that goes on (uploading the binary where the server could not
+        fetch or unpack it) takes the lock again first."""
         req = dict(self.req["stage"])
         self.result["stage"] = "engine"
-        scope: dict[str, Any] = {"__name__": "reconciler_stage"}
-        exec(compile(req.pop("source"), "engine", "exec"), scope)
-        if self.root != "/":
-            req["root"] = self.root
-        self.result["engine"] = answer = scope["staged"](req, None)
+        try:
+            scope: dict[str, Any] = {"__name__": "reconciler_stage"}
+            exec(compile(req.pop("source"), "engine", "exec"), scope)
+            if self.root != "/":
+                req["root"] = self.root
+            answer = scope["staged"](req, None)
+        except Exception as e:  # noqa: BLE001 — a broken request is this commit's answer, never a crash under the lock
+            answer = {"ok": False, "kind": "stage", "error": "cannot stage the engine: %s" % e}
+        self.result["engine"] = answer
         if answer.get("ok"):
             self.binary = self.at(self.req["binary_new"])
             return True
-        self.result.update(stage="engine", error=str(answer.get("error")))
+        self.result["seconds"]["engine"] = round(time.monotonic() - self.clock, 3)
+        self.result["error"] = str(answer.get("error"))
         return False
 
     def run(self) -> dict[str, Any]:
         result = self.result
         config = self.at(self.req["config"])
         if self.req.get("stage") and not self.stage_engine():
+            self.tidy()  # nothing staged to remove; the lock released when it was given
             return result
         self.step("stage")
         try:

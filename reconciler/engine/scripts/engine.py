@@ -48,6 +48,11 @@ MAX_UNPACKED_BYTES = 512 * 1024 * 1024
 MAX_HEADER_BYTES = 1 << 20
 
 
+class OwnDisk(Exception):
+    """This machine's own disk failed a write (its ``OSError`` inside): not the release's fault, never a fetch
+    failure (which would send the controller uploading to a full disk)."""
+
+
 class Failed(Exception):
     def __init__(self, kind: str, error: str) -> None:
         super().__init__(error)
@@ -241,14 +246,20 @@ def fetch(url: str, path: str) -> str:
         if size[0] > MAX_DOWNLOAD:
             raise Failed("fetch", "more than %d MB: not a release" % (MAX_DOWNLOAD >> 20))
         h.update(block)
-        out.write(block)
+        try:
+            out.write(block)
+        except OSError as e:
+            raise OwnDisk(e) from None
 
     with open(path, "wb") as out:  # outside the try: a full disk here is not the release's fault
-        if url.partition("://")[0] in ("http", "https") and not any(
-                k.lower().endswith("_proxy") and v for k, v in os.environ.items()):
-            expected = get(url, sink)
-        else:
-            expected = get_urllib(url, sink)
+        try:
+            if url.partition("://")[0] in ("http", "https") and not any(
+                    k.lower().endswith("_proxy") and v for k, v in os.environ.items()):
+                expected = get(url, sink)
+            else:
+                expected = get_urllib(url, sink)
+        except OwnDisk as e:
+            raise e.args[0] from None
     if expected is not None and expected != size[0]:
         raise Failed("fetch", "%s ended after %d of %d bytes" % (url, size[0], expected))
     return h.hexdigest()
