@@ -167,6 +167,13 @@ def downloading(tmp_path, mirror, sha256) -> Cluster:
                                      "capabilities": ["reality", "quic", "clash-api"]})
 
 
+def package_downloading(tmp_path, mirror, pin: str | None = None) -> Cluster:
+    """Servers downloading the mirror's Arch package, pinned (by default to its own sha256)."""
+    return cluster(tmp_path, engine={"install": "download", "url": mirror["zst_url"],
+                                     "sha256": {"amd64": pin or mirror["zst_sha256"]},
+                                     "capabilities": ["reality", "quic", "clash-api"]})
+
+
 def test_the_server_downloads_the_pinned_release_itself(tmp_path, runner, mirror, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     c = downloading(tmp_path, mirror, {"amd64": mirror["sha256"]})
@@ -181,8 +188,7 @@ def test_the_server_downloads_the_pinned_release_itself(tmp_path, runner, mirror
 def test_the_server_unpacks_the_arch_package_through_its_own_libzstd(tmp_path, runner, mirror, monkeypatch):
     # sing-box's .pkg.tar.zst, named by the kernel's architecture ({machine}): zstd, ~42% of a .tar.gz's CPU
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    c = cluster(tmp_path, engine={"install": "download", "url": mirror["zst_url"], "sha256": {"amd64": mirror["zst_sha256"]},
-                                  "capabilities": ["reality", "quic", "clash-api"]})
+    c = package_downloading(tmp_path, mirror)
     [r] = apply(plan(c, runner), runner)
     assert r.ok, r.message
     host = runner.host("a")
@@ -202,8 +208,7 @@ def test_a_server_without_libzstd_gets_the_arch_packages_binary_from_the_control
     # same pin, takes the binary out with its own libzstd and uploads it (gzip: the server has no zstd).
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     runner = FactsSaying(tmp_path / "hosts", library)
-    c = cluster(tmp_path, engine={"install": "download", "url": mirror["zst_url"], "sha256": {"amd64": mirror["zst_sha256"]},
-                                  "capabilities": ["reality", "quic", "clash-api"]})
+    c = package_downloading(tmp_path, mirror)
     with caplog.at_level("WARNING"):
         [r] = apply(plan(c, runner), runner)
     assert r.ok, r.message
@@ -565,8 +570,7 @@ def test_a_known_release_is_staged_by_the_commit_in_the_locks_session(tmp_path, 
     from reconciler.apply import engine
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    c = cluster(tmp_path, engine={"install": "download", "url": mirror["zst_url"], "sha256": {"amd64": mirror["zst_sha256"]},
-                                  "capabilities": ["reality", "quic", "clash-api"]})
+    c = package_downloading(tmp_path, mirror)
     [r] = apply(plan(c, runner), runner)
     assert r.ok, r.message
     learned = engine.known()
@@ -593,8 +597,7 @@ def test_a_known_release_after_a_stale_lock_is_taken_over_commits_on_its_own(tmp
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     engine.learn({mirror["zst_sha256"]: "sing-box version 1.14.4\n"})
-    c = cluster(tmp_path, engine={"install": "download", "url": mirror["zst_url"], "sha256": {"amd64": mirror["zst_sha256"]},
-                                  "capabilities": ["reality", "quic", "clash-api"]})
+    c = package_downloading(tmp_path, mirror)
     host = runner.host("a")
     stale = json.dumps({"by": "ci@runner-7", "pid": 4242, "since": int(time.time()) - LEASE_SECONDS - 5})
     host.write(LOCK_FILE, stale.encode())
@@ -612,8 +615,7 @@ def test_a_known_release_whose_file_differs_from_the_pin_is_refused_and_the_lock
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     wrong = "0" * 64
     engine.learn({wrong: "sing-box version 1.14.4\n"})
-    c = cluster(tmp_path, engine={"install": "download", "url": mirror["zst_url"], "sha256": {"amd64": wrong},
-                                  "capabilities": ["reality", "quic", "clash-api"]})
+    c = package_downloading(tmp_path, mirror, wrong)
     [r] = apply(plan(c, runner), runner)
     assert not r.ok and "not the pinned" in r.message and "nothing installed" in r.message, r.message
     assert [q["op"] for s, name, q in runner.calls if name == "lock"] == ["acquire"]  # the commit released it itself
@@ -621,8 +623,7 @@ def test_a_known_release_whose_file_differs_from_the_pin_is_refused_and_the_lock
     assert host.read("/usr/local/bin/sing-box") is None and host.read("/etc/sing-box/config.json") is None
     assert not host.path("/run/reconciler.lock").exists()  # given back by the apply: the commit changed nothing
     assert not list(host.path("/usr/local/bin").glob("*.reconciler-new*"))
-    good = cluster(tmp_path, engine={"install": "download", "url": mirror["zst_url"],
-                                     "sha256": {"amd64": mirror["zst_sha256"]}, "capabilities": ["reality", "quic", "clash-api"]})
+    good = package_downloading(tmp_path, mirror)
     [r] = apply(plan(good, runner), runner)
     assert r.ok, r.message
 
@@ -635,8 +636,7 @@ def test_a_known_release_the_server_cannot_unpack_is_uploaded_under_the_same_loc
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     runner = FactsSaying(tmp_path / "hosts", "")
     engine.learn({mirror["zst_sha256"]: "sing-box version 1.14.4\n"})
-    c = cluster(tmp_path, engine={"install": "download", "url": mirror["zst_url"], "sha256": {"amd64": mirror["zst_sha256"]},
-                                  "capabilities": ["reality", "quic", "clash-api"]})
+    c = package_downloading(tmp_path, mirror)
     [r] = apply(plan(c, runner), runner)
     assert r.ok, r.message
     host = runner.host("a")
