@@ -300,6 +300,9 @@ def bench_hosts(lab: Lab, n: int, runs: int, steady: int, without: list[str], wo
             # Fresh servers: no facts kept from an earlier observation. (The reset leaves what the facts' stamp reads
             # as it was, so the last round's facts of these bare hosts would still pass for them.)
             (work / ".reconciler-lab" / "observed.json").unlink(missing_ok=True)
+            # Every tool's cold run starts on a settled disk: the tens of MB per host the run before wrote are flushed
+            # here, not in the middle of the next tool's run (the first rounds at 50 hosts paid them).
+            os.sync()
             before = ssh_bytes()
             colds[suffix].append(run())
             sent[suffix].append((ssh_bytes() - before) / n)
