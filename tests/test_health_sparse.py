@@ -12,11 +12,10 @@ from hypothesis import strategies as st
 
 from reconciler.health import HealthEngine, HealthState, Observation, Topology
 from reconciler.health import pairs as health_pairs
+from reconciler.health.engine import _STREAK_CAP
 from reconciler.health.simulate import Scenario, World, inline_topology
 from reconciler.model.cluster import HealthSettings
 from tests.test_health_properties import topology_of
-
-_STREAK_CAP = 30000
 
 
 @st.composite
@@ -66,9 +65,12 @@ def test_what_is_kept_across_evaluations_never_changes_a_verdict(fleet):
     state = HealthState.initial(topology)
     for obs in observations(topology, ticks, seed):
         a = warm.evaluate(obs)
-        health_pairs._MEMOS.clear()
+        kept = health_pairs._MEMOS.pop(topology, None)  # the cold engine starts with nothing; the warm one keeps its own
         cold = HealthEngine(topology, cfg, HealthState.from_bytes(state.to_bytes(), topology))
         b = cold.evaluate(obs)
+        health_pairs._MEMOS.pop(topology, None)
+        if kept is not None:
+            health_pairs._MEMOS[topology] = kept
         state = cold.state
         same_verdicts(a, b)
         for name, value in vars(warm.state).items():

@@ -79,6 +79,9 @@ CLASH_API = "127.0.0.1:9090"  # every engine's statistics API, on the server's l
 # report interval. Only a reboot (or removing the table) starts them again from zero, which the controller sees.
 USAGE_TABLE = "reconciler_usage"
 USAGE_NFT = "/etc/reconciler/usage.nft"
+#: What every engine's server holds besides the engine (removed with the server): the agent, the responder with
+#: its units, the per-user counters' table.
+SHARED_FILES = (AGENT, RESPONDER, RESPONDER_IDS, RESPONDER_SOCKET_UNIT, RESPONDER_UNIT, USAGE_NFT)
 MARK_BASE, MARK_MASK = 0x5A000000, 0xFF000000
 USAGE_NFT_TEXT = f"""# Managed by reconciler: per-user traffic counters (read by the collection agent).
 table inet {USAGE_TABLE} {{

@@ -392,7 +392,7 @@ class Loop:
         self._last_tick_end = self.clock.time()
         out_start = self.clock.monotonic()
         try:
-            stats = await asyncio.to_thread(_gc_paused, self.files.write, snap)
+            stats = await asyncio.to_thread(self.files.write, snap)  # it pauses the collector itself
             if stats.written or stats.removed:
                 log.info("subscriptions: %d user(s) rewritten, %d unchanged, %d removed (%.2fs)",
                          stats.written, stats.unchanged, stats.removed, stats.seconds)

@@ -16,18 +16,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from reconciler.credentials import Redactor, fingerprint_digest
-from reconciler.engine.base import (
-    AGENT,
-    RESPONDER,
-    RESPONDER_IDS,
-    RESPONDER_SOCKET,
-    RESPONDER_SOCKET_UNIT,
-    RESPONDER_UNIT,
-    USAGE_NFT,
-    DesiredServer,
-    Layout,
-    ManagedFile,
-)
+from reconciler.engine.base import RESPONDER_SOCKET, RESPONDER_SOCKET_UNIT, SHARED_FILES, DesiredServer, Layout, ManagedFile
 from reconciler.plan.facts import Facts
 from reconciler.text import plural, printable, printable_json
 
@@ -265,8 +254,7 @@ def plan_removal(facts: Facts, layouts: tuple[Layout, ...]) -> list[Action]:
         if found:
             actions.append(Action("-", "stop", engine.service, "the server left the cluster file (prune)"))
             actions += [Action("-", "remove-file", p, "the server left the cluster file (prune)") for p in found]
-    shared = [p for p in (AGENT, RESPONDER, RESPONDER_IDS, RESPONDER_SOCKET_UNIT, RESPONDER_UNIT, USAGE_NFT)
-              if facts.files.get(p)]
+    shared = [p for p in SHARED_FILES if facts.files.get(p)]
     if RESPONDER_SOCKET_UNIT in shared:  # systemd holds its listener: stopped, not only its file removed
         actions.append(Action("-", "stop", RESPONDER_SOCKET, "the server left the cluster file (prune)"))
     if actions or shared:  # the agent and the per-user counters (their nftables table goes with its file)

@@ -18,7 +18,7 @@ from typing import Any
 from reconciler.credentials import Secret
 from reconciler.engine import remote
 from reconciler.engine.adapters import LAYOUTS, desired
-from reconciler.engine.base import AGENT, RESPONDER, RESPONDER_IDS, RESPONDER_SOCKET_UNIT, RESPONDER_UNIT, USAGE_NFT, DesiredServer
+from reconciler.engine.base import SHARED_FILES, DesiredServer
 from reconciler.errors import RemoteError
 from reconciler.model import Cluster, Server, UserUsage
 from reconciler.plan.actions import ServerPlan, plan_removal, plan_server, preflight
@@ -42,7 +42,7 @@ def facts_request(d: DesiredServer | None) -> dict[str, object]:
     files = [engine.template, engine.unit] + ([f.path for f in (*d.files, *d.firewall)] if d else [])
     files += [p for x in retire for p in x.paths()]
     if d is None:  # what every engine shares: the agent and the per-user counters' table
-        files += [AGENT, RESPONDER, RESPONDER_IDS, RESPONDER_SOCKET_UNIT, RESPONDER_UNIT, USAGE_NFT]
+        files += SHARED_FILES
     # The reality folder is listed only so that --prune finds pairs older versions generated there.
     dirs = sorted({f"{x.config_dir}/{sub}" for x in (engine, *retire) for sub in ("reality", "tls")})
     return {"files": sorted(set(files)), "binary": engine.binary, "version_args": list(engine.version_args),

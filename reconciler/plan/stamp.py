@@ -23,13 +23,12 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
+from reconciler.engine.scripts.prelude import UNIT_CGROUPS
 from reconciler.ssh import Target
 
 #: Unit states that stay as they are until a process comes or goes (which the stamp sees).
 SETTLED = frozenset({"active", "inactive", "failed"})
-_CGROUPS = ("/sys/fs/cgroup/system.slice/{}/cgroup.procs",  # the unified hierarchy (cgroup v2)
-            "/sys/fs/cgroup/unified/system.slice/{}/cgroup.procs",  # hybrid: v2 beside the v1 controllers
-            "/sys/fs/cgroup/systemd/system.slice/{}/cgroup.procs")  # systemd's named hierarchy (cgroup v1)
+_CGROUPS = tuple(folder + "/cgroup.procs" for folder in UNIT_CGROUPS)  # each cgroup layout's, ``% service``
 
 
 def stamp_command(request: Mapping[str, Any]) -> str:
@@ -41,7 +40,7 @@ def stamp_command(request: Mapping[str, Any]) -> str:
                     *map(str, request.get("private", ())), "/usr/bin/python3"})
     service = str(request["service"])
     parts = ["LC_ALL=C stat -L -c '%n %i %s %.9Y %.9Z' -- " + " ".join(map(shlex.quote, paths)) + " 2>&1",
-             "cat " + " ".join(shlex.quote(c.format(service)) for c in _CGROUPS) + " 2>&1"]
+             "cat " + " ".join(shlex.quote(c % service) for c in _CGROUPS) + " 2>&1"]
     if request.get("firewall"):
         parts.append("nft list table inet reconciler >/dev/null 2>&1; echo nft $?")
     return "; ".join(parts)

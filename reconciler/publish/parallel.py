@@ -70,15 +70,15 @@ class Ends:
         finally:
             self._lock.release()
 
-    def take(self, front: bool, block: int = BLOCK) -> tuple[int, int] | None:
+    def take(self, front: bool) -> tuple[int, int] | None:
         with self._held() as ends:
             lo, hi = ends[0], ends[1]
             if lo >= hi:
                 return None
             if front:
-                ends[0] = end = min(hi, lo + block)
+                ends[0] = end = min(hi, lo + BLOCK)
                 return lo, end
-            ends[1] = start = max(lo, hi - block)
+            ends[1] = start = max(lo, hi - BLOCK)
             return start, hi
 
     def blocks(self, front: bool) -> Iterator[tuple[int, int]]:

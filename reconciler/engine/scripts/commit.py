@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from reconciler.engine.scripts.prelude import at, listening_ports, run, write  # spliced in when sent
+from reconciler.engine.scripts.prelude import UNIT_CGROUPS, at, listening_sockets, loaded, run, write  # spliced in when sent
 
 TYPE_CHECKING = False  # typing is not imported on the servers: mypy alone reads these imports
 if TYPE_CHECKING:
@@ -32,44 +32,24 @@ def sh(cmd: list[str], timeout: float = 60) -> tuple[int, str]:
     return int(r["code"]), str(r["out"])[-2000:]
 
 
-def listening(root: str, want: list[tuple[int, str]]) -> bool:
-    """Whether every wanted (port, transport) is listening."""
-    have = listening_ports(root)
-    return all((p, t) in have for p, t in want)
-
-
-CGROUP_PROCS = ("/sys/fs/cgroup/system.slice/%s/cgroup.procs",  # the unified hierarchy (cgroup v2)
-                "/sys/fs/cgroup/unified/system.slice/%s/cgroup.procs",  # hybrid
-                "/sys/fs/cgroup/systemd/system.slice/%s/cgroup.procs")  # systemd's named hierarchy (cgroup v1)
-
-
-def held_by_unit(root: str, service: str, want: list[tuple[int, str]]) -> bool:
-    """Whether processes of the unit's own cgroup hold every wanted listener, read from /proc (no process started:
-    ``systemctl is-active`` costs ~8 ms of a server's CPU at every poll). False when it cannot tell."""
+def held_by_unit(root: str, service: str, want: list[tuple[int, str]],
+                 have: dict[tuple[int, str], set[str]] | None = None) -> bool:
+    """Whether processes of the unit's own cgroup hold every wanted listener (``have``: ``listening_sockets``, read
+    if not given), read from /proc (no process started: ``systemctl is-active`` costs ~8 ms of a server's CPU at
+    every poll). False when it cannot tell."""
     if root != "/":
         return False
     pids: list[str] = []
-    for path in CGROUP_PROCS:
+    for folder in UNIT_CGROUPS:
         try:
-            with open(path % service) as f:
+            with open((folder % service) + "/cgroup.procs") as f:
                 pids = f.read().split()
             break
         except OSError:
             continue
     if not pids:
         return False
-    inodes: dict[tuple[int, str], set[str]] = {}
-    for proto, state in (("tcp", "0A"), ("udp", "07")):
-        for name in ("/proc/net/%s" % proto, "/proc/net/%s6" % proto):
-            try:
-                with open(name) as f:
-                    next(f)
-                    for line in f:
-                        parts = line.split()
-                        if len(parts) > 9 and parts[3] == state:
-                            inodes.setdefault((int(parts[1].rsplit(":", 1)[1], 16), proto), set()).add(parts[9])
-            except (OSError, StopIteration, ValueError):
-                pass
+    inodes = listening_sockets(root) if have is None else have
     held = set()
     for pid in pids:
         try:
@@ -135,8 +115,9 @@ class Commit:
         deadline, asked = start + self.req["verify_timeout"], start
         pause = 0.02
         while time.time() < deadline:
-            if listening(self.root, want) and (held_by_unit(self.root, self.req["service"], want)
-                                               or sh(["systemctl", "is-active", self.req["service"]])[0] == 0):
+            have = listening_sockets(self.root)
+            if all(w in have for w in want) and (held_by_unit(self.root, self.req["service"], want, have)
+                                                 or sh(["systemctl", "is-active", self.req["service"]])[0] == 0):
                 return True
             if time.time() - asked >= 0.5:
                 asked = time.time()
@@ -285,11 +266,9 @@ class Commit:
         req = dict(self.req["stage"])
         self.result["stage"] = "engine"
         try:
-            scope: dict[str, Any] = {"__name__": "reconciler_stage"}
-            exec(compile(req.pop("source"), "engine", "exec"), scope)
             if self.root != "/":
                 req["root"] = self.root
-            answer = scope["staged"](req, None)
+            answer = loaded(req.pop("source"), "engine")["staged"](req, None)
         except Exception as e:  # noqa: BLE001 — a broken request is this commit's answer, never a crash under the lock
             answer = {"ok": False, "kind": "stage", "error": "cannot stage the engine: %s" % e}
         self.result["engine"] = answer

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from reconciler.engine.scripts.prelude import at, run  # spliced in when sent
+from reconciler.engine.scripts.prelude import UNIT_CGROUPS, at, run  # spliced in when sent
 
 TYPE_CHECKING = False  # typing is not imported on the servers: mypy alone reads these imports
 if TYPE_CHECKING:
@@ -67,9 +67,7 @@ def read(p: str, limit: int = 65536) -> str | None:
 UNIT_PLACES = ("/etc/systemd/system.control", "/run/systemd/system.control", "/run/systemd/transient",
                "/run/systemd/generator.early", "/etc/systemd/system", "/etc/systemd/system.attached", "/run/systemd/system",
                "/run/systemd/system.attached", "/run/systemd/generator", "/usr/local/lib/systemd/system",
-               "/lib/systemd/system", "/usr/lib/systemd/system", "/run/systemd/generator.late",
-               "/sys/fs/cgroup/system.slice/%s", "/sys/fs/cgroup/unified/system.slice/%s",
-               "/sys/fs/cgroup/systemd/system.slice/%s")
+               "/lib/systemd/system", "/usr/lib/systemd/system", "/run/systemd/generator.late", *UNIT_CGROUPS)
 
 
 def unit_state(root: str, unit: str, wants: str, listeners: str) -> dict[str, str]:

@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 
-from reconciler.engine.scripts.prelude import at  # spliced in when sent
+from reconciler.engine.scripts.prelude import at, loaded  # spliced in when sent
 
 TYPE_CHECKING = False  # typing is not imported on the servers: mypy alone reads these imports
 if TYPE_CHECKING:
@@ -137,9 +137,7 @@ def then(req: dict[str, Any], taken: bool) -> None:
             inner = dict(req["then_request"])
         if "root" in req:  # a fake host's directory (tests): the same for both
             inner["root"] = req["root"]
-        scope: dict[str, Any] = {"__name__": "reconciler_then"}
-        exec(compile(req["then"], str(req.get("then_name", "then")), "exec"), scope)
-        scope["main"](inner)
+        loaded(req["then"], str(req.get("then_name", "then")))["main"](inner)
     elif req.get("then_stdin"):
         import sys
 

@@ -9,7 +9,9 @@ only, and nothing imported at start that a converged server's facts run does not
 - ``at(root, path)``: where a server path is (under ``root``, a fake host's directory in tests);
 - ``write(path, data, mode)``: replace a file atomically and durably (temporary file, fsync, rename, folder fsync);
 - ``listening_ports(root)``: the (port, transport) pairs the kernel has listening, read from ``/proc/net`` (no
-  process per poll): TCP in LISTEN, UDP unconnected;
+  process per poll): TCP in LISTEN, UDP unconnected; ``listening_sockets(root)``: the same with their sockets' inodes;
+- ``UNIT_CGROUPS``: where a systemd service's cgroup is, on each cgroup layout;
+- ``loaded(source, name)``: another script run as a module in this process (a step carried by another's session);
 - ``run(argv, limit, merge)``: a command's exit status and output, bounded by a deadline, through posix_spawn and
   a pipe (what subprocess would do, without its import: ~8 ms of a server's CPU at each script's start).
 """
@@ -51,9 +53,16 @@ def write(path: "str", data: "bytes", mode: "int") -> "None":
         os.close(folder)
 
 
-def listening_ports(root: "str") -> "set[tuple[int, str]]":
-    """The kernel's socket tables: (port, "tcp") for TCP in LISTEN (0A), (port, "udp") for UDP unconnected (07)."""
-    have = set()
+#: A systemd service's cgroup folder (``% unit``), which exists while the unit runs, starts or stops: the unified
+#: hierarchy (cgroup v2), hybrid (v2 beside the v1 controllers), systemd's named hierarchy (cgroup v1).
+UNIT_CGROUPS = ("/sys/fs/cgroup/system.slice/%s", "/sys/fs/cgroup/unified/system.slice/%s",
+                "/sys/fs/cgroup/systemd/system.slice/%s")
+
+
+def listening_sockets(root: "str") -> "dict[tuple[int, str], set[str]]":
+    """The kernel's socket tables: (port, "tcp") for TCP in LISTEN (0A), (port, "udp") for UDP unconnected (07),
+    each with the inodes of the sockets listening there."""
+    have = {}  # type: dict[tuple[int, str], set[str]]
     for proto, state in (("tcp", "0A"), ("udp", "07")):
         for name in ("/proc/net/%s" % proto, "/proc/net/%s6" % proto):
             try:
@@ -61,11 +70,24 @@ def listening_ports(root: "str") -> "set[tuple[int, str]]":
                     next(f)
                     for line in f:
                         parts = line.split()
-                        if len(parts) > 3 and parts[3] == state:
-                            have.add((int(parts[1].rsplit(":", 1)[1], 16), proto))
+                        if len(parts) > 9 and parts[3] == state:
+                            have.setdefault((int(parts[1].rsplit(":", 1)[1], 16), proto), set()).add(parts[9])
             except (OSError, StopIteration, ValueError, IndexError):
                 pass
     return have
+
+
+def listening_ports(root: "str") -> "set[tuple[int, str]]":
+    """The (port, transport) pairs listening (``listening_sockets`` without the inodes)."""
+    return set(listening_sockets(root))
+
+
+def loaded(source: "str", name: "str") -> "dict[str, Any]":
+    """Another server script's text run as a module in this process: its functions (not its ``__main__``), without
+    a Python start of its own."""
+    scope = {"__name__": "reconciler_" + name}  # type: dict[str, Any]
+    exec(compile(source, name, "exec"), scope)
+    return scope
 
 
 def run(argv: "list[str]", limit: "float" = 20.0, merge: "bool" = False) -> "dict[str, Any]":
