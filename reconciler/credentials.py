@@ -38,7 +38,6 @@ import hmac
 import math
 import os
 import re
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -119,12 +118,35 @@ class Secret:
 
     def derive(self, purpose: str, *parts: str, length: int = 32) -> bytes:
         msg = "\x1f".join((purpose, *parts)).encode()
+        if length <= 32:
+            return _hmac(self.value, msg + b"\0")[:length]
         out = b""
         counter = 0
         while len(out) < length:
-            out += hmac.digest(self.value, msg + bytes([counter]), "sha256")  # one-shot C HMAC: same bytes, 3x faster
+            out += _hmac(self.value, msg + bytes([counter]))
             counter += 1
         return out[:length]
+
+
+@lru_cache(maxsize=4)
+def _pads(key: bytes) -> tuple[object, object]:
+    """HMAC-SHA256's inner and outer hashes of ``key`` with its pads absorbed (RFC 2104): copied for each message."""
+    if len(key) > 64:
+        key = hashlib.sha256(key).digest()
+    key = key.ljust(64, b"\0")
+    return hashlib.sha256(bytes(b ^ 0x36 for b in key)), hashlib.sha256(bytes(b ^ 0x5C for b in key))
+
+
+def _hmac(key: bytes, msg: bytes) -> bytes:
+    """HMAC-SHA256 of ``msg`` under ``key``: the same bytes as ``hmac.digest``, from the key's padded hashes kept
+    (``_pads``) rather than set up again for each of a 100k-user pass's 300,000 derivations (0.5 µs against 1.3)."""
+    inner, outer = _pads(key)
+    i = inner.copy()  # type: ignore[attr-defined]
+    i.update(msg)
+    o = outer.copy()  # type: ignore[attr-defined]
+    o.update(i.digest())
+    digest: bytes = o.digest()
+    return digest
 
 
 def read_credential(env: str, file: str | None, what: str) -> tuple[bytes, str]:
@@ -185,16 +207,21 @@ class UserCredentials:
 def user_credentials(secret: Secret, user: str, rotate: int = 0, shadowsocks: bool = True) -> UserCredentials:
     """Every credential of a user. ``shadowsocks=False`` leaves the SS-2022 keys empty (a cluster without
     Shadowsocks inbounds; one HMAC fewer per user when writing 100k subscriptions)."""
-    gen = str(rotate)
-    raw = bytearray(secret.derive("uuid", user, gen, length=16))
+    # Each is ``secret.derive(purpose, user, str(rotate))``, one HMAC block, spelt out: 3.5 µs a user, not 9.
+    tail = f"\x1f{user}\x1f{rotate}\0".encode()
+    key = secret.value
+    raw = bytearray(_hmac(key, b"uuid" + tail)[:16])
+    raw[6] = raw[6] & 0x0F | 0x40  # version 4 and the RFC 4122 variant, as uuid.UUID(version=4) sets them
+    raw[8] = raw[8] & 0x3F | 0x80
+    h = raw.hex()
     # The 128-bit key is the first half of the 256-bit one (the same first HMAC block): derived once.
-    ss = secret.derive("ss2022-user", user, gen, length=32) if shadowsocks else b""
+    ss = _hmac(key, b"ss2022-user" + tail) if shadowsocks else b""
     return UserCredentials(
-        uuid=str(uuid.UUID(bytes=bytes(raw), version=4)),
-        password=_b64(secret.derive("password", user, gen, length=18)),
+        uuid=f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}",
+        password=base64.urlsafe_b64encode(_hmac(key, b"password" + tail)[:18]).decode(),  # 18 and 24 bytes: no padding
         ss_key_128=base64.b64encode(ss[:16]).decode() if ss else "",
         ss_key_256=base64.b64encode(ss).decode() if ss else "",
-        token=user_token(secret, user, rotate),
+        token=base64.urlsafe_b64encode(_hmac(key, b"token" + tail)[:24]).decode(),
     )
 
 
