@@ -474,7 +474,7 @@ def test_a_pass_that_fails_midway_and_a_folder_removed_behind_the_outlets_back_a
     real, rewrite, calls = userfiles._write_user, userfiles._restamp_userinfo, []
 
     def recording(*args, **kw):
-        calls.append(args[4])
+        calls.append(args[4].name)
         return real(*args, **kw)
 
     def full_disk(snapshot, directory, formats, token, user, size):  # u9 crossed a usage step: its headers only

@@ -322,22 +322,138 @@ def _backups(snapshot: Snapshot, route: Route, members: tuple[InboundRef, ...], 
     limit = snapshot.cluster.settings.outputs.failover.members - 1
     if limit <= 0:
         return ()
+    out: list[InboundRef] = []
+    for n, (refs, keys, share) in enumerate(_failover_sets(snapshot, route, members, cands, pool, rkey)):
+        if refs:  # ``draws``: the candidates' (the first set's) draws, when the pick already made them
+            strength = -(share / draws) if n == 0 and draws is not None else -scores(ukeys, keys, share)
+            out += [refs[i] for i in _strongest(strength, limit + 1)[0].tolist() if refs[i] is not chosen]
+        if len(out) >= limit:
+            break
+    return tuple(out[:limit])
+
+
+def _failover_sets(snapshot: Snapshot, route: Route, members: tuple[InboundRef, ...], cands: tuple[InboundRef, ...],
+                   pool: str | None, rkey: str | None) -> tuple[FailoverSet, FailoverSet]:
+    """The sets a failover order is drawn from, in turn: the candidates, then the route's other inbounds in rotation."""
     memo = snapshot.memo[_FAILOVER]
     found = memo.get((route.id, pool, rkey))
     if found is None:
         chosen_ids = {r.inbound.id for r in cands}  # by id: a model's ``==`` walks its fields (1,000² of them)
         rest = tuple(r for r in members if r.inbound.id not in chosen_ids and snapshot.in_rotation(r.inbound.id, rkey))
         found = memo[(route.id, pool, rkey)] = (_order_weights(snapshot, route, cands), _order_weights(snapshot, route, rest))
-    out: list[InboundRef] = []
-    for n, (refs, keys, share) in enumerate(found):
-        if refs:  # ``draws``: the candidates' (the first set's) draws, when the pick already made them
-            strength = -(share / draws[0]) if n == 0 and draws is not None else -scores(ukeys, keys, share)[0]
-            k = min(limit + 1, len(refs))  # the few strongest (one may be the chosen), not a sort of the route
-            top = np.argpartition(strength, k - 1)[:k] if k < len(refs) else np.arange(len(refs))
-            out += [refs[i] for i in top[np.argsort(strength[top], kind="stable")].tolist() if refs[i] is not chosen]
-        if len(out) >= limit:
-            break
-    return tuple(out[:limit])
+    return found
+
+
+def _strongest(strength: np.ndarray, count: int) -> np.ndarray:
+    """Each row's ``count`` strongest columns (the lowest ``strength``), strongest first: the few that can be in an
+    order, not a sort of the route. One user or a block of them, the same operations row by row."""
+    rows, width = strength.shape
+    k = min(count, width)
+    top = np.argpartition(strength, k - 1, axis=1)[:, :k] if k < width else np.broadcast_to(np.arange(width), (rows, width))
+    ordered: np.ndarray = np.take_along_axis(top, np.argsort(np.take_along_axis(strength, top, 1), axis=1, kind="stable"), 1)
+    return ordered
+
+
+def _kept_columns(snapshot: Snapshot, positions: np.ndarray, routes: tuple[Route, ...] | list[Route]
+                  ) -> list[tuple[Route, tuple[InboundRef, ...], tuple[InboundRef, ...], np.ndarray]] | None:
+    """For each route with members: its members, its candidates (no pool, no region) and the candidate each of these
+    users keeps (-1: none, placed afresh). None when some route has no candidates or no assignments at all."""
+    memo, held = snapshot.memo, snapshot.held
+    members_of, candidates_of = memo[_MEMBERS], memo[_CANDIDATES]
+    out = []
+    for route in routes:
+        members = members_of.get(route.id)
+        if members is None:
+            members = members_of[route.id] = _usable_members(snapshot, route)
+        if not members:
+            continue
+        cands = candidates_of.get((route.id, None, None))
+        if cands is None:
+            cands = candidates_of[(route.id, None, None)] = _candidates(snapshot, members, None, None)
+            memo[_CANDIDATE_IDS][(route.id, None, None)] = {r.inbound.id: r for r in cands}
+        col = held.column(route.id)
+        if not cands or col is None:
+            return None
+        at = {t: i for i, t in enumerate(held.inbounds)}
+        candidate_of = np.full(len(held.inbounds) + 1, -1, np.int64)  # the last: NONE's
+        for c, r in enumerate(cands):
+            if (t := at.get(r.inbound.id)) is not None:
+                candidate_of[t] = c
+        out.append((route, members, cands, candidate_of[col[positions]]))
+    return out
+
+
+def _block_orders(snapshot: Snapshot, route: Route, members: tuple[InboundRef, ...], cands: tuple[InboundRef, ...],
+                  ukeys: np.ndarray, kept: np.ndarray, limit: int) -> list[tuple[int, ...]]:
+    """``_backups`` of a block of users who keep candidate ``kept`` (each): each one's failover order as indices into
+    the candidates and, past them, the route's other inbounds in rotation (``_failover_sets``)."""
+    if limit <= 0:
+        return [()] * len(ukeys)
+    (refs, keys, share), (others, other_keys, other_share) = _failover_sets(snapshot, route, members, cands, None, None)
+    first = _strongest(-scores(ukeys, keys, share), limit + 1).tolist() if refs else [[] for _ in range(len(ukeys))]
+    orders = [[i for i in row if i != c] for row, c in zip(first, kept.tolist(), strict=True)]
+    short = [row for row, order in enumerate(orders) if len(order) < limit]
+    if short and others:
+        then = _strongest(-scores(ukeys[short], other_keys, other_share), limit + 1).tolist()
+        for row, more in zip(short, then, strict=True):
+            orders[row] += [len(refs) + j for j in more]
+    return [tuple(order[:limit]) for order in orders]
+
+
+#: Entries a snapshot keeps for ``decide_block`` (the route, the kept inbound and the failover order name one): as
+#: many as there are orders on a small fleet; on a big one the first ones (a user's own order is not worth keeping).
+ENTRIES_KEPT = 65536
+EntryKey = tuple[str, int, tuple[int, ...]]  # a route, its kept candidate, the failover order (candidates' indices)
+_KEPT_ENTRIES: Slot[dict[EntryKey, Entry]] = Slot("kept entries", dict)
+
+
+def decide_block(snapshot: Snapshot, positions: np.ndarray) -> tuple[list[list[Entry]], list[tuple[EntryKey, ...] | None]]:
+    """``decide`` of the users at these positions (the cluster's order), with no address: the same entries, for a
+    block of users at once (the file outlet's 100k users; per user, the failover orders were most of ``decide``'s
+    time). Users who keep their assignment on routes without pools, in a fleet with no regional verdict, are decided
+    together; any other user is decided alone. Also, per user, a key naming its entries (equal keys, equal entries;
+    None: decided alone, or no entries because the user is not served)."""
+    cluster, memo = snapshot.cluster, snapshot.memo
+    users = cluster.users
+    n = len(positions)
+    entries: list[list[Entry] | None] = [None] * n
+    keys: list[tuple[EntryKey, ...] | None] = [None] * n
+    together = np.flatnonzero(snapshot.standings[positions] == ACTIVE) if not snapshot.regional else np.zeros(0, np.int64)
+    routes = cluster.effective_routes
+    if any(route.pools for route in routes):
+        together = together[:0]
+    limit = cluster.settings.outputs.failover.members - 1
+    per_route = _kept_columns(snapshot, positions[together], routes) if len(together) else []
+    if per_route is None:  # nobody keeps an assignment on some route (best available, or a new route)
+        together, per_route = together[:0], []
+    members_of = memo[_MEMBERS]
+    if len(together) and per_route:
+        alike = np.logical_and.reduce([kept >= 0 for *_, kept in per_route])  # a user placed afresh is decided alone
+        together = together[alike]
+        ukeys = snapshot.user_key_array[positions[together]]
+        ordered = [(route, cands, kept[alike].tolist(), _block_orders(snapshot, route, members, cands, ukeys, kept[alike], limit))
+                   for route, members, cands, kept in per_route]
+        made = memo[_KEPT_ENTRIES]
+        for row, i in enumerate(together.tolist()):
+            mine, names = [], []
+            for route, cands, kept, orders in ordered:
+                key = (route.id, kept[row], orders[row])
+                entry = made.get(key)
+                if entry is None:
+                    sets = _failover_sets(snapshot, route, members_of[route.id], cands, None, None)
+                    everyone = sets[0][0] + sets[1][0]
+                    entry = _entry(snapshot, route, cands[kept[row]], None, "kept from the last assignment", None,
+                                   tuple(everyone[o] for o in orders[row]))
+                    if len(made) < ENTRIES_KEPT:
+                        made[key] = entry
+                mine.append(entry)
+                names.append(key)
+            entries[i], keys[i] = mine, tuple(names)
+    elif len(together):  # served, on no route with members: no entries, as ``decide`` says
+        for i in together.tolist():
+            entries[i], keys[i] = [], ()
+    out = [e if e is not None else decide(snapshot, users[int(p)].name) for e, p in zip(entries, positions.tolist(), strict=True)]
+    return out, keys
 
 
 def _order_weights(snapshot: Snapshot, route: Route,

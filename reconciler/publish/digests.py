@@ -89,13 +89,21 @@ def user_fingerprint(snapshot: Snapshot, user_name: str, inbound_json: dict[str,
     and the usage step (``step``: the caller's, from ``usage_steps`` over every user)."""
     entries = decide(snapshot, user_name) if entries is None else entries
     user = snapshot.cluster.user(user_name)
-    parts = [user.model_dump_json(), outputs_json]
-    for e in entries:
-        ib = e.ref.inbound.id
-        parts.append(f"{e.route.id}\0{ib}\0{e.name}\0{inbound_json[ib]}\0{snapshot.public_keys.get(ib, '')}"
-                     f"\0{snapshot.tls_pins.get(ib, '')}")
-    base = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:FINGERPRINT_CHARS - STEP_HEX]
-    return base + _step_hex(usage_step(snapshot, user_name) if step is None else step)
+    return fingerprint_of(user.model_dump_json(), outputs_json, entries_text(snapshot, entries, inbound_json),
+                          usage_step(snapshot, user_name) if step is None else step)
+
+
+def entries_text(snapshot: Snapshot, entries: list[Entry], inbound_json: dict[str, str]) -> str:
+    """The entries' part of ``user_fingerprint``'s input (users with the same entries share it)."""
+    return "".join(f"\n{e.route.id}\0{e.ref.inbound.id}\0{e.name}\0{inbound_json[e.ref.inbound.id]}"
+                   f"\0{snapshot.public_keys.get(e.ref.inbound.id, '')}\0{snapshot.tls_pins.get(e.ref.inbound.id, '')}"
+                   for e in entries)
+
+
+def fingerprint_of(user_json: str, outputs_json: str, entries: str, step: int) -> str:
+    """``user_fingerprint`` from its parts: the user's JSON, the output settings' JSON and ``entries_text``."""
+    base = hashlib.sha256(f"{user_json}\n{outputs_json}{entries}".encode()).hexdigest()[:FINGERPRINT_CHARS - STEP_HEX]
+    return base + _step_hex(step)
 
 
 def _step_hex(step: int) -> str:

@@ -24,7 +24,7 @@ from reconciler.publish.userfiles import Before, Part, has_shadowsocks, write_us
 from reconciler.state.files import Mac, mac_matches
 
 SPILL_PREFIX = ".outlet-snapshot."  # the snapshot file of a pass in worker processes (state folder; see _in_workers)
-BLOCK = 128  # users taken at a time (~20-40 ms of work): the two ends meet within one block of each other
+BLOCK = 512  # users taken at a time (~30 ms of work): the two ends meet within one block of each other
 
 
 def _spill_key(secret: Secret) -> bytes:

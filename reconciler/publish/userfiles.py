@@ -4,6 +4,7 @@ rendered whole, or only its ``headers.json`` restamped when the usage step alone
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 from collections.abc import Iterable
@@ -12,13 +13,25 @@ from dataclasses import dataclass
 import numpy as np
 
 from reconciler.balance import Snapshot, decide
-from reconciler.balance.decide import Entry
+from reconciler.balance.decide import Entry, EntryKey, decide_block
 from reconciler.credentials import Secret, UserCredentials, user_credentials
 from reconciler.model import User
-from reconciler.publish.digests import FINGERPRINT_CHARS, restepped, usage_steps, user_fingerprint
+from reconciler.publish.digests import FINGERPRINT_CHARS, entries_text, fingerprint_of, restepped, usage_steps
 from reconciler.publish.manifest import PublishedTable
-from reconciler.state.files import write_atomic, write_new
-from reconciler.subscriptions.document import EXTENSIONS, headers_json, headers_json_restamped, render_formats, userinfo
+from reconciler.state.files import write_all, write_atomic
+from reconciler.subscriptions.document import (
+    EXTENSIONS,
+    TEMPLATES_KEPT,
+    Prepared,
+    credential_values,
+    file_headers,
+    headers_json,
+    headers_json_restamped,
+    prepared,
+    render_formats,
+    url_values,
+    userinfo,
+)
 
 # Documents are regenerated from the snapshot at will, so they are not fsynced one by one: the manifest,
 # written durably after them, records each user's token, fingerprint and published size, and the sizes
@@ -87,10 +100,17 @@ def write_users(snapshot: Snapshot, secret: Secret, directory: str, formats: tup
     done: list[tuple[int, int]] = []
     for lo, hi in ((lo, min(len(which), lo + CHUNK)) for lo in range(0, len(which), CHUNK)) if blocks is None else blocks:
         done.append((lo, hi))
-        rows = zip(which[lo:hi].tolist(), headers_only[lo:hi].tolist(), before[0][lo:hi].tolist(), before[1][lo:hi].tolist(),
-                   before[2][lo:hi].tolist(), steps[lo:hi].tolist(), groups[lo:hi].tolist(), strict=True)
-        out = [each.user(users[i], light, had, printed, size, step, group)
-               for i, light, had, printed, size, step, group in rows]
+        light, had, printed = headers_only[lo:hi].tolist(), before[0][lo:hi].tolist(), before[1][lo:hi].tolist()
+        # Who is decided: all but those whose headers alone are restamped, decided together (``decide_block``).
+        fresh = [k for k, (li, ha, pr) in enumerate(zip(light, had, printed, strict=True))
+                 if not (li and ha and len(pr) == FINGERPRINT_CHARS)]
+        decided: list[tuple[list[Entry], tuple[EntryKey, ...] | None] | None] = [None] * (hi - lo)
+        if fresh:
+            for k, entries, key in zip(fresh, *decide_block(each.view, which[lo:hi][fresh]), strict=True):
+                decided[k] = (entries, key)
+        rows = zip(which[lo:hi].tolist(), light, had, printed, before[2][lo:hi].tolist(), steps[lo:hi].tolist(),
+                   groups[lo:hi].tolist(), decided, strict=True)
+        out = [each.user(users[i], li, ha, pr, size, step, group, d) for i, li, ha, pr, size, step, group, d in rows]
         if out:  # (read and written a block at a time: as lists for the whole pass, ~360 MB at a million users)
             tokens[lo:hi], prints[lo:hi], sizes[lo:hi] = zip(*out, strict=True)
     if blocks is None:
@@ -111,28 +131,31 @@ class _EachUser:
         self.inbound_json = {r.inbound.id: r.inbound.model_dump_json() for r in cluster.inbounds}
         self.outputs_json = cluster.settings.outputs.model_dump_json()
         self.view, self.fresh, self.group = snapshot, 0, -1  # the snapshot this stretch renders on, its users, their run
+        self.keyed: dict[tuple[EntryKey, ...], _Keyed] = {}  # this stretch's entries by key (``decide_block``)
         self.written = self.unchanged = 0
 
     def user(self, user: User, light: bool, had: bytes, printed: bytes, had_size: int, step: int,
-             group: int) -> tuple[bytes, bytes, int]:
+             group: int, decided: tuple[list[Entry], tuple[EntryKey, ...] | None] | None) -> tuple[bytes, bytes, int]:
         """The user's token, fingerprint and size as published now (``had``, ``printed``, ``had_size``: before;
-        ``light``: only its headers can have changed; ``group``: its run of users assigned alike)."""
+        ``light``: only its headers can have changed; ``group``: its run of users assigned alike; ``decided``: its
+        entries and their key, None when only its headers are to be restamped)."""
         if group != self.group:  # users assigned alike end here: a stretch of users on a copy of its own (STRETCH)
             if self.fresh >= STRETCH:
-                self.view, self.fresh = dataclasses.replace(self.snapshot), 0
+                self.view, self.fresh, self.keyed = dataclasses.replace(self.snapshot), 0, {}
             self.group = group
         self.fresh += 1
         view, secret, directory, formats = self.view, self.secret, self.directory, self.formats
         # Only the usage step moved (the same file and keys): the same token and bodies, new figures in headers.json.
         # Its entries are the same too (its inbounds did not move), so its fingerprint is the last one at this step:
         # no decision (~30 µs a user, 20k users a pass at a million).
-        stamp = light and bool(had) and len(printed) == FINGERPRINT_CHARS
-        entries: list[Entry] | None = None
+        stamp = decided is None and light and bool(had) and len(printed) == FINGERPRINT_CHARS
+        kept: _Keyed | None = None
         if stamp:
             fp = restepped(printed, step).decode()
         else:
-            entries = decide(view, user.name)
-            fp = user_fingerprint(view, user.name, self.inbound_json, self.outputs_json, entries, step)
+            entries, key = decided if decided is not None else (decide(view, user.name), None)
+            kept = self._keyed(entries, key)
+            fp = fingerprint_of(user.model_dump_json(), self.outputs_json, kept.text, step)
         creds = None if stamp else user_credentials(secret, user.name, user.rotate, self.shadowsocks)  # not kept (~500 B)
         token = had if creds is None else creds.token.encode()
         if had == token and printed == fp.encode() and os.path.isdir(os.path.join(directory, token.decode())):
@@ -140,16 +163,44 @@ class _EachUser:
             return token, printed, had_size
         size = _restamp_userinfo(view, directory, formats, token.decode(), user, had_size) if stamp else None
         if size is None:
-            if entries is None:  # the file was not ours to restamp: rendered whole, decided afresh
-                entries = decide(view, user.name)
-                fp = user_fingerprint(view, user.name, self.inbound_json, self.outputs_json, entries, step)
+            if kept is None:  # the file was not ours to restamp: rendered whole, decided afresh
+                kept = self._keyed(decide(view, user.name), None)
+                fp = fingerprint_of(user.model_dump_json(), self.outputs_json, kept.text, step)
             if creds is None:
                 creds = user_credentials(secret, user.name, user.rotate, self.shadowsocks)
             token = creds.token.encode()
-            size = _write_user(view, secret, directory, formats, user.name, creds.token, entries, creds,
-                               known=bool(had), headers_only=light and had == token)
+            docs = kept.documents(view, secret, formats) if kept.key is not None else None
+            size = _write_user(view, secret, directory, formats, user, creds.token, kept.entries, creds,
+                               known=bool(had), headers_only=light and had == token, documents=docs)
         self.written += 1
         return token, fp.encode(), size
+
+    def _keyed(self, entries: list[Entry], key: tuple[EntryKey, ...] | None) -> _Keyed:
+        """What users with these entries share (kept by their key for this stretch; a user decided alone: its own)."""
+        if key is None:
+            return _Keyed(entries, None, entries_text(self.view, entries, self.inbound_json))
+        found = self.keyed.get(key)
+        if found is None:
+            found = _Keyed(entries, key, entries_text(self.view, entries, self.inbound_json))
+            if len(self.keyed) < TEMPLATES_KEPT:  # a stretch of users whose orders are nearly each one's own: not all
+                self.keyed[key] = found
+        return found
+
+
+@dataclass
+class _Keyed:
+    """The entries of users decided alike (``decide_block``'s key; None: one user's own), their part of the users'
+    fingerprints, and their documents to fill in with each one's credentials (made when first written)."""
+
+    entries: list[Entry]
+    key: tuple[EntryKey, ...] | None
+    text: str
+    prepared: tuple[Prepared, ...] | None = None
+
+    def documents(self, snapshot: Snapshot, secret: Secret, formats: tuple[str, ...]) -> tuple[Prepared, ...]:
+        if self.prepared is None:
+            self.prepared = tuple(prepared(snapshot, self.entries, fmt, secret) for fmt in formats)
+        return self.prepared
 
 
 def _groups(snapshot: Snapshot, which: np.ndarray) -> np.ndarray:
@@ -188,13 +239,30 @@ def _restamp_userinfo(snapshot: Snapshot, directory: str, formats: tuple[str, ..
     return size - len(old) + len(new)
 
 
-def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], user: str, token: str,
-                entries: list[Entry], creds: UserCredentials, known: bool = True, headers_only: bool = False) -> int:
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+
+
+@functools.lru_cache(maxsize=8)
+def _file_names(formats: tuple[str, ...]) -> tuple[str, ...]:
+    return (*(f"{fmt}.{EXTENSIONS[fmt]}" for fmt in formats), "headers.json")
+
+
+def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], user: User, token: str,
+                entries: list[Entry], creds: UserCredentials, known: bool = True, headers_only: bool = False,
+                documents: tuple[Prepared, ...] | None = None) -> int:
     """Write one user's files (``headers_only``: the bodies are known to be the same, only ``headers.json`` is
-    written); returns their size together (what the manifest records)."""
-    docs = render_formats(snapshot, user, formats, secret, entries=entries, credentials=creds)
-    files = {f"{fmt}.{EXTENSIONS[fmt]}": doc.body for fmt, doc in docs.items()}
-    files["headers.json"] = headers_json(snapshot, docs)
+    written); returns their size together (what the manifest records). ``documents``: the user's documents to fill
+    in (a served user decided with others alike); else rendered (``render_formats``: also a refusal)."""
+    if documents is not None:  # (served: ``decide_block`` keys only served users' entries)
+        values = credential_values(creds)
+        in_url = url_values(values)
+        bodies = [p.fill_values(values, in_url) for p in documents]
+        files = dict(zip(_file_names(formats), [*bodies, file_headers(snapshot, formats, bodies, userinfo(snapshot, user))],
+                         strict=True))
+    else:
+        docs = render_formats(snapshot, user.name, formats, secret, entries=entries, credentials=creds)
+        files = {f"{fmt}.{EXTENSIONS[fmt]}": doc.body for fmt, doc in docs.items()}
+        files["headers.json"] = headers_json(snapshot, docs)
     folder = f"{directory}/{token}"
     if not known or not os.path.isdir(folder):
         # A new user: fill a hidden folder, then rename it into place — readers see all of it or none,
@@ -206,8 +274,13 @@ def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tup
         except FileExistsError:
             shutil.rmtree(staging)
             os.mkdir(staging, DIR_MODE)
-        for name, data in files.items():
-            write_new(f"{staging}/{name}", data, DOC_MODE, sync=False)
+        for name, data in files.items():  # (``write_new``'s steps, for 400,000 files a pass)
+            fd = os.open(f"{staging}/{name}", _NEW, DOC_MODE)
+            try:
+                if (n := os.write(fd, data)) != len(data):
+                    write_all(fd, data[n:])
+            finally:
+                os.close(fd)
         try:
             os.rename(staging, folder)
             return sum(len(d) for d in files.values())

@@ -76,12 +76,13 @@ def choose_format(requested: str | None, user_agent: str | None) -> str:
 # JSON text, and a document per (format, entries and backups) with stand-ins for the user's credentials.
 _HEADER_BASES: Slot[dict[str, dict[str, str]]] = Slot("header bases", dict)
 _HEADER_JSON_HEADS: Slot[dict[str, str]] = Slot("header JSON heads", dict)
+_HEADER_FORMS: Slot[dict[tuple[str, ...], str]] = Slot("headers.json forms", dict)  # ``file_headers``
 #: Templates a snapshot keeps. Users share a template when they share their entries and failover orders: a few
 #: servers give a few templates, all kept; on a big fleet the orders are nearly each user's own, and keeping them all
 #: held a template per user for the snapshot's life (~1.5 GB at a million users): the first ones are kept, the rest
 #: made when asked.
 TEMPLATES_KEPT = 4096
-_TEMPLATES: Slot[dict[tuple[str, tuple[tuple[str, ...], ...]], bytes]] = Slot("document templates", dict)
+_TEMPLATES: Slot[dict[tuple[str, tuple[tuple[str, ...], ...]], Prepared]] = Slot("document templates", dict)
 
 
 def _header_base(snapshot: Snapshot, fmt: str) -> dict[str, str]:
@@ -234,35 +235,101 @@ def render_formats(snapshot: Snapshot, user_name: str, fmts: tuple[str, ...], se
     creds = credentials or user_credentials(secret, user.name, user.rotate)
     out = {}
     for fmt in fmts:
-        body = _substitute(_template(snapshot, entries, fmt, secret), _stand_in(secret), creds, fmt == "links")
-        if fmt == "links":
-            body = base64.b64encode(body)
-        doc = Document(body, headers(snapshot, user_name, fmt, user), entries)
+        doc = Document(prepared(snapshot, entries, fmt, secret).fill(creds), headers(snapshot, user_name, fmt, user), entries)
         doc.headers["etag"] = doc.etag
         out[fmt] = doc
     return out
 
 
-def _template(snapshot: Snapshot, entries: list[Entry], fmt: str, secret: Secret) -> bytes:
+@dataclass(frozen=True)
+class Prepared:
+    """A document of some entries with the places of a user's credentials marked: ``form`` is the text with ``%``
+    doubled and ``%s`` where a credential goes, ``slots`` which credential goes there (``credential_values``' order);
+    share links take them percent-encoded and are base64 as a whole. Filling one in is a single ``%`` (the file
+    outlet fills 300,000 a pass)."""
+
+    form: bytes
+    slots: tuple[int, ...]
+    links: bool
+
+    @classmethod
+    def of(cls, body: bytes, stand_in: UserCredentials, links: bool) -> Prepared:
+        marks = credential_values(stand_in)
+        pieces = _marks(marks).split(body)
+        slots = tuple(marks.index(mark) for mark in pieces[1::2])
+        return cls(b"%s".join(piece.replace(b"%", b"%%") for piece in pieces[::2]), slots, links)
+
+    def fill(self, creds: UserCredentials) -> bytes:
+        """The document of the user holding ``creds``."""
+        return self.fill_values(credential_values(creds))
+
+    def fill_values(self, values: tuple[bytes, ...], in_url: tuple[bytes, ...] | None = None) -> bytes:
+        """``fill`` from ``credential_values`` of the user's credentials (and ``url_values`` of them, if known)."""
+        if not self.links:
+            return self.form % tuple([values[i] for i in self.slots])
+        if in_url is None:
+            in_url = url_values(values)
+        return base64.b64encode(self.form % tuple([in_url[i] for i in self.slots]))
+
+
+def credential_values(creds: UserCredentials) -> tuple[bytes, ...]:
+    """The credentials a document can hold, in ``Prepared.slots``' order, encoded."""
+    return creds.uuid.encode(), creds.password.encode(), creds.ss_key_128.encode(), creds.ss_key_256.encode()
+
+
+def url_values(values: tuple[bytes, ...]) -> tuple[bytes, ...]:
+    """``credential_values`` as they stand in a share link's user info: percent-encoded (SIP002's Shadowsocks key is
+    base64, with ``+``, ``/`` and ``=``; a derived UUID or password is left as it is)."""
+    return tuple(v if _URL_SAFE.fullmatch(v) else quote(v, safe="").encode() for v in values)
+
+
+@functools.lru_cache(maxsize=4)
+def _marks(marks: tuple[bytes, ...]) -> re.Pattern[bytes]:
+    return re.compile(b"(" + b"|".join(re.escape(m) for m in marks) + b")")
+
+
+_URL_SAFE = re.compile(rb"[A-Za-z0-9_.~-]*")  # what ``quote(safe="")`` leaves as it is
+
+
+def prepared(snapshot: Snapshot, entries: list[Entry], fmt: str, secret: Secret) -> Prepared:
+    """``fmt``'s document of these entries, to be filled with a user's credentials (kept on the snapshot: users with
+    the same entries and failover orders share it)."""
     memo = snapshot.memo[_TEMPLATES]
     failover = fmt != "links" and snapshot.cluster.settings.outputs.failover.members > 1
     key = (fmt, tuple((e.name, e.ref.inbound.id, *(b.inbound.id for b in e.backups if failover)) for e in entries))
-    body = memo.get(key)
-    if body is None:
-        stand_in = _stand_in(secret)
-        outbounds = _verifiable([client_outbound(e, snapshot, secret, stand_in) for e in entries], fmt)
-        if fmt == "links":  # the text before base64; share links stay one entry per route
-            body = links_text(outbounds)
-        else:
-            kept = {o.inbound for o in outbounds}
-            groups = [[o, *_verifiable([client_outbound(replace(e, ref=b), snapshot, secret, stand_in) for b in e.backups],
-                                       fmt)] for e, o in zip([e for e in entries if e.ref.inbound.id in kept], outbounds,
-                                                             strict=True)] if failover else None
-            settings = snapshot.cluster.settings
-            body = (singbox if fmt == "sing-box" else clash)(outbounds, settings.split, groups, settings.outputs.failover)
+    found = memo.get(key)
+    if found is None:
+        found = Prepared.of(_template(snapshot, entries, fmt, secret, failover), _stand_in(secret), fmt == "links")
         if len(memo) < TEMPLATES_KEPT:
-            memo[key] = body
-    return body
+            memo[key] = found
+    return found
+
+
+def file_headers(snapshot: Snapshot, fmts: tuple[str, ...], bodies: list[bytes], info: str) -> bytes:
+    """``headers_json`` of a served user's documents, from their bodies and ``subscription-userinfo`` (the file
+    outlet: no ``Document`` made). The same bytes."""
+    if not _USERINFO_VALUE.fullmatch(info.encode()):  # (``userinfo`` writes only these: nothing to escape)
+        return headers_json(snapshot, {f: Document(b, {"subscription-userinfo": info}) for f, b in zip(fmts, bodies, strict=True)})
+    memo = snapshot.memo[_HEADER_FORMS]
+    form = memo.get(fmts)
+    if form is None:
+        form = memo[fmts] = "{" + ", ".join(_headers_head(snapshot, fmt).replace("%", "%%") + ', "subscription-userinfo": "%s", '
+                                            '"etag": "\\"%s\\""}' for fmt in fmts) + "}"
+    return (form % tuple(x for body in bodies for x in (info, hashlib.sha256(body).hexdigest()[:32]))).encode()
+
+
+def _template(snapshot: Snapshot, entries: list[Entry], fmt: str, secret: Secret, failover: bool) -> bytes:
+    """``fmt``'s document of these entries for the stand-in credentials."""
+    stand_in = _stand_in(secret)
+    outbounds = _verifiable([client_outbound(e, snapshot, secret, stand_in) for e in entries], fmt)
+    if fmt == "links":  # the text before base64; share links stay one entry per route
+        return links_text(outbounds)
+    kept = {o.inbound for o in outbounds}
+    groups = [[o, *_verifiable([client_outbound(replace(e, ref=b), snapshot, secret, stand_in) for b in e.backups],
+                               fmt)] for e, o in zip([e for e in entries if e.ref.inbound.id in kept], outbounds,
+                                                     strict=True)] if failover else None
+    settings = snapshot.cluster.settings
+    return (singbox if fmt == "sing-box" else clash)(outbounds, settings.split, groups, settings.outputs.failover)
 
 
 def left_out(snapshot: Snapshot, entries: list[Entry], fmt: str, secret: Secret) -> list[str]:
@@ -285,12 +352,3 @@ def _verifiable(outbounds: list[ClientOutbound], fmt: str) -> list[ClientOutboun
             _warned.add((o.inbound, fmt, why))
             log.warning("note: inbound %r is left out of %s subscriptions: %s", o.inbound, fmt, why)
     return kept
-
-
-def _substitute(body: bytes, stand_in: UserCredentials, creds: UserCredentials, in_url: bool) -> bytes:
-    """The user's credentials in place of the stand-ins; percent-encoded in share links, where they stand in
-    a URL's user info (SIP002's Shadowsocks key is base64, with ``+``, ``/`` and ``=``)."""
-    for placeholder, real in ((stand_in.uuid, creds.uuid), (stand_in.password, creds.password),
-                              (stand_in.ss_key_128, creds.ss_key_128), (stand_in.ss_key_256, creds.ss_key_256)):
-        body = body.replace(placeholder.encode(), (quote(real, safe="") if in_url else real).encode())
-    return body

@@ -19,6 +19,7 @@ telling clients to skip verification.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import re
 from urllib.parse import quote, urlencode
@@ -326,14 +327,14 @@ def clash(outbounds: list[ClientOutbound], split: SplitSettings | None = None,
           groups: list[list[ClientOutbound]] | None = None, failover: FailoverSettings | None = None) -> bytes:
     groups = groups or [[o] for o in outbounds]
     names, member_names = _member_names(groups)
-    proxies: list[dict[str, object]] = []
+    proxies: list[_Flow] = []
     fallbacks: list[dict[str, object]] = []
     for name, group, inner in zip(names, groups, member_names, strict=True):
         if not inner or failover is None:
-            proxies.append(clash_proxy(group[0], name))
+            proxies.append(_clash_proxy_flow(group[0], name))
             continue
         # Mihomo's fallback: the first member, in the written order, whose last check passed; back to it when it does.
-        proxies += [clash_proxy(o, n) for o, n in zip(group, inner, strict=True)]
+        proxies += [_clash_proxy_flow(o, n) for o, n in zip(group, inner, strict=True)]
         fallbacks.append({"name": name, "type": "fallback", "proxies": inner, "url": check_url(group, failover, False),
                           "interval": max(1, round(failover.check_interval)), "timeout": 5000, "lazy": True})
     split_rules, providers = _clash_split(split)
@@ -365,7 +366,20 @@ def _scalar(value: object) -> str:
     return _NOT_YAML_PRINTABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", text) if isinstance(value, str) else text
 
 
+class _Flow(str):
+    """A value already written as a YAML flow node (``_flow`` puts it in as it is)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _clash_proxy_flow(o: ClientOutbound, name: str) -> _Flow:
+    """A proxy's flow mapping: the same few (an inbound with stand-in credentials, under its name in the order) are in
+    thousands of a snapshot's documents, each ~30 µs to write."""
+    return _Flow(_flow(clash_proxy(o, name)))
+
+
 def _flow(value: object) -> str:
+    if isinstance(value, _Flow):
+        return value
     if isinstance(value, dict):
         return "{" + ", ".join(f"{_key(k)}: {_flow(v)}" for k, v in value.items()) + "}"
     if isinstance(value, list | tuple):

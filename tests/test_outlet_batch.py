@@ -1,0 +1,125 @@
+"""The file outlet decides and fills users in blocks (``decide_block``, ``Prepared``, ``file_headers``); what it writes
+must be what deciding and rendering each user alone gives, which the live endpoint answers. Checked over many fleets
+drawn at random: two or three servers as most are, twenty as the benchmark's, routes with and without failover
+orders, servers out of rotation, a server weighing next to nothing, users not served and users the balancer never saw."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from reconciler.balance import decide, rebalance
+from reconciler.balance.decide import decide_block
+from reconciler.credentials import Secret, user_credentials
+from reconciler.model import Cluster
+from reconciler.publish import FileOutlet
+from reconciler.publish.digests import user_fingerprint
+from reconciler.subscriptions.document import headers_json, render_formats
+from tests.balance_helpers import snapshot, verdicts
+
+SECRET = Secret(b"outlet-batch-test-secret-0123456789")
+PROTOCOLS = ("vless-reality", "vless-tls", "trojan", "shadowsocks-2022", "hysteria2", "tuic")
+
+
+def fleet(rng: np.random.Generator, servers: int, users: int) -> Cluster:
+    routes = [{"id": "r", "name": "Main"}] + ([{"id": "q", "name": "Other"}] if rng.random() < 0.4 else [])
+    if rng.random() < 0.2:  # pools: decided alone
+        routes[0] |= {"pools": ["a", "b"], "steering": "random"}
+    out = []
+    for i in range(servers):
+        inbounds = []
+        for route in routes:
+            protocol = str(rng.choice(PROTOCOLS))
+            ib = {"id": f"s{i}-{route['id']}", "name": f"Server {i % 3}", "protocol": protocol, "port": 1000 + len(inbounds),
+                  "route": route["id"]}
+            if route.get("pools"):
+                ib["pool"] = "ab"[i % 2]
+            if protocol == "vless-reality":
+                ib["camouflage"] = "www.example.com"
+            elif protocol != "shadowsocks-2022":
+                ib["tls"] = {"server_name": "www.lab.test", "insecure": bool(rng.random() < 0.5)}
+            inbounds.append(ib)
+        out.append({"name": f"s{i}", "host": f"198.18.0.{10 + i}", "country": str(rng.choice(["DE", "NL", "US"])),
+                    "coefficient": float(rng.choice([0.01, 1.0, 1.0, 2.5])), "inbounds": inbounds})
+    people = []
+    for j in range(users):
+        person: dict[str, object] = {"name": f"user{j}", "rotate": int(rng.integers(0, 2))}
+        if rng.random() < 0.05:
+            person["enabled"] = False
+        if rng.random() < 0.05:
+            person["expires"] = "2020-01-01"
+        people.append(person)
+    members = int(rng.integers(1, 5))
+    return Cluster.model_validate({"servers": out, "routes": routes, "users": people,
+                                   "settings": {"outputs": {"failover": {"members": members}}}})
+
+
+def snapshots(seed: int):
+    rng = np.random.default_rng(seed)
+    servers = int(rng.choice([1, 2, 3, 3, 5, 20]))
+    c = fleet(rng, servers, int(rng.integers(5, 120)))
+    down = tuple(f"s{i}" for i in range(servers) if rng.random() < 0.2)
+    base = snapshot(c, verdicts=verdicts(c, down=down) if down else None)
+    # Some users joined after the balancer ran: placed afresh, one at a time.
+    before = c.model_copy(update={"users": c.users[: max(1, len(c.users) - int(rng.integers(0, 4)))]})
+    held = rebalance(dataclasses.replace(base, cluster=before)) if rng.random() < 0.3 else rebalance(base)
+    return dataclasses.replace(base, assignments=held)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_a_block_of_users_is_decided_as_each_alone(seed):
+    # spec: LB-6, LB-9, ROUTE-7
+    snap = snapshots(seed)
+    positions = np.arange(len(snap.cluster.users))[::-1].copy()  # any order
+    entries, keys = decide_block(snap, positions)
+    alone = [decide(snap, snap.cluster.users[i].name) for i in positions.tolist()]
+    assert entries == alone
+    named: dict[object, object] = {}
+    for key, got in zip(keys, entries, strict=True):
+        if key is not None:  # one key, one list of entries
+            assert named.setdefault(key, got) == got
+
+
+@pytest.mark.parametrize("seed", range(0, 60, 3))
+def test_the_files_are_each_users_rendered_documents(tmp_path, seed):
+    snap = snapshots(seed)
+    snap = dataclasses.replace(snap, public_keys={r.inbound.id: "k" * 43 for r in snap.cluster.inbounds
+                                                  if r.inbound.protocol == "vless-reality"})
+    outlet = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET, workers=1)
+    outlet.write(snap)
+    formats = ("links", "sing-box", "clash")
+    for user in snap.cluster.users:
+        creds = user_credentials(SECRET, user.name, user.rotate)
+        docs = render_formats(snap, user.name, formats, SECRET, credentials=creds)
+        folder = tmp_path / "subs" / creds.token
+        assert (folder / "links.txt").read_bytes() == docs["links"].body
+        assert (folder / "sing-box.json").read_bytes() == docs["sing-box"].body
+        assert (folder / "clash.yaml").read_bytes() == docs["clash"].body
+        assert (folder / "headers.json").read_bytes() == headers_json(snap, docs)
+
+
+def test_users_who_keep_their_assignment_are_decided_together():
+    snap = snapshots(4)  # five servers, no pools, failover orders of four
+    served = int((snap.standings == 0).sum())
+    _, keys = decide_block(snap, np.arange(len(snap.cluster.users)))
+    assert sum(k is not None for k in keys) >= served - 8  # all but the few the balancer never saw
+
+
+@pytest.mark.parametrize("seed", range(1, 60, 7))
+def test_the_manifest_records_each_users_fingerprint_by_its_definition(tmp_path, seed):
+    snap = snapshots(seed)
+    outlet = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET, workers=1)
+    outlet.write(snap)
+    inbound_json = {r.inbound.id: r.inbound.model_dump_json() for r in snap.cluster.inbounds}
+    outputs_json = snap.cluster.settings.outputs.model_dump_json()
+    for user in snap.cluster.users:
+        assert outlet.published[user.name].fingerprint == user_fingerprint(snap, user.name, inbound_json, outputs_json)
+
+
+def test_share_links_carry_the_credentials_percent_encoded():
+    # The Shadowsocks key is base64 (+, / and =): SIP002 user info percent-encodes it; a clean value is as it is.
+    from reconciler.subscriptions.document import url_values
+
+    assert url_values((b"a-b_c.d~e", b"p+/=", b"", b"k%")) == (b"a-b_c.d~e", b"p%2B%2F%3D", b"", b"k%25")
