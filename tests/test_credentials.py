@@ -11,7 +11,7 @@ import uuid
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reconciler.credentials import Secret, user_credentials, user_token
+from reconciler.credentials import Secret, credential_bytes, user_credentials, user_token
 
 
 def reference(key: bytes, purpose: str, user: str, rotate: int, length: int) -> bytes:
@@ -49,3 +49,19 @@ def test_derive_is_the_counter_mode_hmac_at_every_length(key, purpose, parts, le
     msg = "\x1f".join((purpose, *parts)).encode()
     want = b"".join(hmac.digest(key, msg + bytes([c]), "sha256") for c in range(4))[:length]
     assert Secret(key).derive(purpose, *parts, length=length) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(names, st.integers(0, 1000), st.tuples(st.booleans(), st.booleans(), st.booleans(), st.booleans()), st.booleans())
+def test_only_the_credentials_wanted_are_derived_and_they_are_the_same(user, rotate, wanted, shadowsocks):
+    secret = Secret(b"k3Zq9vT2pLx8Wm4R-credential-bytes")
+    whole = user_credentials(secret, user, rotate, shadowsocks)
+    values, token = credential_bytes(secret, user, rotate, wanted, shadowsocks)
+    assert token.decode() == whole.token
+    full = (whole.uuid, whole.password, whole.ss_key_128, whole.ss_key_256)
+    ss_wanted = wanted[2] or wanted[3]
+    for k, (got, want) in enumerate(zip(values, full, strict=True)):
+        if wanted[k] or (k >= 2 and ss_wanted):  # the two Shadowsocks keys come from one HMAC
+            assert got.decode() == want
+        else:
+            assert got == b""

@@ -120,6 +120,11 @@ def test_the_manifest_records_each_users_fingerprint_by_its_definition(tmp_path,
 
 def test_share_links_carry_the_credentials_percent_encoded():
     # The Shadowsocks key is base64 (+, / and =): SIP002 user info percent-encodes it; a clean value is as it is.
-    from reconciler.subscriptions.document import url_values
+    import base64
 
-    assert url_values((b"a-b_c.d~e", b"p+/=", b"", b"k%")) == (b"a-b_c.d~e", b"p%2B%2F%3D", b"", b"k%25")
+    from reconciler.subscriptions.document import Prepared
+
+    links = Prepared(b"ss://%s@h#%%20|%s|%s", (0, 2, 3), links=True)
+    filled = links.fill_values((b"a-b_c.d~e", b"unused", b"p+/=", b"k%"))
+    assert base64.b64decode(filled) == b"ss://a-b_c.d~e@h#%20|p%2B%2F%3D|k%25"
+    assert Prepared(b"%s", (1,), links=False).fill_values((b"", b"p+/=", b"", b"")) == b"p+/="

@@ -14,7 +14,7 @@ import numpy as np
 
 from reconciler.balance import Snapshot, decide
 from reconciler.balance.decide import Entry, EntryKey, decide_block
-from reconciler.credentials import Secret, UserCredentials, user_credentials
+from reconciler.credentials import Secret, UserCredentials, credential_bytes, user_credentials
 from reconciler.model import User
 from reconciler.publish.digests import FINGERPRINT_CHARS, entries_text, fingerprint_of, restepped, usage_steps
 from reconciler.publish.manifest import PublishedTable
@@ -29,7 +29,6 @@ from reconciler.subscriptions.document import (
     headers_json_restamped,
     prepared,
     render_formats,
-    url_values,
     userinfo,
 )
 
@@ -145,6 +144,13 @@ class _EachUser:
             self.group = group
         self.fresh += 1
         view, secret, directory, formats = self.view, self.secret, self.directory, self.formats
+        if not had and decided is not None and decided[1] is not None:  # new, decided with others alike: most users
+            alike = self._keyed(*decided)
+            documents = alike.documents(view, secret, formats)
+            values, token = credential_bytes(secret, user.name, user.rotate, alike.wanted, self.shadowsocks)
+            self.written += 1
+            return token, fingerprint_of(user.model_dump_json(), self.outputs_json, alike.text, step).encode(), \
+                _write_new(view, directory, formats, user, token.decode(), documents, values)
         # Only the usage step moved (the same file and keys): the same token and bodies, new figures in headers.json.
         # Its entries are the same too (its inbounds did not move), so its fingerprint is the last one at this step:
         # no decision (~30 µs a user, 20k users a pass at a million).
@@ -197,9 +203,13 @@ class _Keyed:
     text: str
     prepared: tuple[Prepared, ...] | None = None
 
+    wanted: tuple[bool, bool, bool, bool] = (True,) * 4  # which credentials the documents hold (``credential_bytes``)
+
     def documents(self, snapshot: Snapshot, secret: Secret, formats: tuple[str, ...]) -> tuple[Prepared, ...]:
         if self.prepared is None:
             self.prepared = tuple(prepared(snapshot, self.entries, fmt, secret) for fmt in formats)
+            held = {slot for p in self.prepared for slot in p.slots}
+            self.wanted = (0 in held, 1 in held, 2 in held, 3 in held)
         return self.prepared
 
 
@@ -254,39 +264,65 @@ def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tup
     written); returns their size together (what the manifest records). ``documents``: the user's documents to fill
     in (a served user decided with others alike); else rendered (``render_formats``: also a refusal)."""
     if documents is not None:  # (served: ``decide_block`` keys only served users' entries)
-        values = credential_values(creds)
-        in_url = url_values(values)
-        bodies = [p.fill_values(values, in_url) for p in documents]
-        files = dict(zip(_file_names(formats), [*bodies, file_headers(snapshot, formats, bodies, userinfo(snapshot, user))],
-                         strict=True))
+        files = _documents(snapshot, formats, user, documents, credential_values(creds))
     else:
         docs = render_formats(snapshot, user.name, formats, secret, entries=entries, credentials=creds)
         files = {f"{fmt}.{EXTENSIONS[fmt]}": doc.body for fmt, doc in docs.items()}
         files["headers.json"] = headers_json(snapshot, docs)
     folder = f"{directory}/{token}"
     if not known or not os.path.isdir(folder):
-        # A new user: fill a hidden folder, then rename it into place — readers see all of it or none,
-        # with one rename instead of one per file. (A staging folder a killed writer left is removed
-        # at start-up, see clean_temporaries; one left by this process is removed here.)
-        staging = f"{directory}/.{token}.{os.getpid()}.tmp"
-        try:
-            os.mkdir(staging, DIR_MODE)
-        except FileExistsError:
-            shutil.rmtree(staging)
-            os.mkdir(staging, DIR_MODE)
-        for name, data in files.items():  # (``write_new``'s steps, for 400,000 files a pass)
-            fd = os.open(f"{staging}/{name}", _NEW, DOC_MODE)
-            try:
-                if (n := os.write(fd, data)) != len(data):
-                    write_all(fd, data[n:])
-            finally:
-                os.close(fd)
-        try:
-            os.rename(staging, folder)
+        if _staged(directory, token, files):
             return sum(len(d) for d in files.values())
-        except OSError:  # it appeared meanwhile (another writer): replace file by file below
-            shutil.rmtree(staging, ignore_errors=True)
     for name, data in files.items():
         if not headers_only or name == "headers.json":  # a usage step changes one file of four
             write_atomic(f"{folder}/{name}", data, DOC_MODE, sync=False)
     return sum(len(d) for d in files.values())
+
+
+def _write_new(snapshot: Snapshot, directory: str, formats: tuple[str, ...], user: User, token: str,
+               documents: tuple[Prepared, ...], values: tuple[bytes, ...]) -> int:
+    """``_write_user`` of a user the outlet has not published: its documents filled in with its credentials
+    (``credential_bytes``) and put in place in one rename."""
+    files = _documents(snapshot, formats, user, documents, values)
+    if not _staged(directory, token, files):
+        for name, data in files.items():
+            write_atomic(f"{directory}/{token}/{name}", data, DOC_MODE, sync=False)
+    return sum(map(len, files.values()))
+
+
+def _documents(snapshot: Snapshot, formats: tuple[str, ...], user: User, documents: tuple[Prepared, ...],
+               values: tuple[bytes, ...]) -> dict[str, bytes]:
+    """A served user's files: its documents filled in, and their headers."""
+    bodies = [p.fill_values(values) for p in documents]
+    return dict(zip(_file_names(formats), [*bodies, file_headers(snapshot, formats, bodies, userinfo(snapshot, user))],
+                    strict=True))
+
+
+def _staged(directory: str, token: str, files: dict[str, bytes]) -> bool:
+    """Put a new user's folder in place: its files written into a hidden folder, renamed into place — readers see
+    all of it or none, with one rename instead of one per file. False when the folder appeared meanwhile (another
+    writer): the caller replaces its files one by one. (A staging folder a killed writer left is removed at
+    start-up, see ``FileOutlet.clean_temporaries``; one left by this process is removed here.)"""
+    staging = f"{directory}/.{token}.{_PID[0]}.tmp"
+    try:
+        os.mkdir(staging, DIR_MODE)
+    except FileExistsError:
+        shutil.rmtree(staging)
+        os.mkdir(staging, DIR_MODE)
+    for name, data in files.items():  # (``write_new``'s steps, for 400,000 files a pass)
+        fd = os.open(f"{staging}/{name}", _NEW, DOC_MODE)
+        try:
+            if (n := os.write(fd, data)) != len(data):
+                write_all(fd, data[n:])
+        finally:
+            os.close(fd)
+    try:
+        os.rename(staging, f"{directory}/{token}")
+        return True
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        return False
+
+
+_PID = [os.getpid()]  # this process's (a worker's own once it starts: ``os.register_at_fork``)
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))

@@ -21,16 +21,16 @@ import json
 import logging
 import re
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 from urllib.parse import quote
 
 from reconciler.balance.decide import Entry, decide
 from reconciler.balance.snapshot import Slot, Snapshot
 from reconciler.credentials import Secret, UserCredentials, user_credentials
-from reconciler.model import User
+from reconciler.model import InboundRef, User
 from reconciler.subscriptions.formats import FORMATS, clash, links_text, omission, singbox
-from reconciler.subscriptions.outbound import ClientOutbound, client_outbound
+from reconciler.subscriptions.outbound import ClientOutbound, client_outbound, outbound_for
 from reconciler.text import size_text
 
 log = logging.getLogger("reconciler.subscriptions")
@@ -263,24 +263,23 @@ class Prepared:
         """The document of the user holding ``creds``."""
         return self.fill_values(credential_values(creds))
 
-    def fill_values(self, values: tuple[bytes, ...], in_url: tuple[bytes, ...] | None = None) -> bytes:
-        """``fill`` from ``credential_values`` of the user's credentials (and ``url_values`` of them, if known)."""
+    def fill_values(self, values: tuple[bytes, ...]) -> bytes:
+        """``fill`` from the user's ``credential_values`` (those of ``slots`` at least)."""
         if not self.links:
             return self.form % tuple([values[i] for i in self.slots])
-        if in_url is None:
-            in_url = url_values(values)
-        return base64.b64encode(self.form % tuple([in_url[i] for i in self.slots]))
+        return base64.b64encode(self.form % tuple([_in_url(values[i]) for i in self.slots]))
 
 
 def credential_values(creds: UserCredentials) -> tuple[bytes, ...]:
-    """The credentials a document can hold, in ``Prepared.slots``' order, encoded."""
+    """The credentials a document can hold, in ``Prepared.slots``' order, encoded (``credentials.credential_bytes``
+    gives them so)."""
     return creds.uuid.encode(), creds.password.encode(), creds.ss_key_128.encode(), creds.ss_key_256.encode()
 
 
-def url_values(values: tuple[bytes, ...]) -> tuple[bytes, ...]:
-    """``credential_values`` as they stand in a share link's user info: percent-encoded (SIP002's Shadowsocks key is
-    base64, with ``+``, ``/`` and ``=``; a derived UUID or password is left as it is)."""
-    return tuple(v if _URL_SAFE.fullmatch(v) else quote(v, safe="").encode() for v in values)
+def _in_url(value: bytes) -> bytes:
+    """A credential as it stands in a share link's user info: percent-encoded (SIP002's Shadowsocks key is base64,
+    with ``+``, ``/`` and ``=``; a derived UUID or password is left as it is)."""
+    return value if _URL_SAFE.fullmatch(value) else quote(value, safe="").encode()
 
 
 @functools.lru_cache(maxsize=4)
@@ -308,7 +307,7 @@ def prepared(snapshot: Snapshot, entries: list[Entry], fmt: str, secret: Secret)
 def file_headers(snapshot: Snapshot, fmts: tuple[str, ...], bodies: list[bytes], info: str) -> bytes:
     """``headers_json`` of a served user's documents, from their bodies and ``subscription-userinfo`` (the file
     outlet: no ``Document`` made). The same bytes."""
-    if not _USERINFO_VALUE.fullmatch(info.encode()):  # (``userinfo`` writes only these: nothing to escape)
+    if not (info.isascii() and info.isprintable()) or '"' in info or "\\" in info:  # (figures from ``userinfo``: never)
         return headers_json(snapshot, {f: Document(b, {"subscription-userinfo": info}) for f, b in zip(fmts, bodies, strict=True)})
     memo = snapshot.memo[_HEADER_FORMS]
     form = memo.get(fmts)
@@ -320,16 +319,29 @@ def file_headers(snapshot: Snapshot, fmts: tuple[str, ...], bodies: list[bytes],
 
 def _template(snapshot: Snapshot, entries: list[Entry], fmt: str, secret: Secret, failover: bool) -> bytes:
     """``fmt``'s document of these entries for the stand-in credentials."""
-    stand_in = _stand_in(secret)
-    outbounds = _verifiable([client_outbound(e, snapshot, secret, stand_in) for e in entries], fmt)
+    outbounds = _verifiable([_stand_in_outbound(snapshot, e.ref, secret) for e in entries], fmt)
     if fmt == "links":  # the text before base64; share links stay one entry per route
         return links_text(outbounds)
     kept = {o.inbound for o in outbounds}
-    groups = [[o, *_verifiable([client_outbound(replace(e, ref=b), snapshot, secret, stand_in) for b in e.backups],
-                               fmt)] for e, o in zip([e for e in entries if e.ref.inbound.id in kept], outbounds,
-                                                     strict=True)] if failover else None
+    groups = [[o, *_verifiable([_stand_in_outbound(snapshot, b, secret) for b in e.backups], fmt)]
+              for e, o in zip([e for e in entries if e.ref.inbound.id in kept], outbounds, strict=True)] if failover else None
     settings = snapshot.cluster.settings
     return (singbox if fmt == "sing-box" else clash)(outbounds, settings.split, groups, settings.outputs.failover)
+
+
+_STAND_IN_OUTBOUNDS: Slot[dict[str, ClientOutbound]] = Slot("outbounds with stand-in credentials", dict)
+
+
+def _stand_in_outbound(snapshot: Snapshot, ref: InboundRef, secret: Secret) -> ClientOutbound:
+    """``client_outbound`` of an entry on ``ref`` (named after it, ROUTE-2) with the stand-in credentials: the same
+    for every template that has it (a failover order of three is in thousands of them)."""
+    memo = snapshot.memo[_STAND_IN_OUTBOUNDS]
+    found = memo.get(ref.inbound.id)
+    if found is None:
+        ib = ref.inbound
+        found = memo[ib.id] = outbound_for(ref, ib.name, secret, _stand_in(secret), snapshot.public_keys.get(ib.id, ""),
+                                           snapshot.tls_pins.get(ib.id, ""))
+    return found
 
 
 def left_out(snapshot: Snapshot, entries: list[Entry], fmt: str, secret: Secret) -> list[str]:

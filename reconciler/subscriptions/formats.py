@@ -224,19 +224,19 @@ def singbox(outbounds: list[ClientOutbound], split: SplitSettings | None = None,
     port: another app on the device could use or find it."""
     groups = groups or [[o] for o in outbounds]
     tags, member_tags = _member_names(groups)
-    entries: list[dict[str, object]] = []
+    entries: list[str] = []  # each outbound's JSON (a member's the same in thousands of documents: cached)
     for tag, group, inner in zip(tags, groups, member_tags, strict=True):
         if not inner or failover is None:
-            entries.append(singbox_outbound(group[0], tag))
+            entries.append(_singbox_outbound_json(group[0], tag))
             continue
         # An order that keeps the first member while it works and comes back to it: urltest picks by delay, and the
         # responders' answers are delayed by place (``check_url``); the tolerance keeps jitter from reordering.
-        entries.append({"type": "urltest", "tag": tag, "outbounds": inner, "url": check_url(group, failover),
-                        "interval": f"{failover.check_interval:g}s", "tolerance": TOLERANCE_MS,
-                        "interrupt_exist_connections": True})
-        entries += [singbox_outbound(o, t) for o, t in zip(group, inner, strict=True)]
+        entries.append(_json({"type": "urltest", "tag": tag, "outbounds": inner, "url": check_url(group, failover),
+                              "interval": f"{failover.check_interval:g}s", "tolerance": TOLERANCE_MS,
+                              "interrupt_exist_connections": True}))
+        entries += [_singbox_outbound_json(o, t) for o, t in zip(group, inner, strict=True)]
     split_rules, split_dns, rule_sets = _singbox_split(split)
-    config = {
+    head = {
         "log": {"level": "warn"},
         "dns": {
             "servers": [
@@ -248,11 +248,13 @@ def singbox(outbounds: list[ClientOutbound], split: SplitSettings | None = None,
             "strategy": "prefer_ipv4",
         },
         "inbounds": [{"type": "tun", "tag": "tun-in", "address": TUN_ADDRESSES, "auto_route": True, "strict_route": True}],
-        "outbounds": [
-            {"type": "selector", "tag": "proxy", "outbounds": tags or ["direct"], "default": (tags or ["direct"])[0]},
-            *entries,
-            {"type": "direct", "tag": "direct"},
-        ],
+    }
+    outbounds_json = [
+        _json({"type": "selector", "tag": "proxy", "outbounds": tags or ["direct"], "default": (tags or ["direct"])[0]}),
+        *entries,
+        _json({"type": "direct", "tag": "direct"}),
+    ]
+    tail = {
         "route": {
             "rules": [
                 {"action": "sniff"},
@@ -270,8 +272,18 @@ def singbox(outbounds: list[ClientOutbound], split: SplitSettings | None = None,
         # The user's choice in the selector survives a restart of the app.
         "experimental": {"cache_file": {"enabled": True}},
     }
-    # Compact: the C encoder (indent falls back to the pure-Python one, 5x slower); clients do not read whitespace.
-    return (json.dumps(config, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+    # One JSON object, {head, "outbounds": [...], tail}, written in its three parts: json.dumps of the whole, to the
+    # byte (compact: separators without spaces, clients do not read whitespace; the C encoder).
+    return (_json(head)[:-1] + ',"outbounds":[' + ",".join(outbounds_json) + "]," + _json(tail)[1:] + "\n").encode()
+
+
+def _json(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _singbox_outbound_json(o: ClientOutbound, tag: str) -> str:
+    return _json(singbox_outbound(o, tag))
 
 
 # --------------------------------------------------------------------------- Clash Meta / Mihomo
@@ -356,14 +368,16 @@ def clash(outbounds: list[ClientOutbound], split: SplitSettings | None = None,
 # NEL, LS and PS are line breaks (folded inside quoted scalars); the BOM is not allowed inside a document.
 _NOT_YAML_PRINTABLE = re.compile("[\x7f-\x9f\u2028\u2029\ufeff]")
 _PLAIN_KEY = re.compile(r"^[a-z][a-z0-9-]*$")
+_json_string = json.encoder.encode_basestring
 
 
 def _scalar(value: object) -> str:
     """A JSON scalar is a YAML flow scalar: strings become double-quoted scalars with JSON's escapes."""
+    if isinstance(value, str):  # json.dumps(value, ensure_ascii=False) is this very C function, through two calls
+        return _NOT_YAML_PRINTABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", _json_string(value))
     if isinstance(value, bool):
         return "true" if value else "false"
-    text = json.dumps(value, ensure_ascii=False)
-    return _NOT_YAML_PRINTABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", text) if isinstance(value, str) else text
+    return json.dumps(value, ensure_ascii=False)
 
 
 class _Flow(str):
