@@ -335,11 +335,14 @@ def file_figures(work: Path, snapshot: Snapshot, pins: dict[str, str], users: in
         f"{results['files_noop_new_snapshot_s']}s (an equal new snapshot after a restart)")
     sizes: list[int] = []
 
-    def floor() -> float:  # the outlet's very bytes written plainly, one process
-        took, size, _ = plain_floor(work / "subs", work / "plain")
-        shutil.rmtree(work / "plain")
+    def floor() -> float:  # the outlet's very bytes written plainly, one process: the better of two writes
+        best = float("inf")
+        for _ in range(2):  # (a plain write lands in pages nothing touched yet now and then, ~1.5x slower)
+            took, size, _ = plain_floor(work / "subs", work / "plain")
+            shutil.rmtree(work / "plain")
+            best = min(best, took)
         sizes.append(size)
-        return took
+        return best
 
     def ours() -> float:  # a full write from scratch: a new outlet, folder and state (a first start)
         out = FileOutlet(work / "again", work / "again-state", SECRET)
@@ -354,7 +357,9 @@ def file_figures(work: Path, snapshot: Snapshot, pins: dict[str, str], users: in
 
     # Interleaved rounds, the order alternating: each write goes into memory the other freed (writing plainly into
     # pages the machine never touched cost 2.5-3.5x more than into freed ones: a floor measured once, after the
-    # write, was a different floor). One floor first, unmeasured, touches that memory for both.
+    # write, was a different floor). One floor first, unmeasured, touches that memory for both. Even so a plain
+    # write is ~1.5x slower now and then (rounds of 2.2 and 3.6 s in one run): each round's floor is the better of
+    # two, the machine's floor; the outlet's rounds varied by 6%.
     floor()
     sizes.clear()
     files = harness.interleaved({"floor": floor, "outlet": ours}, max(3, rounds), "floor", log)

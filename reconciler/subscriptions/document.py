@@ -23,6 +23,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
+from hashlib import sha256
 from urllib.parse import quote
 
 from reconciler.balance.decide import Entry, decide
@@ -314,7 +315,10 @@ def file_headers(snapshot: Snapshot, fmts: tuple[str, ...], bodies: list[bytes],
     if form is None:
         form = memo[fmts] = "{" + ", ".join(_headers_head(snapshot, fmt).replace("%", "%%") + ', "subscription-userinfo": "%s", '
                                             '"etag": "\\"%s\\""}' for fmt in fmts) + "}"
-    return (form % tuple(x for body in bodies for x in (info, hashlib.sha256(body).hexdigest()[:32]))).encode()
+    args: list[str] = []
+    for body in bodies:
+        args += (info, sha256(body).hexdigest()[:32])  # the ETag (``Document.etag``)
+    return (form % tuple(args)).encode()
 
 
 def _template(snapshot: Snapshot, entries: list[Entry], fmt: str, secret: Secret, failover: bool) -> bytes:
