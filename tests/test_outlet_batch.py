@@ -50,6 +50,12 @@ def fleet(rng: np.random.Generator, servers: int, users: int) -> Cluster:
             person["enabled"] = False
         if rng.random() < 0.05:
             person["expires"] = "2020-01-01"
+        elif rng.random() < 0.1:
+            person["expires"] = "2099-03-04T05:06:07+02:00"
+        if rng.random() < 0.1:
+            person |= {"data_limit": "5GB", "reset": {"period": "monthly", "day": 15}}
+        if rng.random() < 0.05:
+            person |= {"device_limit": 3, "on_device_limit": "refuse", "region": "EEU"}
         people.append(person)
     members = int(rng.integers(1, 5))
     return Cluster.model_validate({"servers": out, "routes": routes, "users": people,
@@ -116,6 +122,37 @@ def test_the_manifest_records_each_users_fingerprint_by_its_definition(tmp_path,
     outputs_json = snap.cluster.settings.outputs.model_dump_json()
     for user in snap.cluster.users:
         assert outlet.published[user.name].fingerprint == user_fingerprint(snap, user.name, inbound_json, outputs_json)
+
+
+@pytest.mark.parametrize("seed", range(2, 60, 9))
+def test_users_go_to_the_workers_as_columns_and_come_back_the_same(seed):
+    import pickle
+
+    from reconciler.publish.parallel import spilled
+
+    snap = snapshots(seed)
+    back = pickle.loads(pickle.dumps(spilled(snap)))
+    users, theirs = snap.cluster.users, back.cluster.users
+    assert len(theirs) == len(users) and theirs[-1] == users[-1] and theirs[1:4] == users[1:4]
+    for mine, made in zip(users, theirs, strict=True):
+        assert made == mine and made.model_dump_json() == mine.model_dump_json()
+        assert made.model_fields_set == mine.model_fields_set and made.expires_at == mine.expires_at
+        assert back.standing(made) == snap.standing(mine)
+    assert all(theirs[i] is made for i, made in enumerate(theirs))  # made once: ``Snapshot.standing`` asks ``is``
+    assert snap.cluster.users is users and type(users) is list  # the snapshot itself is left as it was
+
+
+@pytest.mark.parametrize("seed", range(5, 60, 11))
+def test_a_pass_split_with_a_worker_writes_what_one_process_writes(tmp_path, seed, monkeypatch):
+    from tests.test_loop import tree
+
+    snap = snapshots(seed)
+    one = FileOutlet(tmp_path / "one" / "subs", tmp_path / "one" / "state", SECRET, workers=1)
+    one.write(snap)
+    monkeypatch.setattr(FileOutlet, "PARALLEL_MIN", 2)
+    two = FileOutlet(tmp_path / "two" / "subs", tmp_path / "two" / "state", SECRET, workers=2)
+    two.write(snap)
+    assert tree(tmp_path / "two" / "subs") == tree(tmp_path / "one" / "subs") and two.published == one.published
 
 
 def test_share_links_carry_the_credentials_percent_encoded():

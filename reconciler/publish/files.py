@@ -21,7 +21,17 @@ from reconciler.credentials import Secret, is_token
 from reconciler.model.roster import ACTIVE
 from reconciler.publish.digests import cluster_digest, snapshot_digest, usage_steps
 from reconciler.publish.manifest import MANIFEST, MAX_MANIFEST_BYTES, Published, PublishedTable
-from reconciler.publish.parallel import SPILL_PREFIX, Ends, SpillMac, Tee, locality_order, published_before, start_worker, write_in_worker
+from reconciler.publish.parallel import (
+    SPILL_PREFIX,
+    Ends,
+    SpillMac,
+    Tee,
+    locality_order,
+    published_before,
+    spilled,
+    start_worker,
+    write_in_worker,
+)
 from reconciler.publish.userfiles import DIR_MODE, STRETCH, Part, WriteStats, has_shadowsocks, write_users
 from reconciler.safe_read import read_regular_file
 from reconciler.state.files import make_private_dirs, write_atomic
@@ -289,7 +299,7 @@ class FileOutlet:
                     pool.submit(os.getpid)
                 mac = SpillMac(self.secret)
                 with open(os.open(spill, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
-                    pickle.dump((snapshot, which, headers_only, before), Tee(f, mac.update), protocol=pickle.HIGHEST_PROTOCOL)
+                    pickle.dump((spilled(snapshot), which, headers_only, before), Tee(f, mac.update), protocol=pickle.HIGHEST_PROTOCOL)
                 futures = [pool.submit(write_in_worker, str(spill), mac.hexdigest(), self.secret, str(self.directory),
                                        self.formats) for _ in range(self.workers - 1)]
                 try:
