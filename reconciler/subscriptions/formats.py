@@ -235,6 +235,24 @@ def singbox(outbounds: list[ClientOutbound], split: SplitSettings | None = None,
                               "interval": f"{failover.check_interval:g}s", "tolerance": TOLERANCE_MS,
                               "interrupt_exist_connections": True}))
         entries += [_singbox_outbound_json(o, t) for o, t in zip(group, inner, strict=True)]
+    head, tail = _singbox_frame(split, bool(tags))
+    outbounds_json = [
+        _json({"type": "selector", "tag": "proxy", "outbounds": tags or ["direct"], "default": (tags or ["direct"])[0]}),
+        *entries,
+        _DIRECT_JSON,
+    ]
+    # One JSON object, {head, "outbounds": [...], tail}, written in its three parts: json.dumps of the whole, to the
+    # byte (compact: separators without spaces, clients do not read whitespace; the C encoder).
+    return ("{" + head + ',"outbounds":[' + ",".join(outbounds_json) + "]," + tail + "}\n").encode()
+
+
+def _singbox_frame(split: SplitSettings | None, served: bool) -> tuple[str, str]:
+    """What a profile has before its outbounds and after them (``served``: it has an entry), as JSON without its
+    outer braces: the same in every document of a snapshot (kept in ``_FRAMES``)."""
+    key = ("sing-box", id(split), served)
+    found = _FRAMES.get(key)
+    if found is not None and found[0] is split:
+        return found[1], found[2]
     split_rules, split_dns, rule_sets = _singbox_split(split)
     head = {
         "log": {"level": "warn"},
@@ -249,11 +267,6 @@ def singbox(outbounds: list[ClientOutbound], split: SplitSettings | None = None,
         },
         "inbounds": [{"type": "tun", "tag": "tun-in", "address": TUN_ADDRESSES, "auto_route": True, "strict_route": True}],
     }
-    outbounds_json = [
-        _json({"type": "selector", "tag": "proxy", "outbounds": tags or ["direct"], "default": (tags or ["direct"])[0]}),
-        *entries,
-        _json({"type": "direct", "tag": "direct"}),
-    ]
     tail = {
         "route": {
             "rules": [
@@ -262,7 +275,7 @@ def singbox(outbounds: list[ClientOutbound], split: SplitSettings | None = None,
                 {"ip_is_private": True, "outbound": "direct"},
                 *split_rules,
                 # No entry the user can verify: the device's traffic is refused, never sent `direct` unprotected.
-                *([] if tags else [{"action": "reject"}]),
+                *([] if served else [{"action": "reject"}]),
             ],
             **({"rule_set": rule_sets} if rule_sets else {}),
             "final": "proxy",
@@ -272,13 +285,21 @@ def singbox(outbounds: list[ClientOutbound], split: SplitSettings | None = None,
         # The user's choice in the selector survives a restart of the app.
         "experimental": {"cache_file": {"enabled": True}},
     }
-    # One JSON object, {head, "outbounds": [...], tail}, written in its three parts: json.dumps of the whole, to the
-    # byte (compact: separators without spaces, clients do not read whitespace; the C encoder).
-    return (_json(head)[:-1] + ',"outbounds":[' + ",".join(outbounds_json) + "]," + _json(tail)[1:] + "\n").encode()
+    return _framed(key, split, _json(head)[1:-1], _json(tail)[1:-1])
 
 
-def _json(value: object) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+_FRAMES: dict[tuple[str, int, bool], tuple[object, str, str]] = {}  # (format, id(split), served) → (split, before, after)
+
+
+def _framed(key: tuple[str, int, bool], split: SplitSettings | None, before: str, after: str) -> tuple[str, str]:
+    if len(_FRAMES) >= 64:  # splits of configurations long gone (held by their key: an id is not reused meanwhile)
+        _FRAMES.clear()
+    _FRAMES[key] = (split, before, after)
+    return before, after
+
+
+_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # json.dumps with these: one encoder, not one a call
+_DIRECT_JSON = _json({"type": "direct", "tag": "direct"})
 
 
 @functools.lru_cache(maxsize=4096)
@@ -349,19 +370,25 @@ def clash(outbounds: list[ClientOutbound], split: SplitSettings | None = None,
         proxies += [_clash_proxy_flow(o, n) for o, n in zip(group, inner, strict=True)]
         fallbacks.append({"name": name, "type": "fallback", "proxies": inner, "url": check_url(group, failover, False),
                           "interval": max(1, round(failover.check_interval)), "timeout": 5000, "lazy": True})
-    split_rules, providers = _clash_split(split)
-    doc = {
-        "mixed-port": 7890,
-        "allow-lan": False,
-        "mode": "rule",
-        "log-level": "warning",
+    before, after = _clash_frame(split)
+    # The profile's top-level keys each stand on lines of their own (``_block_yaml``): those around the proxies and
+    # their groups are the same in every document of a snapshot.
+    return (before + _block_yaml({
         "proxies": proxies,
         "proxy-groups": [{"name": "PROXY", "type": "select", "proxies": names or ["REJECT"]},  # never DIRECT unprotected
                          *fallbacks],
-        **({"rule-providers": providers} if providers else {}),
-        "rules": [*split_rules, "MATCH,PROXY"],
-    }
-    return _block_yaml(doc).encode()
+    }) + after).encode()
+
+
+def _clash_frame(split: SplitSettings | None) -> tuple[str, str]:
+    """A Clash profile's lines before its proxies and after their groups (kept in ``_FRAMES``)."""
+    key = ("clash", id(split), True)
+    found = _FRAMES.get(key)
+    if found is not None and found[0] is split:
+        return found[1], found[2]
+    split_rules, providers = _clash_split(split)
+    return _framed(key, split, _block_yaml({"mixed-port": 7890, "allow-lan": False, "mode": "rule", "log-level": "warning"}),
+                   _block_yaml({**({"rule-providers": providers} if providers else {}), "rules": [*split_rules, "MATCH,PROXY"]}))
 
 
 # Characters JSON leaves raw that YAML reads otherwise: DEL and the C1 controls are not printable, and
