@@ -340,13 +340,20 @@ def test_a_state_that_overflows_is_a_fresh_start_and_totals_saturate_instead_of_
     assert why is not None and "OverflowError" in why and fresh.ticks == 0
 
 
-def test_the_snapshot_travels_to_workers_without_its_standings_memo():
+def test_the_snapshot_travels_to_workers_with_its_standings_and_an_empty_memo():
+    # A pass in worker processes pickles its snapshot: the standings (decided once, for all users) go along and
+    # stay right; the memo, keyed by its consumers' slots, which an unpickled copy could never find, goes empty.
     import pickle
+
+    from reconciler.balance import decide
     c = cluster([{"name": "alice", "enabled": False}, {"name": "bob"}])
     snap = Snapshot(cluster=c, now=1.0)
     assert [snap.standing(u) for u in c.users] == ["disabled", "active"]
+    decide(snap, "bob")
+    assert snap.memo._slots  # (filled by the decision)
     copy = pickle.loads(pickle.dumps(snap))
-    assert "_standings" not in copy.__dict__ and [copy.standing(u) for u in copy.cluster.users] == ["disabled", "active"]
+    assert "standings" in copy.__dict__ and copy.standings.tolist() == snap.standings.tolist()
+    assert not copy.memo._slots and [copy.standing(u) for u in copy.cluster.users] == ["disabled", "active"]
 
 
 def test_counters_reported_twice_or_beyond_belief_count_once_and_bounded():
