@@ -35,6 +35,48 @@ def _no_release_versions_from_other_tests():
     engine._VERSIONS.clear()
 
 
+class WorkerParts(list[list[int]]):
+    """Per pass, how many users each process wrote (this one first); ``wait``: False lets this process go on without
+    waiting for the worker (a pass whose worker is meant to fail)."""
+
+    wait = True
+
+
+@pytest.fixture
+def worker_takes_part(monkeypatch: pytest.MonkeyPatch) -> WorkerParts:
+    """A file outlet's pass in worker processes where the worker surely takes users: this process takes 16 at a
+    time and, after its first block, waits (up to 60 s) until the worker has taken one (with a few hundred users it
+    would otherwise write them all before the worker starts, and the worker's path would go untested)."""
+    import time
+
+    from reconciler.publish import parallel
+    from reconciler.publish.files import FileOutlet
+
+    monkeypatch.setattr(parallel, "BLOCK", 16)  # (this process only: a worker imports its own)
+
+    def blocks(self: parallel.Ends, front: bool):
+        ends = self.shared.get_obj()  # (read without the lock: a test's glance)
+        first = ends[1] if front else None
+        while (got := self.take(front)) is not None:
+            yield got
+            deadline = time.monotonic() + 60
+            while parts.wait and first is not None and ends[1] == first and time.monotonic() < deadline:
+                time.sleep(0.01)
+            first = None
+
+    parts = WorkerParts()
+    monkeypatch.setattr(parallel.Ends, "blocks", blocks)
+    real = FileOutlet._in_workers
+
+    def recorded(self, *args, **kw):
+        out = real(self, *args, **kw)
+        parts.append([len(p.which) for p in out])
+        return out
+
+    monkeypatch.setattr(FileOutlet, "_in_workers", recorded)
+    return parts
+
+
 @pytest.fixture
 def cli(capsys: pytest.CaptureFixture[str]):
     """Run `reconciler ARGS…` in-process; returns exit code and captured output."""

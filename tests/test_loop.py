@@ -513,7 +513,7 @@ def test_a_pass_that_fails_midway_and_a_folder_removed_behind_the_outlets_back_a
     assert after["users"] == {k: list(v) for k, v in out.published.items()} and json.dumps(after).encode() != before
 
 
-def test_a_big_write_in_worker_processes_gives_the_same_files(tmp_path, monkeypatch):
+def test_a_big_write_in_worker_processes_gives_the_same_files(tmp_path, monkeypatch, worker_takes_part):
     # The workers read the snapshot from a file in the state folder (0600, without the secret), removed after.
     import reconciler.publish.files as files
     from reconciler.publish.parallel import SpillMac
@@ -534,11 +534,12 @@ def test_a_big_write_in_worker_processes_gives_the_same_files(tmp_path, monkeypa
 
     monkeypatch.setattr(files, "write_users", looking)
     stats = two.write(snap)
-    assert stats.written == 300
+    assert stats.written == 300 and worker_takes_part[0][1] > 0  # the worker wrote some of them
     assert len(spilled) == 1 and spilled[0][1] == 0o600 and SECRET.value not in spilled[0][2]
     assert not list((tmp_path / "sb").glob(".outlet-snapshot.*"))
     # A file that is not the one the pass wrote (its HMAC differs) is never unpickled by a worker.
     monkeypatch.setattr(SpillMac, "hexdigest", lambda self: "0" * 64)
+    worker_takes_part.wait = False  # (its worker refuses the file: nothing to wait for)
     three = FileOutlet(tmp_path / "c", tmp_path / "sc", SECRET, workers=2)
     with pytest.raises(RuntimeError, match="is not the one this pass wrote"):
         three.write(snap)

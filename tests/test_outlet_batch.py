@@ -113,6 +113,25 @@ def test_users_who_keep_their_assignment_are_decided_together():
     assert sum(k is not None for k in keys) >= served - 8  # all but the few the balancer never saw
 
 
+def test_users_of_routes_with_nothing_to_hand_out_yet_get_what_each_alone_gets(tmp_path):
+    # REALITY inbounds whose public keys no apply has learnt yet cannot be handed out: served users get no entries
+    # (the key ``()``), and their files are what rendering each alone gives.
+    servers = [{"name": f"s{i}", "host": f"198.18.0.{10 + i}", "country": "NL", "inbounds": [
+        {"id": f"s{i}-r", "name": f"Server {i}", "protocol": "vless-reality", "port": 443, "route": "r",
+         "camouflage": "www.example.com"}]} for i in range(2)]
+    c = Cluster.model_validate({"servers": servers, "routes": [{"id": "r", "name": "Main"}],
+                                "users": [{"name": f"user{j}"} for j in range(5)] + [{"name": "off", "enabled": False}]})
+    snap = snapshot(c)
+    entries, keys = decide_block(snap, np.arange(6))
+    assert keys == [(), (), (), (), (), None] and entries == [decide(snap, u.name) for u in c.users] == [[]] * 6
+    FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET, workers=1).write(snap)
+    for user in c.users:
+        creds = user_credentials(SECRET, user.name, user.rotate)
+        docs = render_formats(snap, user.name, ("links", "sing-box", "clash"), SECRET, credentials=creds)
+        assert (tmp_path / "subs" / creds.token / "sing-box.json").read_bytes() == docs["sing-box"].body
+        assert (tmp_path / "subs" / creds.token / "headers.json").read_bytes() == headers_json(snap, docs)
+
+
 @pytest.mark.parametrize("seed", range(1, 60, 7))
 def test_the_manifest_records_each_users_fingerprint_by_its_definition(tmp_path, seed):
     snap = snapshots(seed)
@@ -143,7 +162,7 @@ def test_users_go_to_the_workers_as_columns_and_come_back_the_same(seed):
 
 
 @pytest.mark.parametrize("seed", range(5, 60, 11))
-def test_a_pass_split_with_a_worker_writes_what_one_process_writes(tmp_path, seed, monkeypatch):
+def test_a_pass_split_with_a_worker_writes_what_one_process_writes(tmp_path, seed, monkeypatch, worker_takes_part):
     from tests.test_loop import tree
 
     snap = snapshots(seed)
@@ -152,6 +171,7 @@ def test_a_pass_split_with_a_worker_writes_what_one_process_writes(tmp_path, see
     monkeypatch.setattr(FileOutlet, "PARALLEL_MIN", 2)
     two = FileOutlet(tmp_path / "two" / "subs", tmp_path / "two" / "state", SECRET, workers=2)
     two.write(snap)
+    assert len(worker_takes_part) == 1 and worker_takes_part[0][0] > 0 and worker_takes_part[0][1] > 0  # both wrote
     assert tree(tmp_path / "two" / "subs") == tree(tmp_path / "one" / "subs") and two.published == one.published
 
 
