@@ -281,8 +281,11 @@ def decide(snapshot: Snapshot, user_name: str, region: str | None = None) -> lis
             pool, pool_why = choose_pool(snapshot, route, ukey, region, healthy)
         cands = candidates_of.get((route.id, pool, rkey))
         if cands is None:
-            cands = candidates_of[(route.id, pool, rkey)] = _candidates(snapshot, members, pool, rkey)
+            cands = _candidates(snapshot, members, pool, rkey)
+            # The ids first: the live endpoint decides in its thread while the file outlet does in another, on one
+            # snapshot; whoever finds the candidates finds their ids.
             candidate_ids_of[(route.id, pool, rkey)] = {r.inbound.id: r for r in cands}
+            candidates_of[(route.id, pool, rkey)] = cands
         if not cands:
             ref = snapshot.best_available(members)
             why = "best available: every inbound of this route is out of rotation (HEALTH-11)"
@@ -296,7 +299,7 @@ def decide(snapshot: Snapshot, user_name: str, region: str | None = None) -> lis
             kept = by_id.get(prev) if prev is not None else None
         ukeys = np.array([ukey], dtype=np.uint64)
         if kept is not None:
-            entries.append(_entry(snapshot, route, kept, pool, _join(pool_why, "kept from the last assignment"), rkey,
+            entries.append(_entry(snapshot, route, kept, pool, _join(pool_why, KEPT_WHY), rkey,
                                   _backups(snapshot, route, members, cands, pool, kept, ukeys, rkey)))
             continue
         w, keys, deficit = _placement(snapshot, route, cands)
@@ -355,10 +358,10 @@ def _strongest(strength: np.ndarray, count: int) -> np.ndarray:
 
 
 def _kept_columns(snapshot: Snapshot, positions: np.ndarray, routes: tuple[Route, ...] | list[Route]
-                  ) -> list[tuple[Route, tuple[InboundRef, ...], tuple[InboundRef, ...], np.ndarray]] | None:
+                  ) -> list[tuple[Route, tuple[InboundRef, ...], tuple[InboundRef, ...], np.ndarray]]:
     """For each route with members: its members, its candidates (no pool, no region) and the candidate each of these
-    users keeps (-1: none, placed afresh). None when some route has no candidates or no assignments at all."""
-    memo, held = snapshot.memo, snapshot.held
+    users keeps (``_previous``; -1: none, placed afresh)."""
+    memo = snapshot.memo
     members_of, candidates_of = memo[_MEMBERS], memo[_CANDIDATES]
     out = []
     for route in routes:
@@ -369,17 +372,10 @@ def _kept_columns(snapshot: Snapshot, positions: np.ndarray, routes: tuple[Route
             continue
         cands = candidates_of.get((route.id, None, None))
         if cands is None:
-            cands = candidates_of[(route.id, None, None)] = _candidates(snapshot, members, None, None)
-            memo[_CANDIDATE_IDS][(route.id, None, None)] = {r.inbound.id: r for r in cands}
-        col = held.column(route.id)
-        if not cands or col is None:
-            return None
-        at = {t: i for i, t in enumerate(held.inbounds)}
-        candidate_of = np.full(len(held.inbounds) + 1, -1, np.int64)  # the last: NONE's
-        for c, r in enumerate(cands):
-            if (t := at.get(r.inbound.id)) is not None:
-                candidate_of[t] = c
-        out.append((route, members, cands, candidate_of[col[positions]]))
+            cands = _candidates(snapshot, members, None, None)
+            memo[_CANDIDATE_IDS][(route.id, None, None)] = {r.inbound.id: r for r in cands}  # first: see ``decide``
+            candidates_of[(route.id, None, None)] = cands
+        out.append((route, members, cands, _previous(snapshot, route.id, positions, cands)))
     return out
 
 
@@ -403,6 +399,7 @@ def _block_orders(snapshot: Snapshot, route: Route, members: tuple[InboundRef, .
 #: Entries a snapshot keeps for ``decide_block`` (the route, the kept inbound and the failover order name one): as
 #: many as there are orders on a small fleet; on a big one the first ones (a user's own order is not worth keeping).
 ENTRIES_KEPT = 65536
+KEPT_WHY = "kept from the last assignment"  # why an entry is on the inbound the user held (``decide``, ``decide_block``)
 EntryKey = tuple[str, int, tuple[int, ...]]  # a route, its kept candidate, the failover order (candidates' indices)
 _KEPT_ENTRIES: Slot[dict[EntryKey, Entry]] = Slot("kept entries", dict)
 
@@ -424,25 +421,25 @@ def decide_block(snapshot: Snapshot, positions: np.ndarray) -> tuple[list[list[E
         together = together[:0]
     limit = cluster.settings.outputs.failover.members - 1
     per_route = _kept_columns(snapshot, positions[together], routes) if len(together) else []
-    if per_route is None:  # nobody keeps an assignment on some route (best available, or a new route)
-        together, per_route = together[:0], []
-    members_of = memo[_MEMBERS]
-    if len(together) and per_route:
-        alike = np.logical_and.reduce([kept >= 0 for *_, kept in per_route])  # a user placed afresh is decided alone
+    alike = np.ones(len(together), bool)
+    if per_route:  # a user placed afresh on some route (best available, a new route, a new user) is decided alone
+        alike = np.logical_and.reduce([kept >= 0 for *_, kept in per_route])
         together = together[alike]
+    if len(together) and per_route:
         ukeys = snapshot.user_key_array[positions[together]]
-        ordered = [(route, cands, kept[alike].tolist(), _block_orders(snapshot, route, members, cands, ukeys, kept[alike], limit))
+        ordered = [(route, members, cands, kept[alike].tolist(),
+                    _block_orders(snapshot, route, members, cands, ukeys, kept[alike], limit))
                    for route, members, cands, kept in per_route]
         made = memo[_KEPT_ENTRIES]
         for row, i in enumerate(together.tolist()):
             mine, names = [], []
-            for route, cands, kept, orders in ordered:
+            for route, members, cands, kept, orders in ordered:
                 key = (route.id, kept[row], orders[row])
                 entry = made.get(key)
                 if entry is None:
-                    sets = _failover_sets(snapshot, route, members_of[route.id], cands, None, None)
+                    sets = _failover_sets(snapshot, route, members, cands, None, None)
                     everyone = sets[0][0] + sets[1][0]
-                    entry = _entry(snapshot, route, cands[kept[row]], None, "kept from the last assignment", None,
+                    entry = _entry(snapshot, route, cands[kept[row]], None, KEPT_WHY, None,
                                    tuple(everyone[o] for o in orders[row]))
                     if len(made) < ENTRIES_KEPT:
                         made[key] = entry

@@ -72,8 +72,8 @@ class SnapshotMemo:
 
     def __getitem__(self, slot: Slot[T]) -> T:
         found = self._slots.get(slot)
-        if found is None:
-            found = self._slots[slot] = slot.make()
+        if found is None:  # (setdefault: two threads asking at once get the same container)
+            found = self._slots.setdefault(slot, slot.make())
         return cast(T, found)
 
     def __reduce__(self) -> tuple[type[SnapshotMemo], tuple[()]]:
