@@ -8,7 +8,7 @@
    processes as there are CPUs sharing the port (``reconciler.loop.workers``,
    started and fed a snapshot as the loop does).
 2. The file outlet for N users (100,000 by default): a full write into an
-   empty folder (a new outlet: a first start) against the floor, the outlet's
+   empty folder (a new outlet in a process that has written before) against the floor, the outlet's
    very bytes written plainly by one process (mkdir, write, close), in
    interleaved rounds (``--rounds``, at least three; the order alternates, each
    round's ratio and their median), and a no-op rewrite of the same snapshot.
@@ -344,7 +344,9 @@ def file_figures(work: Path, snapshot: Snapshot, pins: dict[str, str], users: in
         sizes.append(size)
         return best
 
-    def ours() -> float:  # a full write from scratch: a new outlet, folder and state (a first start)
+    def ours() -> float:  # a full write from scratch: a new outlet, folder and state (a first start of the outlet; the
+        # process has written before: its process-wide caches are warm — the formats' member pieces, the key's HMAC
+        # pads, what the cluster derived once, the forkserver — as in a loop whose outlet lost its folder)
         out = FileOutlet(work / "again", work / "again-state", SECRET)
         fresh = dataclasses.replace(snapshot)  # nothing derived from it yet: a first start
         t = time.perf_counter()

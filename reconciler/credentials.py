@@ -117,6 +117,8 @@ class Secret:
         return "Secret(<redacted>)"
 
     def derive(self, purpose: str, *parts: str, length: int = 32) -> bytes:
+        if length <= 0:
+            raise ValueError(f"a derived value is at least one byte long, not {length}")
         msg = "\x1f".join((purpose, *parts)).encode()
         if length <= 32:
             return _hmac(self.value, msg + b"\0")[:length]
@@ -139,8 +141,8 @@ def _pads(key: bytes) -> tuple[object, object]:
 
 def _hmac(key: bytes, msg: bytes) -> bytes:
     """HMAC-SHA256 of ``msg`` under ``key``: the same bytes as ``hmac.digest``, from the key's padded hashes kept
-    (``_pads``) rather than set up again for each message (0.5 µs against 1.3; ``user_credentials`` does the same
-    steps inline for its three or four)."""
+    (``_pads``) rather than set up again for each message (0.5 µs against 1.3; ``credential_bytes`` does the same
+    steps inline for a user's two to four)."""
     inner, outer = _pads(key)
     i = inner.copy()  # type: ignore[attr-defined]
     i.update(msg)
@@ -271,8 +273,9 @@ def is_token(text: str) -> bool:
 
 
 def user_token(secret: Secret, user: str, rotate: int = 0) -> str:
-    """The user's subscription URL token (192 bits) alone: what a token → user index needs."""
-    return _b64(secret.derive("token", user, str(rotate), length=24))
+    """The user's subscription URL token (192 bits) alone: what a token → user index needs (``credential_bytes``
+    with no other credential wanted: one HMAC)."""
+    return credential_bytes(secret, user, rotate, (False,) * 4, shadowsocks=False)[1].decode()
 
 
 def ss_server_key(secret: Secret, inbound_id: str, method: str) -> str:

@@ -51,6 +51,14 @@ def test_derive_is_the_counter_mode_hmac_at_every_length(key, purpose, parts, le
     assert Secret(key).derive(purpose, *parts, length=length) == want
 
 
+def test_derive_refuses_a_length_of_nothing():
+    import pytest
+
+    for length in (0, -1):  # (a slice of the HMAC by a negative length was 31 bytes for -1)
+        with pytest.raises(ValueError, match="at least one byte"):
+            Secret(b"k3Zq9vT2pLx8Wm4R-credential-bytes").derive("x", length=length)
+
+
 @settings(max_examples=200, deadline=None)
 @given(names, st.integers(0, 1000), st.tuples(st.booleans(), st.booleans(), st.booleans(), st.booleans()), st.booleans())
 def test_only_the_credentials_wanted_are_derived_and_they_are_the_same(user, rotate, wanted, shadowsocks):

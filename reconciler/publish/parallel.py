@@ -141,7 +141,9 @@ class ColumnUsers(Sequence[User]):
 
 def spilled(snapshot: Snapshot) -> Snapshot:
     """The snapshot as a pass's workers get it: the same, with its cluster's users as columns (``ColumnUsers``).
-    Shallow copies: what the snapshot and its cluster computed once (the roster, the standings) goes along."""
+    Shallow copies: what the snapshot and its cluster computed once (the roster, the standings) goes along. Only
+    for ``write_users``: a cluster whose users are columns is no model to dump or compare (``cluster_digest``
+    would fail on it), and is never handed anywhere else."""
     cluster = snapshot.cluster.model_copy()
     cluster.__dict__["users"] = ColumnUsers.of(snapshot.cluster.users)
     out = copy.copy(snapshot)

@@ -100,7 +100,8 @@ def write_users(snapshot: Snapshot, secret: Secret, directory: str, formats: tup
     for lo, hi in ((lo, min(len(which), lo + CHUNK)) for lo in range(0, len(which), CHUNK)) if blocks is None else blocks:
         done.append((lo, hi))
         light, had, printed = headers_only[lo:hi].tolist(), before[0][lo:hi].tolist(), before[1][lo:hi].tolist()
-        # Who is decided: all but those whose headers alone are restamped, decided together (``decide_block``).
+        # Who is decided: all but those whose headers alone are restamped, in one call (``decide_block``: users
+        # assigned alike together, any other alone).
         fresh = [k for k, (li, ha, pr) in enumerate(zip(light, had, printed, strict=True))
                  if not (li and ha and len(pr) == FINGERPRINT_CHARS)]
         decided: list[tuple[list[Entry], tuple[EntryKey, ...] | None] | None] = [None] * (hi - lo)

@@ -1,7 +1,8 @@
 """One pure function from (snapshot, user, format) to a subscription document and its headers.
 
-Both outlets — files for every user and the live ``/sub/<token>`` endpoint —
-call ``render``; for the same snapshot they return the same bytes.
+Both outlets — files for every user and the live ``/sub/<token>`` endpoint — fill in the same templates
+(``prepared``): the live one through ``render``, the file outlet in blocks of users (``Prepared.fill_values``,
+``file_headers``); for the same snapshot they give the same bytes.
 
 A disabled or expired user gets a refusal, not a profile: status 403, a one-line text body
 that says why (what clients show of a failed update), the title and ``subscription-userinfo`` headers,

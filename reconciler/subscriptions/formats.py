@@ -292,7 +292,7 @@ _FRAMES: dict[tuple[str, int, bool], tuple[object, str, str]] = {}  # (format, i
 
 
 def _framed(key: tuple[str, int, bool], split: SplitSettings | None, before: str, after: str) -> tuple[str, str]:
-    if len(_FRAMES) >= 64:  # splits of configurations long gone (held by their key: an id is not reused meanwhile)
+    if len(_FRAMES) >= 64:  # splits of configurations long gone (each held in its value: its id is not reused meanwhile)
         _FRAMES.clear()
     _FRAMES[key] = (split, before, after)
     return before, after
