@@ -270,24 +270,26 @@ def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tup
         docs = render_formats(snapshot, user.name, formats, secret, entries=entries, credentials=creds)
         files = {f"{fmt}.{EXTENSIONS[fmt]}": doc.body for fmt, doc in docs.items()}
         files["headers.json"] = headers_json(snapshot, docs)
-    folder = f"{directory}/{token}"
-    if not known or not os.path.isdir(folder):
-        if _staged(directory, token, files):
-            return sum(len(d) for d in files.values())
-    for name, data in files.items():
-        if not headers_only or name == "headers.json":  # a usage step changes one file of four
-            write_atomic(f"{folder}/{name}", data, DOC_MODE, sync=False)
-    return sum(len(d) for d in files.values())
+    return _put(directory, token, files, known, headers_only)
 
 
 def _write_new(snapshot: Snapshot, directory: str, formats: tuple[str, ...], user: User, token: str,
                documents: tuple[Prepared, ...], values: tuple[bytes, ...]) -> int:
     """``_write_user`` of a user the outlet has not published: its documents filled in with its credentials
     (``credential_bytes``) and put in place in one rename."""
-    files = _documents(snapshot, formats, user, documents, values)
-    if not _staged(directory, token, files):
-        for name, data in files.items():
-            write_atomic(f"{directory}/{token}/{name}", data, DOC_MODE, sync=False)
+    return _put(directory, token, _documents(snapshot, formats, user, documents, values), known=False)
+
+
+def _put(directory: str, token: str, files: dict[str, bytes], known: bool, headers_only: bool = False) -> int:
+    """A user's files in its folder (a new folder: staged and renamed into place; ``headers_only``: only
+    ``headers.json`` replaced); their size together."""
+    folder = f"{directory}/{token}"
+    if not known or not os.path.isdir(folder):
+        if _staged(directory, token, files):
+            return sum(map(len, files.values()))
+    for name, data in files.items():
+        if not headers_only or name == "headers.json":  # a usage step changes one file of four
+            write_atomic(f"{folder}/{name}", data, DOC_MODE, sync=False)
     return sum(map(len, files.values()))
 
 
