@@ -273,9 +273,10 @@ def is_token(text: str) -> bool:
 
 
 def user_token(secret: Secret, user: str, rotate: int = 0) -> str:
-    """The user's subscription URL token (192 bits) alone: what a token → user index needs (``credential_bytes``
-    with no other credential wanted: one HMAC)."""
-    return credential_bytes(secret, user, rotate, (False,) * 4, shadowsocks=False)[1].decode()
+    """The user's subscription URL token (192 bits) alone: what a token → user index needs (a million at a time:
+    ``derive`` at 1.1 µs, where ``credential_bytes`` wanting nothing else took 1.7; the tests hold both to the
+    definition)."""
+    return _b64(secret.derive("token", user, str(rotate), length=24))
 
 
 def ss_server_key(secret: Secret, inbound_id: str, method: str) -> str:
