@@ -140,6 +140,7 @@ class Loop:
                                networks(cluster.settings.outputs.trusted_proxies))
         self.live: LiveWorkers | None = None  # worker processes answering the public port (settings.outputs.workers > 1)
         self._digest = cluster_digest(cluster)
+        self.files.hashed(cluster, self._digest)
         self._told = Told()  # what the intervals told so far (fleet.tell)
         self._tick_index = 0
         self._last_tick_end = 0.0
@@ -548,6 +549,7 @@ class Loop:
         self.cluster = cluster
         self.http.trusted_proxies = networks(cluster.settings.outputs.trusted_proxies)
         self._digest = digest
+        self.files.hashed(cluster, digest)
         self.learned = self.learned.adopt(cluster)
         self.files.directory = self._out_dir(cluster)
         self.stats.record("load", True, self.clock.monotonic() - started, self.clock.time())

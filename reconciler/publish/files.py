@@ -18,6 +18,7 @@ from reconciler import gcpause
 from reconciler.balance import Snapshot
 from reconciler.balance.assignments import Assignments
 from reconciler.credentials import Secret, is_token
+from reconciler.model import Cluster
 from reconciler.model.roster import ACTIVE
 from reconciler.publish.digests import cluster_digest, snapshot_digest, usage_steps
 from reconciler.publish.manifest import MANIFEST, MAX_MANIFEST_BYTES, Published, PublishedTable
@@ -163,6 +164,12 @@ class FileOutlet:
             removed += 1
         return removed
 
+    def hashed(self, cluster: Cluster, digest: str) -> None:
+        """``cluster``'s digest as its loader has it (``cluster_digest``, or one chained from the last by the users
+        changed): a pass on it does not hash a million users again. (Kept by the cluster's id, which no other
+        cluster has while this one is the loop's.)"""
+        self._cluster_hash = (id(cluster), digest)
+
     def write(self, snapshot: Snapshot) -> WriteStats:
         with gcpause.paused():  # a pass makes millions of short-lived objects beside the snapshot's millions: no walks
             return self._write(snapshot)
@@ -171,9 +178,11 @@ class FileOutlet:
         start = time.perf_counter()
         cluster = snapshot.cluster
         stats = WriteStats(users=len(cluster.users))
-        if self._cluster_hash is None or self._cluster_hash[0] != id(cluster):
-            self._cluster_hash = (id(cluster), cluster_digest(cluster))
-        digest = snapshot_digest(snapshot, self._cluster_hash[1] + "|" + ",".join(self.formats))
+        known = self._cluster_hash  # (read once: the loop may tell the next cluster's digest meanwhile, ``hashed``)
+        if known is None or known[0] != id(cluster):
+            known = self._cluster_hash = (id(cluster), cluster_digest(cluster))
+        inputs = known[1] + "|" + ",".join(self.formats)
+        digest = snapshot_digest(snapshot, inputs)
         if digest == self.digest and self.directory.is_dir():
             stats.skipped_all, stats.unchanged = True, len(cluster.users)
             stats.seconds = time.perf_counter() - start
@@ -182,7 +191,7 @@ class FileOutlet:
         old = self.published.aligned(roster.names, roster.index)
         existed = self.directory.is_dir()
         self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        basis = _Basis.of(snapshot, self._cluster_hash[1] + "|" + ",".join(self.formats))
+        basis = _Basis.of(snapshot, inputs)
         changed = basis.changed(self._basis)
         n = len(cluster.users)
         # Until this pass ends well, nobody knows which files it changed: a failure (a full disk, a worker's error)
