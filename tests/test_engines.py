@@ -656,6 +656,22 @@ def test_release_versions_from_the_state_folder_are_checked():
     assert engine.known() == {"c" * 64: "sing-box version 1.14.4"}
 
 
+def test_every_apply_keeps_and_recalls_the_release_versions(tmp_path):
+    # `apply` and the loop's self-heal both go through remember/recall: a release a server reported once is staged
+    # in its commit's own session by the next apply of either, also after a restart.
+    from reconciler.apply import engine
+    from reconciler.apply.session import recall, remember
+    from reconciler.state.folder import StateFolder
+
+    state = StateFolder(tmp_path / "state")
+    c = Cluster.model_validate({"servers": [], "users": []})
+    engine.learn({"d" * 64: "sing-box version 1.14.4"})
+    remember(state, c, [], [])
+    engine._VERSIONS.clear()  # a new process
+    recall(state)
+    assert engine.known() == {"d" * 64: "sing-box version 1.14.4"}
+
+
 # --------------------------------------------------------------------------- the upload's codec
 
 

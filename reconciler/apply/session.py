@@ -38,9 +38,20 @@ def first_contact_warnings(cluster: Cluster, state: StateFolder, prune: bool = F
     return [first_contact_warning(t) for t in KnownHosts(state.known_hosts).first_contact(targets(cluster, state, prune))]
 
 
+def recall(state: StateFolder) -> None:
+    """Before an apply: the versions this state folder knows its engine releases report (a server downloading one
+    of them stages it in its commit's own session, ``engine.in_commit``)."""
+    from reconciler.apply import engine
+
+    engine.learn(state.release_versions())
+
+
 def remember(state: StateFolder, cluster: Cluster, observed: list[Any], results: list[Any]) -> None:
-    """After an apply: which servers are managed (removed once they leave the file and an apply removed them).
-    Nothing else is learnt from servers: keys and pins are derived from the master secret."""
+    """After an apply: which servers are managed (removed once they leave the file and an apply removed them), and
+    the versions the engine releases staged reported. Nothing else is learnt from servers: keys and pins are derived
+    from the master secret."""
+    from reconciler.apply import engine
+
     managed = state.managed()
     for s in cluster.servers:
         managed[s.name] = {"name": s.name, "host": s.host, "port": s.ssh.port, "user": s.ssh.user,
@@ -49,6 +60,7 @@ def remember(state: StateFolder, cluster: Cluster, observed: list[Any], results:
         if r.ok and any(o.plan.removed and o.plan.server == r.server for o in observed):
             managed.pop(r.server, None)
     state.write_managed(managed)
+    state.remember_release_versions(engine.known())
 
 
 async def certificates(cluster: Cluster, pool: Any, base_dir: str) -> None:

@@ -58,9 +58,9 @@ def _approved(cluster: Cluster, observed: list[Observed]) -> bool:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    from reconciler.apply import engine, waves
+    from reconciler.apply import waves
     from reconciler.apply.run import apply_all
-    from reconciler.apply.session import Progress, remember
+    from reconciler.apply.session import Progress, recall, remember
     from reconciler.plan.saved import check_fresh, load_plan
 
     if args.wave:
@@ -81,7 +81,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         spec = args.wave or cluster.settings.rollout or (waves.DEFAULT if waves.upgrades_engine(observed) else "all")
         # One apply per state folder at a time (LockHeld names the other); held until it is remembered.
         with state.lock("apply"):
-            engine.learn(state.release_versions())
+            recall(state)
             try:
                 if spec == "all":
                     results = await apply_all(observed, pool, progress)
@@ -91,7 +91,6 @@ def cmd_apply(args: argparse.Namespace) -> int:
             finally:
                 progress.close()
             remember(state, cluster, observed, results)
-            state.remember_release_versions(engine.known())
         return results
 
     cluster, state, observed, results = observe_servers(path, keep, args.strict_host_keys, only, then)

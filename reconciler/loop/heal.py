@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from reconciler.apply.acme import CERTIFICATE_BACKOFF, ensure_certificates
 from reconciler.apply.run import ServerResult, apply_all
-from reconciler.apply.session import Progress, remember
+from reconciler.apply.session import Progress, recall, remember
 from reconciler.backoff import Streaks
 from reconciler.credentials import Secret
 from reconciler.errors import LockHeld
@@ -104,6 +104,7 @@ class Healer:
         progress = Progress([o.plan.server for o in pending], log=lambda line: log.info("apply %s", line))
         try:
             with self.state.lock("run (self-heal)"):  # not while an `apply` from this folder runs
+                await asyncio.to_thread(recall, self.state)  # (what the last `apply` learnt of the releases)
                 # the leader's fence goes with it; stepping down cancels what is left of it
                 self._applying = asyncio.ensure_future(apply_all(pending, runner, progress, fence=fence))
                 try:
