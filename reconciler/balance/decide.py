@@ -143,6 +143,20 @@ def _candidates(snapshot: Snapshot, members: tuple[InboundRef, ...], pool: str |
                  if (pool is None or r.inbound.pool == pool) and snapshot.in_rotation(r.inbound.id, region))
 
 
+def _kept_candidates(snapshot: Snapshot, route: Route, members: tuple[InboundRef, ...], pool: str | None,
+                     region: str | None) -> tuple[InboundRef, ...]:
+    """``_candidates``, kept in the snapshot's memo with a map of them by inbound id (``_CANDIDATE_IDS``)."""
+    memo, key = snapshot.memo, (route.id, pool, region)
+    cands = memo[_CANDIDATES].get(key)
+    if cands is None:
+        cands = _candidates(snapshot, members, pool, region)
+        # The ids first: the live endpoint decides in its thread while the file outlet does in another, on one
+        # snapshot; whoever finds the candidates finds their ids.
+        memo[_CANDIDATE_IDS][key] = {r.inbound.id: r for r in cands}
+        memo[_CANDIDATES][key] = cands
+    return cands
+
+
 def _loads(snapshot: Snapshot, cands: tuple[InboundRef, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
     loads = [snapshot.load(r.server.name) for r in cands]
     traffic = np.array([x.traffic_mbps for x in loads], dtype=np.float64)
@@ -265,7 +279,7 @@ def decide(snapshot: Snapshot, user_name: str, region: str | None = None) -> lis
     ukey = key64(user.name)
     entries: list[Entry] = []
     memo = snapshot.memo
-    members_of, healthy_of, candidates_of, candidate_ids_of = memo[_MEMBERS], memo[_HEALTHY], memo[_CANDIDATES], memo[_CANDIDATE_IDS]
+    members_of, healthy_of, candidate_ids_of = memo[_MEMBERS], memo[_HEALTHY], memo[_CANDIDATE_IDS]
     for route in cluster.effective_routes:
         members = members_of.get(route.id)
         if members is None:
@@ -279,13 +293,7 @@ def decide(snapshot: Snapshot, user_name: str, region: str | None = None) -> lis
             if healthy is None:
                 healthy = healthy_of[(route.id, rkey)] = healthy_pools(snapshot, route, rkey)
             pool, pool_why = choose_pool(snapshot, route, ukey, region, healthy)
-        cands = candidates_of.get((route.id, pool, rkey))
-        if cands is None:
-            cands = _candidates(snapshot, members, pool, rkey)
-            # The ids first: the live endpoint decides in its thread while the file outlet does in another, on one
-            # snapshot; whoever finds the candidates finds their ids.
-            candidate_ids_of[(route.id, pool, rkey)] = {r.inbound.id: r for r in cands}
-            candidates_of[(route.id, pool, rkey)] = cands
+        cands = _kept_candidates(snapshot, route, members, pool, rkey)
         if not cands:
             ref = snapshot.best_available(members)
             why = "best available: every inbound of this route is out of rotation (HEALTH-11)"
@@ -361,8 +369,7 @@ def _kept_columns(snapshot: Snapshot, positions: np.ndarray, routes: tuple[Route
                   ) -> list[tuple[Route, tuple[InboundRef, ...], tuple[InboundRef, ...], np.ndarray]]:
     """For each route with members: its members, its candidates (no pool, no region) and the candidate each of these
     users keeps (``_previous``; -1: none, placed afresh)."""
-    memo = snapshot.memo
-    members_of, candidates_of = memo[_MEMBERS], memo[_CANDIDATES]
+    members_of = snapshot.memo[_MEMBERS]
     out = []
     for route in routes:
         members = members_of.get(route.id)
@@ -370,11 +377,7 @@ def _kept_columns(snapshot: Snapshot, positions: np.ndarray, routes: tuple[Route
             members = members_of[route.id] = _usable_members(snapshot, route)
         if not members:
             continue
-        cands = candidates_of.get((route.id, None, None))
-        if cands is None:
-            cands = _candidates(snapshot, members, None, None)
-            memo[_CANDIDATE_IDS][(route.id, None, None)] = {r.inbound.id: r for r in cands}  # first: see ``decide``
-            candidates_of[(route.id, None, None)] = cands
+        cands = _kept_candidates(snapshot, route, members, None, None)
         out.append((route, members, cands, _previous(snapshot, route.id, positions, cands)))
     return out
 
@@ -421,14 +424,13 @@ def decide_block(snapshot: Snapshot, positions: np.ndarray) -> tuple[list[list[E
         together = together[:0]
     limit = cluster.settings.outputs.failover.members - 1
     per_route = _kept_columns(snapshot, positions[together], routes) if len(together) else []
-    alike = np.ones(len(together), bool)
     if per_route:  # a user placed afresh on some route (best available, a new route, a new user) is decided alone
         alike = np.logical_and.reduce([kept >= 0 for *_, kept in per_route])
         together = together[alike]
+        per_route = [(route, members, cands, kept[alike]) for route, members, cands, kept in per_route]
     if len(together) and per_route:
         ukeys = snapshot.user_key_array[positions[together]]
-        ordered = [(route, members, cands, kept[alike].tolist(),
-                    _block_orders(snapshot, route, members, cands, ukeys, kept[alike], limit))
+        ordered = [(route, members, cands, kept.tolist(), _block_orders(snapshot, route, members, cands, ukeys, kept, limit))
                    for route, members, cands, kept in per_route]
         made = memo[_KEPT_ENTRIES]
         for row, i in enumerate(together.tolist()):

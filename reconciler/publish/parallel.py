@@ -102,7 +102,7 @@ class ColumnUsers(Sequence[User]):
     """A pass's users as they go to its workers: each field a column (a list), each user made back as a worker
     takes it. Pickled as models, 100k users were 0.23 s to write and 0.3 s to read before a worker could start
     (3 µs a user: each model's state a dict of its own); as columns, ~0.03 s each, and a worker makes only the users
-    it takes (~1 µs each). A user is made once: asked again, the same object (``Snapshot.standing`` asks ``is``)."""
+    it takes (~1.7 µs each). A user is made once: asked again, the same object (``Snapshot.standing`` asks ``is``)."""
 
     def __init__(self, fields: tuple[str, ...], columns: tuple[list[Any], ...], given: list[Any]) -> None:
         self._fields, self._columns, self._given = fields, columns, given

@@ -22,6 +22,7 @@ import base64
 import functools
 import json
 import re
+from collections.abc import Callable
 from urllib.parse import quote, urlencode
 
 from reconciler.model.cluster import FailoverSettings, SplitSettings
@@ -235,7 +236,8 @@ def singbox(outbounds: list[ClientOutbound], split: SplitSettings | None = None,
                               "interval": f"{failover.check_interval:g}s", "tolerance": TOLERANCE_MS,
                               "interrupt_exist_connections": True}))
         entries += [_singbox_outbound_json(o, t) for o, t in zip(group, inner, strict=True)]
-    head, tail = _singbox_frame(split, bool(tags))
+    served = bool(tags)
+    head, tail = _frame("sing-box", split, served, lambda: _singbox_frame(split, served))
     outbounds_json = [
         _json({"type": "selector", "tag": "proxy", "outbounds": tags or ["direct"], "default": (tags or ["direct"])[0]}),
         *entries,
@@ -246,13 +248,27 @@ def singbox(outbounds: list[ClientOutbound], split: SplitSettings | None = None,
     return ("{" + head + ',"outbounds":[' + ",".join(outbounds_json) + "]," + tail + "}\n").encode()
 
 
-def _singbox_frame(split: SplitSettings | None, served: bool) -> tuple[str, str]:
-    """What a profile has before its outbounds and after them (``served``: it has an entry), as JSON without its
-    outer braces: the same in every document of a snapshot (kept in ``_FRAMES``)."""
-    key = ("sing-box", id(split), served)
+def _frame(fmt: str, split: SplitSettings | None, served: bool, make: Callable[[], tuple[str, str]]) -> tuple[str, str]:
+    """A profile's text before its entries and after them, the same in every document of a snapshot: made once
+    per split settings (``make``) and kept by the settings' identity, the object held beside its text (so its id
+    is not reused meanwhile); past a few dozen (settings long gone), all made again."""
+    key = (fmt, id(split), served)
     found = _FRAMES.get(key)
     if found is not None and found[0] is split:
         return found[1], found[2]
+    before, after = make()
+    if len(_FRAMES) >= 64:
+        _FRAMES.clear()
+    _FRAMES[key] = (split, before, after)
+    return before, after
+
+
+_FRAMES: dict[tuple[str, int, bool], tuple[object, str, str]] = {}  # (format, id(split), served) → (split, before, after)
+
+
+def _singbox_frame(split: SplitSettings | None, served: bool) -> tuple[str, str]:
+    """What a profile has before its outbounds and after them (``served``: it has an entry), as JSON without its
+    outer braces (``_frame`` keeps it)."""
     split_rules, split_dns, rule_sets = _singbox_split(split)
     head = {
         "log": {"level": "warn"},
@@ -285,17 +301,7 @@ def _singbox_frame(split: SplitSettings | None, served: bool) -> tuple[str, str]
         # The user's choice in the selector survives a restart of the app.
         "experimental": {"cache_file": {"enabled": True}},
     }
-    return _framed(key, split, _json(head)[1:-1], _json(tail)[1:-1])
-
-
-_FRAMES: dict[tuple[str, int, bool], tuple[object, str, str]] = {}  # (format, id(split), served) → (split, before, after)
-
-
-def _framed(key: tuple[str, int, bool], split: SplitSettings | None, before: str, after: str) -> tuple[str, str]:
-    if len(_FRAMES) >= 64:  # splits of configurations long gone (each held in its value: its id is not reused meanwhile)
-        _FRAMES.clear()
-    _FRAMES[key] = (split, before, after)
-    return before, after
+    return _json(head)[1:-1], _json(tail)[1:-1]
 
 
 _json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # json.dumps with these: one encoder, not one a call
@@ -370,7 +376,7 @@ def clash(outbounds: list[ClientOutbound], split: SplitSettings | None = None,
         proxies += [_clash_proxy_flow(o, n) for o, n in zip(group, inner, strict=True)]
         fallbacks.append({"name": name, "type": "fallback", "proxies": inner, "url": check_url(group, failover, False),
                           "interval": max(1, round(failover.check_interval)), "timeout": 5000, "lazy": True})
-    before, after = _clash_frame(split)
+    before, after = _frame("clash", split, True, lambda: _clash_frame(split))
     # The profile's top-level keys each stand on lines of their own (``_block_yaml``): those around the proxies and
     # their groups are the same in every document of a snapshot.
     return (before + _block_yaml({
@@ -381,14 +387,10 @@ def clash(outbounds: list[ClientOutbound], split: SplitSettings | None = None,
 
 
 def _clash_frame(split: SplitSettings | None) -> tuple[str, str]:
-    """A Clash profile's lines before its proxies and after their groups (kept in ``_FRAMES``)."""
-    key = ("clash", id(split), True)
-    found = _FRAMES.get(key)
-    if found is not None and found[0] is split:
-        return found[1], found[2]
+    """A Clash profile's lines before its proxies and after their groups (``_frame`` keeps them)."""
     split_rules, providers = _clash_split(split)
-    return _framed(key, split, _block_yaml({"mixed-port": 7890, "allow-lan": False, "mode": "rule", "log-level": "warning"}),
-                   _block_yaml({**({"rule-providers": providers} if providers else {}), "rules": [*split_rules, "MATCH,PROXY"]}))
+    return (_block_yaml({"mixed-port": 7890, "allow-lan": False, "mode": "rule", "log-level": "warning"}),
+            _block_yaml({**({"rule-providers": providers} if providers else {}), "rules": [*split_rules, "MATCH,PROXY"]}))
 
 
 # Characters JSON leaves raw that YAML reads otherwise: DEL and the C1 controls are not printable, and
