@@ -592,8 +592,90 @@ def test_temporaries_of_a_killed_writer_are_cleaned(tmp_path):
     folder = next((tmp_path / "subs").iterdir())
     (folder / ".links.txt.123.tmp").write_bytes(b"half a docu")
     (tmp_path / "state" / ".outlet-snapshot.123.abcd.pickle").write_bytes(b"a killed pass's snapshot")
-    assert out.clean_temporaries() == 2
+    (tmp_path / "subs.123-0badcafe.tmp" / "a-token").mkdir(parents=True)  # a first pass's folder (``_tree``)
+    (tmp_path / "subs.backup.tmp").mkdir()  # the operator's: not a name the outlet gives
+    assert out.clean_temporaries() == 3
     assert not list((tmp_path / "subs").glob("*/.*.tmp")) and not list((tmp_path / "state").glob(".outlet-snapshot.*"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state", "subs", "subs.backup.tmp"]
+
+
+def _files_of(folder) -> dict[str, bytes]:
+    return {f"{p.parent.name}/{p.name}": p.read_bytes() for p in folder.glob("*/*")}
+
+
+def test_a_first_pass_shows_every_users_folder_at_once_and_nothing_when_it_fails(tmp_path, monkeypatch):
+    # spec: LB-6 — with nothing at the folder yet (a first start, a new subscriptions_dir, the folder removed), every
+    # user's folder is written as it is into a folder beside it, renamed into place when all are there: readers see
+    # all of them or none (and the same bytes as a pass into an existing folder, which stages user by user).
+    import reconciler.publish.files as files
+    from reconciler.publish import userfiles
+
+    c = cluster(3, users=6, countries=("DE",), prober=None)
+    snap = Snapshot(cluster=c, now=1e9)
+    ref = FileOutlet(tmp_path / "ref" / "subs", tmp_path / "ref" / "state", SECRET, workers=1)
+    (tmp_path / "ref" / "subs").mkdir(parents=True)
+    assert ref.write(snap).written == 6
+
+    seen = []
+    publish = files.FileOutlet._publish_tree
+
+    def publishing(self, tree):
+        seen.append((tree, self.directory.exists(), sorted(p.name for p in tree.iterdir())))
+        publish(self, tree)
+
+    monkeypatch.setattr(files.FileOutlet, "_publish_tree", publishing)
+    out = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET, workers=1)
+    assert out.write(snap).written == 6
+    ((tree, there, names),) = seen
+    assert not there and tree.parent == tmp_path
+    assert str(tree).startswith(str(out.directory))  # what skips the folder skips it too (the loop's watch)
+    assert names == sorted(p.token for p in out.published.values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ref", "state", "subs"]
+    assert _files_of(out.directory) == _files_of(ref.directory) and out.published == ref.published
+
+    # A pass that fails (a full disk at the fourth user): nothing at the folder, nothing beside it; the next one writes all.
+    written = []
+    real = userfiles._write_folder
+
+    def filling(folder, data):
+        if len(written) == 3:
+            raise OSError(28, "No space left on device")
+        written.append(folder)
+        real(folder, data)
+
+    monkeypatch.setattr(userfiles, "_write_folder", filling)
+    again = FileOutlet(tmp_path / "again", tmp_path / "again-state", SECRET, workers=1)
+    with pytest.raises(OSError, match="No space"):
+        again.write(snap)
+    assert len(written) == 3 and not [p for p in tmp_path.iterdir() if p.name.startswith("again") and p.name != "again-state"]
+    monkeypatch.setattr(userfiles, "_write_folder", real)
+    assert again.write(snap).written == 6 and _files_of(again.directory) == _files_of(ref.directory)
+
+
+def test_a_folder_that_appears_during_a_first_pass_gets_each_users_folder_moved_in(tmp_path, monkeypatch):
+    # Another writer (or the operator) made the folder while the pass wrote: it is not replaced; each user's folder
+    # goes into it, a stale one of the same user has its files replaced, and what else is there stays.
+    import reconciler.publish.files as files
+
+    c = cluster(3, users=5, countries=("DE",), prober=None)
+    snap = Snapshot(cluster=c, now=1e9)
+    ref = FileOutlet(tmp_path / "ref" / "subs", tmp_path / "ref" / "state", SECRET, workers=1)
+    ref.write(snap)
+    stale = user_credentials(SECRET, "u0", 0).token
+    publish = files.FileOutlet._publish_tree
+
+    def appearing(self, tree):
+        (self.directory / stale).mkdir(parents=True)
+        (self.directory / stale / "links.txt").write_bytes(b"stale")
+        (self.directory / "not-ours").mkdir()
+        publish(self, tree)
+
+    monkeypatch.setattr(files.FileOutlet, "_publish_tree", appearing)
+    out = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET, workers=1)
+    assert out.write(snap).written == 5
+    assert (out.directory / "not-ours").is_dir()
+    assert _files_of(out.directory) == _files_of(ref.directory)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ref", "state", "subs"]
 
 
 # --------------------------------------------------------------------------- metrics

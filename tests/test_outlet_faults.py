@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from reconciler.fleet import Learned
 from reconciler.publish import MANIFEST, FileOutlet
 from tests.test_loop import SECRET, cluster, snapshot_after
@@ -23,9 +25,12 @@ def published(tmp_path, outlet: FileOutlet) -> dict[str, bytes]:
     return {f"{p.token}/{n}": (tmp_path / "subs" / p.token / n).read_bytes() for p in outlet.published.values() for n in NAMES}
 
 
-def test_a_full_disk_never_publishes_a_cut_file_and_the_next_write_completes(tmp_path):
+@pytest.mark.parametrize("existing", [True, False], ids=["into-a-folder", "no-folder-yet"])
+def test_a_full_disk_never_publishes_a_cut_file_and_the_next_write_completes(tmp_path, existing):
     # The child writes under a 600-byte file-size limit (what a full disk looks like to a writer): every
-    # write fails with EFBIG, nothing is renamed into place, and the manifest is not advanced.
+    # write fails with EFBIG, nothing is renamed into place, and the manifest is not advanced. Into an existing
+    # folder, each user's folder is staged (a killed writer's staging is cleaned at start); with no folder yet, all
+    # go into a folder of the pass's own beside it, removed when the pass fails.
     child = textwrap.dedent(f"""
         import resource, sys
         from pathlib import Path
@@ -35,6 +40,8 @@ def test_a_full_disk_never_publishes_a_cut_file_and_the_next_write_completes(tmp
         from tests.test_loop import SECRET, cluster, snapshot_after
         c = cluster(3, users=5)
         snap = snapshot_after(c, Learned.fresh(c))
+        if {existing!r}:
+            Path({str(tmp_path / 'subs')!r}).mkdir()
         resource.setrlimit(resource.RLIMIT_FSIZE, (600, 600))
         try:
             FileOutlet(Path({str(tmp_path / 'subs')!r}), Path({str(tmp_path / 'state')!r}), SECRET).write(snap)
@@ -45,11 +52,12 @@ def test_a_full_disk_never_publishes_a_cut_file_and_the_next_write_completes(tmp
     assert "refused: 27" in out.stdout, out.stdout + out.stderr  # EFBIG
     assert not (tmp_path / "state" / MANIFEST).exists()
     assert not [p for p in (tmp_path / "subs").glob("*/*") if not p.parent.name.startswith(".")]  # none published
+    assert (tmp_path / "subs").is_dir() == existing and not list(tmp_path.glob("subs.*"))  # no folder of the pass left
     # Space is back: a restarted outlet cleans up and writes everything, complete.
     c = cluster(3, users=5)
     snap = snapshot_after(c, Learned.fresh(c))
     outlet = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET)
-    assert outlet.clean_temporaries() >= 1
+    assert outlet.clean_temporaries() >= existing
     assert outlet.write(snap).written == 5
     reference = FileOutlet(tmp_path / "ref" / "subs", tmp_path / "ref" / "state", SECRET)
     reference.write(snap)

@@ -561,6 +561,7 @@ class Loop:
     async def _watcher(self) -> None:
         from watchfiles import Change, awatch
 
+        # (Prefixes: they skip the folder the outlet's first pass writes into too, whose name starts with its folder's.)
         skip = tuple(str(p) for p in (self.state.path, self.files.directory, Path(self.base_dir) / ".git"))
 
         def wanted(change: Change, path: str) -> bool:

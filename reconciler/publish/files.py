@@ -3,9 +3,12 @@ after them, and the checks at start-up that repair what a crash or a full disk l
 
 from __future__ import annotations
 
+import errno
+import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterable, Iterator
@@ -38,6 +41,8 @@ from reconciler.safe_read import read_regular_file
 from reconciler.state.files import make_private_dirs, write_atomic
 from reconciler.subscriptions import FORMATS
 from reconciler.subscriptions.document import EXTENSIONS
+
+_TREE = re.compile(r"\.\d+-[0-9a-f]{8}\.tmp")  # what ``FileOutlet._tree`` adds to the folder's name
 
 
 @dataclass(frozen=True)
@@ -154,6 +159,11 @@ class FileOutlet:
         for path in self.manifest_path.parent.glob(f"{SPILL_PREFIX}*.pickle"):  # a pass's snapshot for its workers
             path.unlink(missing_ok=True)
             removed += 1
+        name = self.directory.name
+        for path in self.directory.parent.glob(f"{glob.escape(name)}.*.tmp"):  # a first pass's folder (``_tree``)
+            if _TREE.fullmatch(path.name[len(name):]) and path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+                removed += 1
         if not self.directory.is_dir():
             return removed
         for path in self.directory.glob("*/.*.tmp"):
@@ -190,7 +200,11 @@ class FileOutlet:
         roster = cluster.roster
         old = self.published.aligned(roster.names, roster.index)
         existed = self.directory.is_dir()
-        self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        # Nothing there yet (a first start, a new subscriptions_dir, a folder removed): every user's folder is written
+        # into a folder of the pass's own, renamed into place once all are there (``_tree``).
+        tree = None if existed or os.path.lexists(self.directory) else self._tree()
+        if tree is None:
+            self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         basis = _Basis.of(snapshot, inputs)
         changed = basis.changed(self._basis)
         n = len(cluster.users)
@@ -215,7 +229,14 @@ class FileOutlet:
             stats.seconds = time.perf_counter() - start
             return stats
         new = PublishedTable(roster.names, roster.index)
-        for part in self._passes(snapshot, old, np.arange(n), np.zeros(n, bool)):
+        try:
+            parts = self._passes(snapshot, old, np.arange(n), np.zeros(n, bool), tree)
+            if tree is not None:
+                self._publish_tree(tree)
+        finally:
+            if tree is not None:  # (a failure: nothing of this pass is seen)
+                shutil.rmtree(tree, ignore_errors=True)
+        for part in parts:
             part.record(new, stats)
         gone = old.tokens[(old.tokens != b"") & (old.tokens != new.tokens)].tolist()  # rotated: a new folder
         for token in [t.decode() for t in gone] + [p.token for p in old.others.values()]:  # and who left the file
@@ -226,6 +247,40 @@ class FileOutlet:
         self._write_manifest()
         stats.seconds = time.perf_counter() - start
         return stats
+
+    def _tree(self) -> Path:
+        """A folder beside ``directory`` (the same filesystem) that a pass writing every user writes into when nothing
+        is at ``directory`` yet. No reader sees a user's folder half written, as with a folder staged and renamed
+        per user, and a reader sees all the users or none; each user's folder is written as it is (the staging and
+        the rename were ~10% of a pass's time). Its name starts with ``directory``'s: what skips that skips it too
+        (the loop's watch of the cluster file's folder). A killed writer's is removed at start-up
+        (``clean_temporaries``), one this process left when its pass failed at once."""
+        self.directory.parent.mkdir(parents=True, exist_ok=True)
+        tree = self.directory.with_name(f"{self.directory.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
+        tree.mkdir(mode=DIR_MODE)
+        return tree
+
+    def _publish_tree(self, tree: Path) -> None:
+        """``tree`` (``_tree``) renamed to ``directory``; when something appeared there meanwhile (another writer's
+        folder), each user's folder moved into it on its own (a folder of that user there already: its files
+        replaced one by one)."""
+        if not os.path.lexists(self.directory):
+            try:
+                os.rename(tree, self.directory)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+        self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        for entry in os.scandir(tree):
+            dest = self.directory / entry.name
+            try:
+                os.rename(entry.path, dest)
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                for f in os.scandir(entry.path):
+                    os.replace(f.path, dest / f.name)
 
     def _with_missing(self, old: PublishedTable, which: np.ndarray,
                       headers_only: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -262,20 +317,21 @@ class FileOutlet:
         self._manifest_at = time.time()
 
     def _passes(self, snapshot: Snapshot, old: PublishedTable, which: np.ndarray,
-                headers_only: np.ndarray) -> list[Part]:
+                headers_only: np.ndarray, tree: Path | None = None) -> list[Part]:
         """The users at positions ``which`` looked at (and written where changed; ``headers_only``: for each, whether
         only its headers can have changed): in this process, or split with worker processes when there are many.
-        Each part: its manifest entries and counts."""
+        Each part: its manifest entries and counts. ``tree``: written there, not in ``directory`` (``_tree``)."""
+        where, unseen = str(self.directory if tree is None else tree), tree is not None
         if len(which) > STRETCH:  # in the order of their assignments: users assigned alike share document templates
             order = locality_order(list(snapshot.held.columns.values()), which)
             which, headers_only = which[order], headers_only[order]
         if len(which) < self.PARALLEL_MIN or self.workers < 2:
-            return [write_users(snapshot, self.secret, str(self.directory), self.formats, published_before(old, which), which,
-                                 headers_only, has_shadowsocks(snapshot))]
-        return self._in_workers(snapshot, old, which, headers_only)
+            return [write_users(snapshot, self.secret, where, self.formats, published_before(old, which), which,
+                                headers_only, has_shadowsocks(snapshot), unseen=unseen)]
+        return self._in_workers(snapshot, old, which, headers_only, where, unseen)
 
     def _in_workers(self, snapshot: Snapshot, old: PublishedTable, which: np.ndarray,
-                    headers_only: np.ndarray) -> list[Part]:
+                    headers_only: np.ndarray, where: str, unseen: bool) -> list[Part]:
         """Worker processes and this one render and write the users from one pickled snapshot, taken in blocks
         from the two ends of one list (``parallel``): this process from the front as soon as the file is written,
         the workers from the back once they have started and read it (~1 s later at 100k users), until the ends
@@ -309,11 +365,11 @@ class FileOutlet:
                 mac = SpillMac(self.secret)
                 with open(os.open(spill, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
                     pickle.dump((spilled(snapshot), which, headers_only, before), Tee(f, mac.update), protocol=pickle.HIGHEST_PROTOCOL)
-                futures = [pool.submit(write_in_worker, str(spill), mac.hexdigest(), self.secret, str(self.directory),
-                                       self.formats) for _ in range(self.workers - 1)]
+                futures = [pool.submit(write_in_worker, str(spill), mac.hexdigest(), self.secret, where, self.formats,
+                                       unseen) for _ in range(self.workers - 1)]
                 try:
-                    here = write_users(snapshot, self.secret, str(self.directory), self.formats, before, which,
-                                       headers_only, has_shadowsocks(snapshot), ends.blocks(front=True))
+                    here = write_users(snapshot, self.secret, where, self.formats, before, which,
+                                       headers_only, has_shadowsocks(snapshot), ends.blocks(front=True), unseen)
                 finally:
                     ends.close()  # (a failure here: the workers stop after their block)
                 return [here] + [f.result() for f in futures]

@@ -160,9 +160,11 @@ def start_worker(shared: Any) -> None:
     _ends = Ends(shared)
 
 
-def write_in_worker(spill: str, mac: str, secret: Secret, directory: str, formats: tuple[str, ...]) -> Part:
+def write_in_worker(spill: str, mac: str, secret: Secret, directory: str, formats: tuple[str, ...],
+                    unseen: bool = False) -> Part:
     """The users this worker takes from the back of the pass's list until the ends meet (nothing when the calling
-    process took them all before this worker started). The file is checked before anything is made of it."""
+    process took them all before this worker started). The file is checked before anything is made of it.
+    ``unseen``: as ``write_users``'."""
     import pickle
 
     assert _ends is not None, "a worker of a pass's pool (start_worker)"
@@ -177,7 +179,7 @@ def write_in_worker(spill: str, mac: str, secret: Secret, directory: str, format
         snapshot, which, headers_only, before = pickle.loads(data)
         del data
         return write_users(snapshot, secret, directory, formats, before, which, headers_only, has_shadowsocks(snapshot),
-                           _ends.blocks(front=False))
+                           _ends.blocks(front=False), unseen)
 
 
 def published_before(table: PublishedTable, which: np.ndarray) -> Before:

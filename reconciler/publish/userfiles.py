@@ -86,16 +86,18 @@ def has_shadowsocks(snapshot: Snapshot) -> bool:
 
 def write_users(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], before: Before,
                 which: np.ndarray, headers_only: np.ndarray, shadowsocks: bool,
-                blocks: Iterable[tuple[int, int]] | None = None) -> Part:
+                blocks: Iterable[tuple[int, int]] | None = None, unseen: bool = False) -> Part:
     """The users at these positions: fingerprint each, (re)write those that changed (only the headers where only
     they can have changed). ``before``: what was published of each of them. ``blocks``: only these ranges of them
-    (``[lo, hi)`` over ``which``, as a pass in processes hands them out); None: all."""
+    (``[lo, hi)`` over ``which``, as a pass in processes hands them out); None: all. ``unseen``: ``directory`` is
+    this pass's own, which no reader sees before it is renamed into place (``FileOutlet``'s first pass): each user's
+    folder is written as it is, not staged and renamed."""
     cluster = snapshot.cluster
     users = cluster.users
     steps = usage_steps(cluster.roster.data_limit[which], cluster.roster.measured(snapshot.usage)[0][which])
     groups = _groups(snapshot, which)
     tokens, prints, sizes = (np.zeros(len(which), a.dtype) for a in before)
-    each = _EachUser(snapshot, secret, directory, formats, shadowsocks)
+    each = _EachUser(snapshot, secret, directory, formats, shadowsocks, unseen)
     done: list[tuple[int, int]] = []
     for lo, hi in ((lo, min(len(which), lo + CHUNK)) for lo in range(0, len(which), CHUNK)) if blocks is None else blocks:
         done.append((lo, hi))
@@ -125,8 +127,10 @@ CHUNK = 1024  # users read and recorded at a time (when the caller hands out no 
 class _EachUser:
     """One call's users, one at a time (``write_users``): what they share, and what each was published as."""
 
-    def __init__(self, snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], shadowsocks: bool):
+    def __init__(self, snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], shadowsocks: bool,
+                 unseen: bool = False):
         self.snapshot, self.secret, self.directory, self.formats, self.shadowsocks = snapshot, secret, directory, formats, shadowsocks
+        self.unseen = unseen  # ``directory`` is the pass's own (``write_users``)
         cluster = snapshot.cluster
         self.inbound_json = {r.inbound.id: r.inbound.model_dump_json() for r in cluster.inbounds}
         self.outputs_json = cluster.settings.outputs.model_dump_json()
@@ -151,7 +155,7 @@ class _EachUser:
             values, token = credential_bytes(secret, user.name, user.rotate, alike.wanted, self.shadowsocks)
             self.written += 1
             return token, fingerprint_of(user.model_dump_json(), self.outputs_json, alike.text, step).encode(), \
-                _write_new(view, directory, formats, user, token.decode(), documents, values)
+                _write_new(view, directory, formats, user, token.decode(), documents, values, self.unseen)
         # Only the usage step moved (the same file and keys): the same token and bodies, new figures in headers.json.
         # Its entries are the same too (its inbounds did not move), so its fingerprint is the last one at this step:
         # no decision (~30 µs a user, 20k users a pass at a million).
@@ -178,7 +182,7 @@ class _EachUser:
             token = creds.token.encode()
             docs = kept.documents(view, secret, formats) if kept.key is not None else None
             size = _write_user(view, secret, directory, formats, user, creds.token, kept.entries, creds,
-                               known=bool(had), headers_only=light and had == token, documents=docs)
+                               known=bool(had), headers_only=light and had == token, documents=docs, unseen=self.unseen)
         self.written += 1
         return token, fp.encode(), size
 
@@ -260,7 +264,7 @@ def _file_names(formats: tuple[str, ...]) -> tuple[str, ...]:
 
 def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], user: User, token: str,
                 entries: list[Entry], creds: UserCredentials, known: bool = True, headers_only: bool = False,
-                documents: tuple[Prepared, ...] | None = None) -> int:
+                documents: tuple[Prepared, ...] | None = None, unseen: bool = False) -> int:
     """Write one user's files (``headers_only``: the bodies are known to be the same, only ``headers.json`` is
     written); returns their size together (what the manifest records). ``documents``: the user's documents to fill
     in (a served user decided with others alike); else rendered (``render_formats``: also a refusal)."""
@@ -270,20 +274,27 @@ def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tup
         docs = render_formats(snapshot, user.name, formats, secret, entries=entries, credentials=creds)
         files = {f"{fmt}.{EXTENSIONS[fmt]}": doc.body for fmt, doc in docs.items()}
         files["headers.json"] = headers_json(snapshot, docs)
-    return _put(directory, token, files, known, headers_only)
+    return _put(directory, token, files, known, headers_only, unseen)
 
 
 def _write_new(snapshot: Snapshot, directory: str, formats: tuple[str, ...], user: User, token: str,
-               documents: tuple[Prepared, ...], values: tuple[bytes, ...]) -> int:
+               documents: tuple[Prepared, ...], values: tuple[bytes, ...], unseen: bool = False) -> int:
     """``_write_user`` of a user the outlet has not published: its documents filled in with its credentials
     (``credential_bytes``) and put in place in one rename."""
-    return _put(directory, token, _documents(snapshot, formats, user, documents, values), known=False)
+    return _put(directory, token, _documents(snapshot, formats, user, documents, values), False, unseen=unseen)
 
 
-def _put(directory: str, token: str, files: dict[str, bytes], known: bool, headers_only: bool = False) -> int:
-    """A user's files in its folder (a new folder: staged and renamed into place; ``headers_only``: only
-    ``headers.json`` replaced); their size together."""
+def _put(directory: str, token: str, files: dict[str, bytes], known: bool, headers_only: bool = False,
+         unseen: bool = False) -> int:
+    """A user's files in its folder (a new folder: staged and renamed into place, or written as it is in a
+    folder no reader sees yet, ``unseen``; ``headers_only``: only ``headers.json`` replaced); their size together."""
     folder = f"{directory}/{token}"
+    if unseen:
+        try:
+            _write_folder(folder, files)
+            return sum(map(len, files.values()))
+        except FileExistsError:  # (two users with one token: none of ours) its files replaced one by one, below
+            known = True
     if not known or not os.path.isdir(folder):
         if _staged(directory, token, files):
             return sum(map(len, files.values()))
@@ -308,23 +319,28 @@ def _staged(directory: str, token: str, files: dict[str, bytes]) -> bool:
     start-up, see ``FileOutlet.clean_temporaries``; one left by this process is removed here.)"""
     staging = f"{directory}/.{token}.{_PID[0]}.tmp"
     try:
-        os.mkdir(staging, DIR_MODE)
+        _write_folder(staging, files)
     except FileExistsError:
         shutil.rmtree(staging)
-        os.mkdir(staging, DIR_MODE)
-    for name, data in files.items():  # (``write_new``'s steps, for 400,000 files a pass)
-        fd = os.open(f"{staging}/{name}", _NEW, DOC_MODE)
-        try:
-            if (n := os.write(fd, data)) != len(data):
-                write_all(fd, data[n:])
-        finally:
-            os.close(fd)
+        _write_folder(staging, files)
     try:
         os.rename(staging, f"{directory}/{token}")
         return True
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
         return False
+
+
+def _write_folder(folder: str, files: dict[str, bytes]) -> None:
+    """A new folder (``FileExistsError`` when it is there) with these files in it."""
+    os.mkdir(folder, DIR_MODE)
+    for name, data in files.items():  # (``write_new``'s steps, for 400,000 files a pass)
+        fd = os.open(f"{folder}/{name}", _NEW, DOC_MODE)
+        try:
+            if (n := os.write(fd, data)) != len(data):
+                write_all(fd, data[n:])
+        finally:
+            os.close(fd)
 
 
 _PID = [os.getpid()]  # this process's (a worker's own once it starts: ``os.register_at_fork``)
