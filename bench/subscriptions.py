@@ -55,7 +55,7 @@ from reconciler.balance import Snapshot, rebalance  # noqa: E402
 from reconciler.credentials import Secret  # noqa: E402
 from reconciler.loop.workers import LiveWorkers  # noqa: E402
 from reconciler.model import Cluster  # noqa: E402
-from reconciler.publish import FileOutlet, LiveAnswers, Tokens  # noqa: E402
+from reconciler.publish import FileOutlet, LiveAnswers, Tokens, cluster_digest  # noqa: E402
 from reconciler.subscriptions.outbound import pin_record  # noqa: E402
 
 SECRET = Secret(b"subscriptions-bench-secret-0123456789")
@@ -344,10 +344,14 @@ def file_figures(work: Path, snapshot: Snapshot, pins: dict[str, str], users: in
         sizes.append(size)
         return best
 
+    digest = cluster_digest(cluster)  # what the loop computes as it loads the file (for its status, and to tell a
+    # change of the file from none): it hands it to its outlet (``FileOutlet.hashed``), which does not hash again
+
     def ours() -> float:  # a full write from scratch: a new outlet, folder and state (a first start of the outlet; the
         # process has written before: its process-wide caches are warm — the formats' member pieces, the key's HMAC
         # pads, what the cluster derived once, the forkserver — as in a loop whose outlet lost its folder)
         out = FileOutlet(work / "again", work / "again-state", SECRET)
+        out.hashed(cluster, digest)  # as the loop does
         fresh = dataclasses.replace(snapshot)  # nothing derived from it yet: a first start
         t = time.perf_counter()
         stats = out.write(fresh)
