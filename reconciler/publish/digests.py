@@ -89,8 +89,8 @@ def user_fingerprint(snapshot: Snapshot, user_name: str, inbound_json: dict[str,
     and the usage step (``step``: the caller's, from ``usage_steps`` over every user)."""
     entries = decide(snapshot, user_name) if entries is None else entries
     user = snapshot.cluster.user(user_name)
-    return fingerprint_of(user.model_dump_json(), outputs_json, entries_text(snapshot, entries, inbound_json),
-                          usage_step(snapshot, user_name) if step is None else step)
+    return fingerprint_of(fingerprint_head(outputs_json, entries_text(snapshot, entries, inbound_json)),
+                          user.model_dump_json(), usage_step(snapshot, user_name) if step is None else step)
 
 
 def entries_text(snapshot: Snapshot, entries: list[Entry], inbound_json: dict[str, str]) -> str:
@@ -100,10 +100,17 @@ def entries_text(snapshot: Snapshot, entries: list[Entry], inbound_json: dict[st
                    for e in entries)
 
 
-def fingerprint_of(user_json: str, outputs_json: str, entries: str, step: int) -> str:
-    """``user_fingerprint`` from its parts: the user's JSON, the output settings' JSON and ``entries_text``."""
-    base = hashlib.sha256(f"{user_json}\n{outputs_json}{entries}".encode()).hexdigest()[:FINGERPRINT_CHARS - STEP_HEX]
-    return base + _step_hex(step)
+def fingerprint_head(outputs_json: str, entries: str) -> hashlib._Hash:
+    """What users with the same entries share of ``user_fingerprint``'s input, the output settings' JSON and
+    ``entries_text`` (some kB), hashed once for all of them (``fingerprint_of`` hashes a copy on)."""
+    return hashlib.sha256(f"{outputs_json}{entries}\n".encode())
+
+
+def fingerprint_of(head: hashlib._Hash, user_json: str, step: int) -> str:
+    """``user_fingerprint`` from its parts: ``fingerprint_head`` and the user's JSON (JSON: no line break in it)."""
+    h = head.copy()
+    h.update(user_json.encode())
+    return h.hexdigest()[:FINGERPRINT_CHARS - STEP_HEX] + _step_hex(step)
 
 
 def _step_hex(step: int) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import os
 import shutil
 from collections.abc import Iterable
@@ -16,7 +17,14 @@ from reconciler.balance import Snapshot, decide
 from reconciler.balance.decide import Entry, EntryKey, decide_block
 from reconciler.credentials import Secret, UserCredentials, credential_bytes, user_credentials
 from reconciler.model import User
-from reconciler.publish.digests import FINGERPRINT_CHARS, entries_text, fingerprint_of, restepped, usage_steps
+from reconciler.publish.digests import (
+    FINGERPRINT_CHARS,
+    entries_text,
+    fingerprint_head,
+    fingerprint_of,
+    restepped,
+    usage_steps,
+)
 from reconciler.publish.manifest import PublishedTable
 from reconciler.state.files import write_all, write_atomic
 from reconciler.subscriptions.document import (
@@ -154,7 +162,7 @@ class _EachUser:
             documents = alike.documents(view, secret, formats)
             values, token = credential_bytes(secret, user.name, user.rotate, alike.wanted, self.shadowsocks)
             self.written += 1
-            return token, fingerprint_of(user.model_dump_json(), self.outputs_json, alike.text, step).encode(), \
+            return token, fingerprint_of(alike.head, user.model_dump_json(), step).encode(), \
                 _write_new(view, directory, formats, user, token.decode(), documents, values, self.unseen)
         # Only the usage step moved (the same file and keys): the same token and bodies, new figures in headers.json.
         # Its entries are the same too (its inbounds did not move), so its fingerprint is the last one at this step:
@@ -166,7 +174,7 @@ class _EachUser:
         else:
             entries, key = decided if decided is not None else (decide(view, user.name), None)
             kept = self._keyed(entries, key)
-            fp = fingerprint_of(user.model_dump_json(), self.outputs_json, kept.text, step)
+            fp = fingerprint_of(kept.head, user.model_dump_json(), step)
         creds = None if stamp else user_credentials(secret, user.name, user.rotate, self.shadowsocks)  # not kept (~500 B)
         token = had if creds is None else creds.token.encode()
         if had == token and printed == fp.encode() and os.path.isdir(os.path.join(directory, token.decode())):
@@ -176,7 +184,7 @@ class _EachUser:
         if size is None:
             if kept is None:  # the file was not ours to restamp: rendered whole, decided afresh
                 kept = self._keyed(decide(view, user.name), None)
-                fp = fingerprint_of(user.model_dump_json(), self.outputs_json, kept.text, step)
+                fp = fingerprint_of(kept.head, user.model_dump_json(), step)
             if creds is None:
                 creds = user_credentials(secret, user.name, user.rotate, self.shadowsocks)
             token = creds.token.encode()
@@ -189,10 +197,10 @@ class _EachUser:
     def _keyed(self, entries: list[Entry], key: tuple[EntryKey, ...] | None) -> _Keyed:
         """What users with these entries share (kept by their key for this stretch; a user decided alone: its own)."""
         if key is None:
-            return _Keyed(entries, None, entries_text(self.view, entries, self.inbound_json))
+            return _Keyed(entries, None, fingerprint_head(self.outputs_json, entries_text(self.view, entries, self.inbound_json)))
         found = self.keyed.get(key)
         if found is None:
-            found = _Keyed(entries, key, entries_text(self.view, entries, self.inbound_json))
+            found = _Keyed(entries, key, fingerprint_head(self.outputs_json, entries_text(self.view, entries, self.inbound_json)))
             if len(self.keyed) < TEMPLATES_KEPT:  # a stretch of users whose orders are nearly each one's own: not all
                 self.keyed[key] = found
         return found
@@ -205,7 +213,7 @@ class _Keyed:
 
     entries: list[Entry]
     key: tuple[EntryKey, ...] | None
-    text: str
+    head: hashlib._Hash  # ``fingerprint_head``: what their fingerprints share, hashed
     prepared: tuple[Prepared, ...] | None = None
 
     wanted: tuple[bool, bool, bool, bool] = (True,) * 4  # which credentials the documents hold (``credential_bytes``)
