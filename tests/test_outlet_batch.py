@@ -175,6 +175,32 @@ def test_a_pass_split_with_a_worker_writes_what_one_process_writes(tmp_path, see
     assert tree(tmp_path / "two" / "subs") == tree(tmp_path / "one" / "subs") and two.published == one.published
 
 
+@pytest.mark.parametrize("seed", range(0, 60, 4))
+def test_an_etag_names_one_body(seed):
+    # A document filled from a template takes its ETag from the template and the user's token (``Prepared.etag``), not
+    # from a hash of its bytes: still a strong validator (RFC 9110, 8.8.1), one ETag never stands for two bodies, over
+    # users, formats, keys, rotations and failover orders.
+    base = snapshots(seed)
+    keys = {r.inbound.id: "k" * 43 for r in base.cluster.inbounds if r.inbound.protocol == "vless-reality"}
+    data = base.cluster.model_dump(mode="json", exclude_none=True)
+    for person in data["users"]:
+        person["rotate"] = person.get("rotate", 0) + 1
+    rotated = Cluster.model_validate(data)
+    data["settings"]["outputs"]["failover"]["members"] = 1 + data["settings"]["outputs"]["failover"]["members"] % 4
+    variants = [dataclasses.replace(base, public_keys=keys), dataclasses.replace(base, public_keys={k: "j" * 43 for k in keys}),
+                dataclasses.replace(snapshot(rotated), public_keys=keys),
+                dataclasses.replace(snapshot(Cluster.model_validate(data)), public_keys=keys)]
+    named: dict[str, bytes] = {}
+    bodies: dict[tuple[str, str], set[bytes]] = {}
+    for snap in variants:
+        for user in snap.cluster.users:
+            for fmt, doc in render_formats(snap, user.name, ("links", "sing-box", "clash"), SECRET).items():
+                assert named.setdefault(doc.etag, doc.body) == doc.body, (user.name, fmt)
+                assert len(doc.etag) == 34 and (doc.refused or doc.headers["etag"] == doc.etag)
+                bodies.setdefault((user.name, fmt), set()).add(doc.body)
+    assert max(map(len, bodies.values())) >= 2  # (documents did change between the variants)
+
+
 def test_share_links_carry_the_credentials_percent_encoded():
     # The Shadowsocks key is base64 (+, / and =): SIP002 user info percent-encodes it; a clean value is as it is.
     import base64

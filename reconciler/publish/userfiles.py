@@ -37,6 +37,7 @@ from reconciler.subscriptions.document import (
     headers_json_restamped,
     prepared,
     render_formats,
+    user_tag,
     userinfo,
 )
 
@@ -277,7 +278,7 @@ def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tup
     written); returns their size together (what the manifest records). ``documents``: the user's documents to fill
     in (a served user decided with others alike); else rendered (``render_formats``: also a refusal)."""
     if documents is not None:  # (served: ``decide_block`` keys only served users' entries)
-        files = _documents(snapshot, formats, user, documents, credential_values(creds))
+        files = _documents(snapshot, formats, user, token, documents, credential_values(creds))
     else:
         docs = render_formats(snapshot, user.name, formats, secret, entries=entries, credentials=creds)
         files = {f"{fmt}.{EXTENSIONS[fmt]}": doc.body for fmt, doc in docs.items()}
@@ -289,7 +290,7 @@ def _write_new(snapshot: Snapshot, directory: str, formats: tuple[str, ...], use
                documents: tuple[Prepared, ...], values: tuple[bytes, ...], unseen: bool = False) -> int:
     """``_write_user`` of a user the outlet has not published: its documents filled in with its credentials
     (``credential_bytes``) and put in place in one rename."""
-    return _put(directory, token, _documents(snapshot, formats, user, documents, values), False, unseen=unseen)
+    return _put(directory, token, _documents(snapshot, formats, user, token, documents, values), False, unseen=unseen)
 
 
 def _put(directory: str, token: str, files: dict[str, bytes], known: bool, headers_only: bool = False,
@@ -312,12 +313,13 @@ def _put(directory: str, token: str, files: dict[str, bytes], known: bool, heade
     return sum(map(len, files.values()))
 
 
-def _documents(snapshot: Snapshot, formats: tuple[str, ...], user: User, documents: tuple[Prepared, ...],
+def _documents(snapshot: Snapshot, formats: tuple[str, ...], user: User, token: str, documents: tuple[Prepared, ...],
                values: tuple[bytes, ...]) -> dict[str, bytes]:
     """A served user's files: its documents filled in, and their headers."""
-    bodies = [p.fill_values(values) for p in documents]
-    return dict(zip(_file_names(formats), [*bodies, file_headers(snapshot, formats, bodies, userinfo(snapshot, user))],
-                    strict=True))
+    mine = user_tag(token)
+    return dict(zip(_file_names(formats), [*(p.fill_values(values) for p in documents),
+                                           file_headers(snapshot, formats, [p.etag(mine) for p in documents],
+                                                        userinfo(snapshot, user))], strict=True))
 
 
 def _staged(directory: str, token: str, files: dict[str, bytes]) -> bool:

@@ -24,7 +24,6 @@ import re
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
-from hashlib import sha256
 from urllib.parse import quote
 
 from reconciler.balance.decide import Entry, decide
@@ -50,14 +49,15 @@ class Document:
     headers: dict[str, str]
     entries: list[Entry] = field(default_factory=list)
     status: int = 200  # 403: a refusal (disabled or expired user); its body says why
+    tag: str = ""  # the ETag's 32 hex digits, when the body is a filled template (``Prepared.etag``); else its hash
 
     @property
     def refused(self) -> bool:
         return self.status != 200
 
-    @cached_property  # asked on every live request (If-None-Match): hash the body once
+    @cached_property  # asked on every live request (If-None-Match): made once
     def etag(self) -> str:
-        return '"' + hashlib.sha256(self.body).hexdigest()[:32] + '"'
+        return '"' + (self.tag or hashlib.sha256(self.body).hexdigest()[:32]) + '"'
 
 
 def choose_format(requested: str | None, user_agent: str | None) -> str:
@@ -235,9 +235,11 @@ def render_formats(snapshot: Snapshot, user_name: str, fmts: tuple[str, ...], se
     if not snapshot.active(user):
         return {fmt: refusal(snapshot, user, fmt) for fmt in fmts}
     creds = credentials or user_credentials(secret, user.name, user.rotate)
+    mine = user_tag(creds.token)
     out = {}
     for fmt in fmts:
-        doc = Document(prepared(snapshot, entries, fmt, secret).fill(creds), headers(snapshot, user_name, fmt, user), entries)
+        form = prepared(snapshot, entries, fmt, secret)
+        doc = Document(form.fill(creds), headers(snapshot, user_name, fmt, user), entries, tag=form.etag(mine))
         doc.headers["etag"] = doc.etag
         out[fmt] = doc
     return out
@@ -261,6 +263,18 @@ class Prepared:
         slots = tuple(marks.index(mark) for mark in pieces[1::2])
         return cls(b"%s".join(piece.replace(b"%", b"%%") for piece in pieces[::2]), slots, links)
 
+    @cached_property
+    def tag(self) -> str:
+        """The template's half of its documents' ETags: 64 bits of the hash of what it is."""
+        return hashlib.sha256(b"template\0%d\0%s\0%s" % (self.links, bytes(self.slots), self.form)).hexdigest()[:16]
+
+    def etag(self, user: str) -> str:
+        """The ETag (32 hex digits, unquoted) of this template filled in for the user of ``user_tag`` ``user``. The
+        document is a function of the two: of the template, and of the user's credentials, which are derived from what
+        its token is derived from (the master secret, the name, ``rotate``). Hashing each document's bytes instead
+        was ~3 µs a user for the file outlet's three (a tenth of its work for a user)."""
+        return self.tag + user
+
     def fill(self, creds: UserCredentials) -> bytes:
         """The document of the user holding ``creds``."""
         return self.fill_values(credential_values(creds))
@@ -270,6 +284,12 @@ class Prepared:
         if not self.links:
             return self.form % tuple([values[i] for i in self.slots])
         return base64.b64encode(self.form % tuple([_in_url(values[i]) for i in self.slots]))
+
+
+def user_tag(token: str) -> str:
+    """A user's half of the ETags of its documents made from templates (``Prepared.etag``): 64 bits of a hash of its
+    token, never the token."""
+    return hashlib.sha256(b"etag\0" + token.encode()).hexdigest()[:16]
 
 
 def credential_values(creds: UserCredentials) -> tuple[bytes, ...]:
@@ -306,19 +326,20 @@ def prepared(snapshot: Snapshot, entries: list[Entry], fmt: str, secret: Secret)
     return found
 
 
-def file_headers(snapshot: Snapshot, fmts: tuple[str, ...], bodies: list[bytes], info: str) -> bytes:
-    """``headers_json`` of a served user's documents, from their bodies and ``subscription-userinfo`` (the file
-    outlet: no ``Document`` made). The same bytes."""
+def file_headers(snapshot: Snapshot, fmts: tuple[str, ...], etags: list[str], info: str) -> bytes:
+    """``headers_json`` of a served user's documents, from their ETags (``Prepared.etag``) and
+    ``subscription-userinfo`` (the file outlet: no ``Document`` made). The same bytes."""
     if not (info.isascii() and info.isprintable()) or '"' in info or "\\" in info:  # (figures from ``userinfo``: never)
-        return headers_json(snapshot, {f: Document(b, {"subscription-userinfo": info}) for f, b in zip(fmts, bodies, strict=True)})
+        return headers_json(snapshot, {f: Document(b"", {"subscription-userinfo": info}, tag=t)
+                                       for f, t in zip(fmts, etags, strict=True)})
     memo = snapshot.memo[_HEADER_FORMS]
     form = memo.get(fmts)
     if form is None:
         form = memo[fmts] = "{" + ", ".join(_headers_head(snapshot, fmt).replace("%", "%%") + ', "subscription-userinfo": "%s", '
                                             '"etag": "\\"%s\\""}' for fmt in fmts) + "}"
     args: list[str] = []
-    for body in bodies:
-        args += (info, sha256(body).hexdigest()[:32])  # the ETag (``Document.etag``)
+    for etag in etags:
+        args += (info, etag)
     return (form % tuple(args)).encode()
 
 
