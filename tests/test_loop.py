@@ -637,11 +637,11 @@ def test_a_first_pass_shows_every_users_folder_at_once_and_nothing_when_it_fails
     written = []
     real = userfiles._write_folder
 
-    def filling(folder, data):
+    def filling(folder, names, data):
         if len(written) == 3:
             raise OSError(28, "No space left on device")
         written.append(folder)
-        real(folder, data)
+        real(folder, names, data)
 
     monkeypatch.setattr(userfiles, "_write_folder", filling)
     again = FileOutlet(tmp_path / "again", tmp_path / "again-state", SECRET, workers=1)
