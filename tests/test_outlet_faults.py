@@ -86,8 +86,10 @@ def test_tokens_in_a_hostile_manifest_never_reach_a_path(tmp_path):
     victim.mkdir()
     (victim / "precious").write_text("keep me")
     (tmp_path / "state").mkdir()
+    token = "A" * 32
     (tmp_path / "state" / MANIFEST).write_text(json.dumps({"digest": "x", "users": {
-        "mallory": ["../../victim_dir", "fp", 1], "eve": ["/" + str(victim), "fp", 1], "u0": "not a list"}}))
+        "mallory": ["../../victim_dir", "f" * 32, 1], "eve": ["/" + str(victim), "f" * 32, 1], "u0": "not a list",
+        "trudy": [token, 'ffff", "u9": ["' + "f" * 20, 1], "walter": [token, "F" * 32, 1]}}))  # (fingerprints: hex)
     c = cluster(3, users=2)
     outlet = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET)
     assert outlet.published == {} and outlet.notes  # every malformed entry dropped, and said so
@@ -105,3 +107,20 @@ def test_subscription_files_are_private(tmp_path):
         for name in NAMES:
             assert oct((tmp_path / "subs" / p.token / name).stat().st_mode & 0o777) == "0o600"
     assert oct((tmp_path / "state" / MANIFEST).stat().st_mode & 0o777) == "0o600"
+
+
+def test_the_manifest_is_json_whatever_the_names(tmp_path):
+    # The manifest's members are written without a JSON encoder (``PublishedTable.json_members``): the same bytes as
+    # ``json.dumps`` for any name, and read back whole.
+    from reconciler.publish import PublishedTable
+
+    names = ("plain", 'qu"ote', "back\\slash", "ünï", "tab\there", "\u2028line", "x" * 63)
+    table = PublishedTable(names, {n: i for i, n in enumerate(names)})
+    for i in range(len(names) - 1):  # (the last: nothing recorded)
+        table.tokens[i], table.prints[i], table.sizes[i] = (b"T%031d" % i, b"%032x" % (i * 7919), 10 ** i)
+    members = b", ".join(table.json_members(3))
+    expected = {n: [f"T{i:031d}", f"{i * 7919:032x}", 10 ** i] for i, n in enumerate(names[:-1])}
+    assert members == json.dumps(expected)[1:-1].encode()
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / MANIFEST).write_bytes(b'{"digest": "d", "users": {' + members + b"}}")
+    assert json.loads((tmp_path / "state" / MANIFEST).read_bytes())["users"] == expected

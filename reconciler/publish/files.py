@@ -24,7 +24,7 @@ from reconciler.credentials import Secret, is_token
 from reconciler.model import Cluster
 from reconciler.model.roster import ACTIVE
 from reconciler.publish.digests import cluster_digest, snapshot_digest, usage_steps
-from reconciler.publish.manifest import MANIFEST, MAX_MANIFEST_BYTES, Published, PublishedTable
+from reconciler.publish.manifest import MANIFEST, MAX_MANIFEST_BYTES, Published, PublishedTable, is_fingerprint
 from reconciler.publish.parallel import (
     SPILL_PREFIX,
     Ends,
@@ -124,7 +124,8 @@ class FileOutlet:
         out: dict[str, Published] = {}
         for name, entry in users.items():
             if (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and is_token(entry[0])
-                    and isinstance(entry[1], str) and isinstance(entry[2], int) and not isinstance(entry[2], bool)):
+                    and isinstance(entry[1], str) and is_fingerprint(entry[1])
+                    and isinstance(entry[2], int) and not isinstance(entry[2], bool)):
                 out[name] = Published(entry[0], entry[1], entry[2])
         if len(out) < len(users):
             self.notes.append(f"{self.manifest_path}: {len(users) - len(out)} malformed entr(ies) dropped; written again")
