@@ -152,6 +152,7 @@ def spilled(snapshot: Snapshot) -> Snapshot:
 
 
 _ends: Ends | None = None  # in a worker process: the cursor of the pass its pool serves (``start_worker``)
+_kept: list[Snapshot] = []  # in a worker process: the snapshot of its last call (``write_in_worker``)
 
 
 def start_worker(shared: Any) -> None:
@@ -178,6 +179,9 @@ def write_in_worker(spill: str, mac: str, secret: Secret, directory: str, format
     with gcpause.paused():  # millions of long-lived objects unpickled: the collector would walk them again and again
         snapshot, which, headers_only, before = pickle.loads(data)
         del data
+        # Kept past this call: freed as the call returned, the snapshot's objects one by one held its answer back (and
+        # the calling process waiting for it) ~50 ms at 100k users; a pool's worker ends with ``os._exit``.
+        _kept[:] = [snapshot]
         return write_users(snapshot, secret, directory, formats, before, which, headers_only, has_shadowsocks(snapshot),
                            _ends.blocks(front=False), unseen)
 
