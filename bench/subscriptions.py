@@ -53,7 +53,6 @@ import harness  # noqa: E402
 
 from reconciler.balance import Snapshot, rebalance  # noqa: E402
 from reconciler.credentials import Secret  # noqa: E402
-from reconciler.loop.workers import LiveWorkers  # noqa: E402
 from reconciler.model import Cluster  # noqa: E402
 from reconciler.publish import FileOutlet, LiveAnswers, Tokens, cluster_digest  # noqa: E402
 from reconciler.subscriptions.outbound import pin_record  # noqa: E402
@@ -146,6 +145,11 @@ def serve_workers(snapshot: Snapshot, port: int, count: int, state: Path, ready:
     """The loop's worker processes on one snapshot (a forked child plays the loop's process: it starts
     them, publishes the snapshot and waits until every worker answers from it; then ``ready`` appears)."""
     import asyncio
+
+    # Imported here, not with the module: the file outlet's worker processes import the main module again as they
+    # start (multiprocessing's forkserver), and the loop's main module (the console script) imports ``reconciler.cli``
+    # alone. At the top, this import made each file worker start 0.14 s later than it does under the loop.
+    from reconciler.loop.workers import LiveWorkers
 
     async def main() -> None:
         pool = LiveWorkers(count, "127.0.0.1", port, SECRET, state, str(state), lambda: (True, "ok"))
