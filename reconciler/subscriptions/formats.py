@@ -400,6 +400,7 @@ _PLAIN_KEY = re.compile(r"^[a-z][a-z0-9-]*$")
 _json_string = json.encoder.encode_basestring
 
 
+@functools.lru_cache(maxsize=16384, typed=True)  # (typed: True is "true", 1 is "1"; names and URLs recur in thousands of profiles)
 def _scalar(value: object) -> str:
     """A JSON scalar is a YAML flow scalar: strings become double-quoted scalars with JSON's escapes."""
     if isinstance(value, str):  # json.dumps(value, ensure_ascii=False) is this very C function, through two calls
@@ -430,6 +431,7 @@ def _flow(value: object) -> str:
     return _scalar(value)
 
 
+@functools.lru_cache(maxsize=1024)
 def _key(key: str) -> str:
     return key if _PLAIN_KEY.match(key) else _scalar(key)
 
