@@ -16,6 +16,8 @@ from reconciler.credentials import Secret, user_credentials
 from reconciler.model import Cluster
 from reconciler.publish import FileOutlet
 from reconciler.publish.digests import user_fingerprint
+from reconciler.publish.parallel import locality_order
+from reconciler.subscriptions import FORMATS
 from reconciler.subscriptions.document import headers_json, render_formats
 from tests.balance_helpers import snapshot, verdicts
 
@@ -173,6 +175,45 @@ def test_a_pass_split_with_a_worker_writes_what_one_process_writes(tmp_path, see
     two.write(snap)
     assert len(worker_takes_part) == 1 and worker_takes_part[0][0] > 0 and worker_takes_part[0][1] > 0  # both wrote
     assert tree(tmp_path / "two" / "subs") == tree(tmp_path / "one" / "subs") and two.published == one.published
+
+
+@pytest.mark.parametrize("servers", [3, 5])
+def test_blocks_taken_from_the_back_make_the_templates_blocks_from_the_front_make(tmp_path, servers, monkeypatch):
+    # A pass's worker takes blocks from the back of the users' list (``parallel.Ends``). Taken as they come, each
+    # block turned back on the runs of users assigned alike, and a run met again began a stretch of its own and made
+    # its templates again (40% more at 100k users); taken from their ends (``backward``), the worker makes what the
+    # front makes, and writes the same. (Stretches of 8 and blocks of 5: what 100k users do with 4096 and 512.)
+    import reconciler.subscriptions.document as document
+    from reconciler.publish import userfiles
+
+    monkeypatch.setattr(userfiles, "STRETCH", 8)
+    made: list[int] = []
+    real = document._template
+    monkeypatch.setattr(document, "_template", lambda *a: made.append(1) or real(*a))
+    c = Cluster.model_validate({
+        "servers": [{"name": f"s{i}", "host": f"198.18.0.{10 + i}", "country": "DE", "inbounds": [
+            {"id": f"s{i}-in", "name": f"Server {i}", "protocol": "vless-tls", "port": 443, "route": "r",
+             "tls": {"server_name": "www.lab.test", "insecure": True}}]} for i in range(servers)],
+        "routes": [{"id": "r", "name": "Main"}], "users": [{"name": f"user{j}"} for j in range(120)],
+        "settings": {"outputs": {"failover": {"members": 3}}}})
+    base = snapshot(c)
+    snap = dataclasses.replace(base, assignments=rebalance(base))
+    n = len(c.users)
+    which = np.arange(n)[locality_order(list(snap.held.columns.values()), np.arange(n))]
+    before = (np.zeros(n, "S32"), np.zeros(n, "S32"), np.zeros(n, np.int64))
+    blocks = [(lo, min(n, lo + 5)) for lo in range(0, n, 5)]
+    counts, parts = [], []
+    for k, (order, backward) in enumerate(((blocks, False), (blocks[::-1], True), (blocks[::-1], False))):
+        made.clear()
+        (tmp_path / str(k)).mkdir()
+        parts.append(userfiles.write_users(dataclasses.replace(snap), SECRET, str(tmp_path / str(k)), FORMATS, before,
+                                           which, np.zeros(n, bool), False, iter(order), backward=backward))
+        counts.append(len(made))
+    assert counts[1] == counts[0] < counts[2]
+    ranks = [np.argsort(p.which) for p in parts]
+    for p, r in zip(parts[1:], ranks[1:], strict=True):
+        assert (p.tokens[r] == parts[0].tokens[ranks[0]]).all() and (p.prints[r] == parts[0].prints[ranks[0]]).all()
+        assert (p.sizes[r] == parts[0].sizes[ranks[0]]).all()
 
 
 @pytest.mark.parametrize("seed", range(0, 60, 4))

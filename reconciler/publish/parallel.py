@@ -188,7 +188,7 @@ def write_in_worker(spill: str, mac: str, secret: Secret, directory: str, format
         # the calling process waiting for it) ~50 ms at 100k users; a pool's worker ends with ``os._exit``.
         _kept[:] = [snapshot]
         return write_users(snapshot, secret, directory, formats, before, which, headers_only, has_shadowsocks(snapshot),
-                           _ends.blocks(front=False), unseen)
+                           _ends.blocks(front=False), unseen, backward=True)
 
 
 def published_before(table: PublishedTable, which: np.ndarray) -> Before:

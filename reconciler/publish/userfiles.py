@@ -95,12 +95,15 @@ def has_shadowsocks(snapshot: Snapshot) -> bool:
 
 def write_users(snapshot: Snapshot, secret: Secret, directory: str, formats: tuple[str, ...], before: Before,
                 which: np.ndarray, headers_only: np.ndarray, shadowsocks: bool,
-                blocks: Iterable[tuple[int, int]] | None = None, unseen: bool = False) -> Part:
+                blocks: Iterable[tuple[int, int]] | None = None, unseen: bool = False, backward: bool = False) -> Part:
     """The users at these positions: fingerprint each, (re)write those that changed (only the headers where only
     they can have changed). ``before``: what was published of each of them. ``blocks``: only these ranges of them
     (``[lo, hi)`` over ``which``, as a pass in processes hands them out); None: all. ``unseen``: ``directory`` is
     this pass's own, which no reader sees before it is renamed into place (``FileOutlet``'s first pass): each user's
-    folder is written as it is, not staged and renamed."""
+    folder is written as it is, not staged and renamed. ``backward``: the blocks come from the back of the list (a
+    pass's worker): each is taken from its end too, so that the users follow their runs of users assigned alike
+    without turning back at each block (a run turned back on began a stretch of its own, templates and all: 40% more
+    templates made in a worker)."""
     cluster = snapshot.cluster
     users = cluster.users
     steps = usage_steps(cluster.roster.data_limit[which], cluster.roster.measured(snapshot.usage)[0][which])
@@ -119,11 +122,14 @@ def write_users(snapshot: Snapshot, secret: Secret, directory: str, formats: tup
         if fresh:
             for k, entries, key in zip(fresh, *decide_block(each.view, which[lo:hi][fresh]), strict=True):
                 decided[k] = (entries, key)
-        rows = zip(which[lo:hi].tolist(), light, had, printed, before[2][lo:hi].tolist(), steps[lo:hi].tolist(),
-                   groups[lo:hi].tolist(), decided, strict=True)
+        rows = list(zip(which[lo:hi].tolist(), light, had, printed, before[2][lo:hi].tolist(), steps[lo:hi].tolist(),
+                        groups[lo:hi].tolist(), decided, strict=True))
         new, other = each.new, each.user  # (new: not published before, decided with others alike; most users)
         out = [new(users[i], step, group, d[0], d[1]) if not ha and d is not None and d[1] is not None
-               else other(users[i], li, ha, pr, size, step, group, d) for i, li, ha, pr, size, step, group, d in rows]
+               else other(users[i], li, ha, pr, size, step, group, d)
+               for i, li, ha, pr, size, step, group, d in (reversed(rows) if backward else rows)]
+        if backward:
+            out.reverse()
         if out:  # (read and written a block at a time: as lists for the whole pass, ~360 MB at a million users)
             tokens[lo:hi], prints[lo:hi], sizes[lo:hi] = zip(*out, strict=True)
     if blocks is None:
