@@ -131,13 +131,17 @@ class ColumnUsers(Sequence[User]):
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
         made = self._made[i]
-        if made is None:  # pydantic's own way back from a pickle (``__setstate__``), from this user's column values
-            made = User.__new__(User)
-            made.__setstate__({"__dict__": {f: col[i] for f, col in zip(self._fields, self._columns, strict=True)},
-                               "__pydantic_fields_set__": self._given[i], "__pydantic_extra__": None,
-                               "__pydantic_private__": None})
+        if made is None:  # what pydantic's way back from a pickle (``__setstate__``) sets, set directly
+            made = _new_user(User)
+            _set(made, "__dict__", dict(zip(self._fields, [col[i] for col in self._columns], strict=True)))
+            _set(made, "__pydantic_fields_set__", self._given[i])
+            _set(made, "__pydantic_extra__", None)
+            _set(made, "__pydantic_private__", None)
             self._made[i] = made
         return made
+
+
+_new_user, _set = User.__new__, object.__setattr__
 
 
 def spilled(snapshot: Snapshot) -> Snapshot:
