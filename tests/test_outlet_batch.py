@@ -18,7 +18,7 @@ from reconciler.publish import FileOutlet
 from reconciler.publish.digests import user_fingerprint
 from reconciler.publish.parallel import locality_order
 from reconciler.subscriptions import FORMATS
-from reconciler.subscriptions.document import headers_json, render_formats
+from reconciler.subscriptions.document import _TEMPLATES, headers_json, render_formats
 from tests.balance_helpers import snapshot, verdicts
 
 SECRET = Secret(b"outlet-batch-test-secret-0123456789")
@@ -161,6 +161,17 @@ def test_users_go_to_the_workers_as_columns_and_come_back_the_same(seed):
         assert back.standing(made) == snap.standing(mine)
     assert all(theirs[i] is made for i, made in enumerate(theirs))  # made once: ``Snapshot.standing`` asks ``is``
     assert snap.cluster.users is users and type(users) is list  # the snapshot itself is left as it was
+    assert "user_key_array" in back.__dict__ and (back.user_key_array == snap.user_key_array).all()  # not hashed again
+
+
+def test_a_stretch_of_users_keeps_what_its_snapshot_derived_and_starts_a_memo_of_its_own():
+    snap = snapshots(7)
+    snap.memo[_TEMPLATES]  # (a slot in use)
+    derived = snap.standings, snap.user_key_array, snap.held
+    view = snap.with_fresh_memo()
+    assert view.standings is derived[0] and view.user_key_array is derived[1] and view.held is derived[2]
+    assert view.memo is not snap.memo and not view.memo._slots and snap.memo._slots
+    assert view == snap
 
 
 @pytest.mark.parametrize("seed", range(5, 60, 11))

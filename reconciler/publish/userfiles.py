@@ -3,7 +3,6 @@ rendered whole, or only its ``headers.json`` restamped when the usage step alone
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import os
@@ -65,7 +64,7 @@ class WriteStats:
 #: document was made from scratch (~100 µs a user at 100k users on 20 servers, 3 in a failover order: 6,840 templates
 #: for sing-box and as many for clash). A big pass's users go in the order of their assignments (``locality_order``),
 #: and each run of users assigned alike (short runs together, until they are this many users) is rendered on a copy of
-#: the snapshot of its own (``dataclasses.replace``: its memo starts empty and is filled again in ~1 ms at 100k users),
+#: the snapshot of its own (``Snapshot.with_fresh_memo``: its memo starts empty and is filled again in ~1 ms at 100k users),
 #: whose templates are that run's and go with it.
 STRETCH = 4096
 
@@ -175,7 +174,7 @@ class _EachUser:
     def _stretch(self, group: int) -> None:
         """Users assigned alike end here: a stretch of users on a copy of its own (STRETCH)."""
         if self.fresh >= STRETCH:
-            self.view, self.fresh, self.keyed = dataclasses.replace(self.snapshot), 0, {}
+            self.view, self.fresh, self.keyed = self.snapshot.with_fresh_memo(), 0, {}
         self.group = group
 
     def user(self, user: User, light: bool, had: bytes, printed: bytes, had_size: int, step: int,
