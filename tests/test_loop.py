@@ -570,6 +570,20 @@ def test_the_outlet_takes_the_clusters_digest_from_its_loader(tmp_path, monkeypa
     assert ref.digest == out.digest and ref.published == out.published
 
 
+def test_a_version_that_writes_other_files_for_the_same_inputs_looks_at_every_user_after_an_upgrade(tmp_path, monkeypatch):
+    # The snapshot digest holds the documents' version (``files.DOCUMENTS``): with the same cluster and snapshot, a
+    # restarted outlet of a version that makes other files (ETags, say) does not skip the pass on the old digest.
+    import reconciler.publish.files as files
+
+    c = cluster(3, users=4, countries=("DE",), prober=None)
+    snap = Snapshot(cluster=c, now=1e9)
+    FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET).write(snap)
+    assert FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET).write(snap).skipped_all  # (the same version)
+    monkeypatch.setattr(files, "DOCUMENTS", files.DOCUMENTS + 1)
+    stats = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET).write(snap)
+    assert not stats.skipped_all and stats.unchanged == 4  # looked at, each found as it was (fingerprints alike)
+
+
 def test_rotated_and_removed_users_lose_their_old_files(tmp_path):
     c = cluster(3, users=3, countries=("DE",), prober=None)
     out = FileOutlet(tmp_path / "subs", tmp_path / "state", SECRET)

@@ -42,6 +42,9 @@ from reconciler.state.files import make_private_dirs, write_atomic
 from reconciler.subscriptions import FORMATS
 from reconciler.subscriptions.document import EXTENSIONS
 
+#: Raised when the same inputs give other files (the snapshot digest holds it: a pass after an upgrade compares every
+#: user). 2: ETags of documents made from templates are the template's tag and the user's (``Prepared.etag``).
+DOCUMENTS = 2
 _TREE = re.compile(r"\.\d+-[0-9a-f]{8}\.tmp")  # what ``FileOutlet._tree`` adds to the folder's name
 
 
@@ -192,7 +195,7 @@ class FileOutlet:
         known = self._cluster_hash  # (read once: the loop may tell the next cluster's digest meanwhile, ``hashed``)
         if known is None or known[0] != id(cluster):
             known = self._cluster_hash = (id(cluster), cluster_digest(cluster))
-        inputs = known[1] + "|" + ",".join(self.formats)
+        inputs = f"{known[1]}|{','.join(self.formats)}|{DOCUMENTS}"
         digest = snapshot_digest(snapshot, inputs)
         if digest == self.digest and self.directory.is_dir():
             stats.skipped_all, stats.unchanged = True, len(cluster.users)
@@ -203,8 +206,8 @@ class FileOutlet:
         existed = self.directory.is_dir()
         # Nothing there yet (a first start, a new subscriptions_dir, a folder removed): every user's folder is written
         # into a folder of the pass's own, renamed into place once all are there (``_tree``).
-        tree = None if existed or os.path.lexists(self.directory) else self._tree()
-        if tree is None:
+        into_tree = not existed and not os.path.lexists(self.directory)
+        if not into_tree:
             self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         basis = _Basis.of(snapshot, inputs)
         changed = basis.changed(self._basis)
@@ -230,6 +233,7 @@ class FileOutlet:
             stats.seconds = time.perf_counter() - start
             return stats
         new = PublishedTable(roster.names, roster.index)
+        tree = self._tree() if into_tree else None
         try:
             parts = self._passes(snapshot, old, np.arange(n), np.zeros(n, bool), tree)
             if tree is not None:
@@ -264,7 +268,8 @@ class FileOutlet:
     def _publish_tree(self, tree: Path) -> None:
         """``tree`` (``_tree``) renamed to ``directory``; when something appeared there meanwhile (another writer's
         folder), each user's folder moved into it on its own (a folder of that user there already: its files
-        replaced one by one)."""
+        replaced one by one). (A folder made empty in the instant between the check and the rename is replaced:
+        ``rename`` takes an empty folder's place, and Python has no ``RENAME_NOREPLACE``.)"""
         if not os.path.lexists(self.directory):
             try:
                 os.rename(tree, self.directory)
