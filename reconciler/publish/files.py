@@ -36,11 +36,10 @@ from reconciler.publish.parallel import (
     start_worker,
     write_in_worker,
 )
-from reconciler.publish.userfiles import DIR_MODE, STRETCH, Part, WriteStats, has_shadowsocks, write_users
+from reconciler.publish.userfiles import DIR_MODE, STRETCH, Part, WriteStats, file_names, has_shadowsocks, write_users
 from reconciler.safe_read import read_regular_file
 from reconciler.state.files import make_private_dirs, write_atomic
 from reconciler.subscriptions import FORMATS
-from reconciler.subscriptions.document import EXTENSIONS
 
 #: Raised when the same inputs give other files (the snapshot digest holds it: a pass after an upgrade compares every
 #: user). 2: ETags of documents made from templates are the template's tag and the user's (``Prepared.etag``).
@@ -142,7 +141,7 @@ class FileOutlet:
         for name, entry in list(self.published.items()):
             folder = self.directory / entry.token
             try:
-                size = sum(os.stat(folder / f).st_size for f in self._file_names)
+                size = sum(os.stat(folder / f).st_size for f in file_names(self.formats))
             except OSError:
                 size = -1
             if size != entry.size:
@@ -152,10 +151,6 @@ class FileOutlet:
         if bad:
             self.digest = ""
         return len(bad)
-
-    @property
-    def _file_names(self) -> list[str]:
-        return [f"{fmt}.{EXTENSIONS[fmt]}" for fmt in self.formats] + ["headers.json"]
 
     def clean_temporaries(self) -> int:
         """Remove temporary files a killed writer left behind (never complete documents)."""

@@ -18,7 +18,6 @@ from typing import Any, BinaryIO, overload
 
 import numpy as np
 
-from reconciler import gcpause
 from reconciler.balance import Snapshot
 from reconciler.credentials import TOKEN_CHARS, Secret
 from reconciler.model import User
@@ -189,14 +188,14 @@ def write_in_worker(spill: str, mac: str, secret: Secret, directory: str, format
     if not _ends.left():  # taken by the calling process meanwhile: no snapshot to unpickle
         return Part(np.zeros(0, np.int64), np.zeros(0, f"S{TOKEN_CHARS}"), np.zeros(0, f"S{FINGERPRINT_CHARS}"),
                     np.zeros(0, np.int64), 0, 0)
-    with gcpause.paused():  # millions of long-lived objects unpickled: the collector would walk them again and again
-        snapshot, which, headers_only, before = pickle.loads(data)
-        del data
-        # Kept past this call: freed as the call returned, the snapshot's objects one by one held its answer back (and
-        # the calling process waiting for it) ~50 ms at 100k users; a pool's worker ends with ``os._exit``.
-        _kept[:] = [snapshot]
-        return write_users(snapshot, secret, directory, formats, before, which, headers_only, has_shadowsocks(snapshot),
-                           _ends.blocks(front=False), unseen, backward=True)
+    # (The collector is off in a worker, ``start_worker``: millions of long-lived objects are unpickled here.)
+    snapshot, which, headers_only, before = pickle.loads(data)
+    del data
+    # Kept past this call: freed as the call returned, the snapshot's objects one by one held its answer back (and
+    # the calling process waiting for it) ~50 ms at 100k users; a pool's worker ends with ``os._exit``.
+    _kept[:] = [snapshot]
+    return write_users(snapshot, secret, directory, formats, before, which, headers_only, has_shadowsocks(snapshot),
+                       _ends.blocks(front=False), unseen, backward=True)
 
 
 def published_before(table: PublishedTable, which: np.ndarray) -> Before:

@@ -168,8 +168,8 @@ class _EachUser:
         name = token.decode()
         self.written += 1
         return token, fingerprint_of(alike.head, user.model_dump_json(), step).encode(), \
-            _put_new(self.directory, name, _file_names(formats), _filled(view, formats, user, name, documents, values),
-                     self.unseen)
+            _put(self.directory, name, file_names(formats), _filled(view, formats, user, name, documents, values),
+                 known=False, unseen=self.unseen)
 
     def _stretch(self, group: int) -> None:
         """Users assigned alike end here: a stretch of users on a copy of its own (STRETCH)."""
@@ -289,7 +289,8 @@ _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 
 
 @functools.lru_cache(maxsize=8)
-def _file_names(formats: tuple[str, ...]) -> tuple[str, ...]:
+def file_names(formats: tuple[str, ...]) -> tuple[str, ...]:
+    """A user's files: one document per format, then ``headers.json``."""
     return (*(f"{fmt}.{EXTENSIONS[fmt]}" for fmt in formats), "headers.json")
 
 
@@ -299,67 +300,56 @@ def _write_user(snapshot: Snapshot, secret: Secret, directory: str, formats: tup
     """Write one user's files (``headers_only``: the bodies are known to be the same, only ``headers.json`` is
     written); returns their size together (what the manifest records). ``documents``: the user's documents to fill
     in (a served user decided with others alike); else rendered (``render_formats``: also a refusal)."""
+    names = file_names(formats)
     if documents is not None:  # (served: ``decide_block`` keys only served users' entries)
-        files = dict(zip(_file_names(formats), _filled(snapshot, formats, user, token, documents, credential_values(creds)),
-                         strict=True))
+        contents = _filled(snapshot, formats, user, token, documents, credential_values(creds))
     else:
         docs = render_formats(snapshot, user.name, formats, secret, entries=entries, credentials=creds)
-        files = {f"{fmt}.{EXTENSIONS[fmt]}": doc.body for fmt, doc in docs.items()}
-        files["headers.json"] = headers_json(snapshot, docs)
-    return _put(directory, token, files, known, headers_only, unseen)
+        contents = [*(docs[fmt].body for fmt in formats), headers_json(snapshot, docs)]
+    return _put(directory, token, names, contents, known, headers_only, unseen)
 
 
-def _put_new(directory: str, token: str, names: tuple[str, ...], data: list[bytes], unseen: bool) -> int:
-    """``_put`` of a user the outlet has not published (``names``: its files, ``data``: theirs)."""
-    if unseen:
-        try:
-            _write_folder(f"{directory}/{token}", names, data)
-            return sum(map(len, data))
-        except FileExistsError:
-            pass
-    return _put(directory, token, dict(zip(names, data, strict=True)), known=False, unseen=False)
-
-
-def _put(directory: str, token: str, files: dict[str, bytes], known: bool, headers_only: bool = False,
-         unseen: bool = False) -> int:
-    """A user's files in its folder (a new folder: staged and renamed into place, or written as it is in a
-    folder no reader sees yet, ``unseen``; ``headers_only``: only ``headers.json`` replaced); their size together."""
+def _put(directory: str, token: str, names: tuple[str, ...], contents: list[bytes], known: bool,
+         headers_only: bool = False, unseen: bool = False) -> int:
+    """A user's files (``names``, ``contents``) in its folder (a new folder: staged and renamed into place, or written
+    as it is in a folder no reader sees yet, ``unseen``; ``headers_only``: only ``headers.json`` replaced); their size
+    together."""
+    size = sum(map(len, contents))
     folder = f"{directory}/{token}"
     if unseen:
         try:
-            _write_folder(folder, tuple(files), list(files.values()))
-            return sum(map(len, files.values()))
+            _write_folder(folder, names, contents)
+            return size
         except FileExistsError:  # (two users with one token: none of ours) its files replaced one by one, below
             known = True
-    if not known or not os.path.isdir(folder):
-        if _staged(directory, token, files):
-            return sum(map(len, files.values()))
-    for name, data in files.items():
+    if (not known or not os.path.isdir(folder)) and _staged(directory, token, names, contents):
+        return size
+    for name, data in zip(names, contents, strict=True):
         if not headers_only or name == "headers.json":  # a usage step changes one file of four
             write_atomic(f"{folder}/{name}", data, DOC_MODE, sync=False)
-    return sum(map(len, files.values()))
+    return size
 
 
 def _filled(snapshot: Snapshot, formats: tuple[str, ...], user: User, token: str, documents: tuple[Prepared, ...],
             values: tuple[bytes, ...]) -> list[bytes]:
-    """A served user's files (``_file_names``' order): its documents filled in, and their headers."""
+    """A served user's files (``file_names``' order): its documents filled in, and their headers."""
     mine = user_tag(token)
     out = [p.fill_values(values) for p in documents]
     out.append(file_headers(snapshot, formats, [p.etag(mine) for p in documents], userinfo(snapshot, user)))
     return out
 
 
-def _staged(directory: str, token: str, files: dict[str, bytes]) -> bool:
+def _staged(directory: str, token: str, names: tuple[str, ...], contents: list[bytes]) -> bool:
     """Put a new user's folder in place: its files written into a hidden folder, renamed into place — readers see
     all of it or none, with one rename instead of one per file. False when the folder appeared meanwhile (another
     writer): the caller replaces its files one by one. (A staging folder a killed writer left is removed at
     start-up, see ``FileOutlet.clean_temporaries``; one left by this process is removed here.)"""
     staging = f"{directory}/.{token}.{_PID[0]}.tmp"
     try:
-        _write_folder(staging, tuple(files), list(files.values()))
+        _write_folder(staging, names, contents)
     except FileExistsError:
         shutil.rmtree(staging)
-        _write_folder(staging, tuple(files), list(files.values()))
+        _write_folder(staging, names, contents)
     try:
         os.rename(staging, f"{directory}/{token}")
         return True
