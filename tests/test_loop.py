@@ -10,6 +10,8 @@ import asyncio
 import base64
 import dataclasses
 import json
+import os
+import pickle
 import random
 import shutil
 import subprocess
@@ -514,9 +516,9 @@ def test_a_pass_that_fails_midway_and_a_folder_removed_behind_the_outlets_back_a
 
 
 def test_a_big_write_in_worker_processes_gives_the_same_files(tmp_path, monkeypatch, worker_takes_part):
-    # The workers read the snapshot from a file in the state folder (0600, without the secret), removed after.
+    # The workers read the snapshot from an anonymous file they inherit (without the secret): nothing in any folder.
     import reconciler.publish.files as files
-    from reconciler.publish.parallel import SpillMac
+    from reconciler.publish.parallel import Spill
 
     c = cluster(5, users=300)
     learned = Learned.fresh(c)
@@ -525,25 +527,29 @@ def test_a_big_write_in_worker_processes_gives_the_same_files(tmp_path, monkeypa
     one.write(snap)
     monkeypatch.setattr(FileOutlet, "PARALLEL_MIN", 10)
     two = FileOutlet(tmp_path / "b", tmp_path / "sb", SECRET, workers=2)
-    spilled = []
-    real = files.write_users
+    (tmp_path / "sb").mkdir()
+    seen: list[tuple[list[str], bytes]] = []
+    spills: list[Spill] = []
+    real, made = files.write_users, files.Spill
 
-    def looking(*args, **kw):  # this process's slice runs while the workers have the file
-        spilled.extend((p, p.stat().st_mode & 0o777, p.read_bytes()) for p in (tmp_path / "sb").glob(".outlet-snapshot.*"))
+    def looking(*args, **kw):  # this process's slice runs while the workers have the snapshot
+        seen.append((sorted(os.listdir(tmp_path / "sb")), os.pread(spills[0].fd, spills[0].size, 0)))
         return real(*args, **kw)
 
+    def spill(folder):
+        spills.append(made(folder))
+        return spills[-1]
+
     monkeypatch.setattr(files, "write_users", looking)
+    monkeypatch.setattr(files, "Spill", spill)
     stats = two.write(snap)
     assert stats.written == 300 and worker_takes_part[0][1] > 0  # the worker wrote some of them
-    assert len(spilled) == 1 and spilled[0][1] == 0o600 and SECRET.value not in spilled[0][2]
-    assert not list((tmp_path / "sb").glob(".outlet-snapshot.*"))
-    # A file that is not the one the pass wrote (its HMAC differs) is never unpickled by a worker.
-    monkeypatch.setattr(SpillMac, "hexdigest", lambda self: "0" * 64)
-    worker_takes_part.wait = False  # (its worker refuses the file: nothing to wait for)
-    three = FileOutlet(tmp_path / "c", tmp_path / "sc", SECRET, workers=2)
-    with pytest.raises(RuntimeError, match="is not the one this pass wrote"):
-        three.write(snap)
-    assert not list((tmp_path / "sc").glob(".outlet-snapshot.*"))
+    assert len(seen) == 1 and seen[0][0] == [] and len(seen[0][1]) == spills[0].size > 1000
+    assert SECRET.value not in seen[0][1]
+    with pytest.raises(OSError):  # closed with the pass
+        os.fstat(spills[0].fd)
+    with pytest.raises(TypeError, match="as they start"):  # its descriptor goes nowhere but to a starting worker
+        pickle.dumps(made(str(tmp_path)))
     assert two.published == one.published
     for token in (p.token for p in one.published.values()):
         for name in ("links.txt", "sing-box.json", "clash.yaml", "headers.json"):

@@ -13,7 +13,7 @@ import pytest
 from reconciler.balance import decide, rebalance
 from reconciler.balance.decide import decide_block
 from reconciler.credentials import Secret, user_credentials
-from reconciler.model import Cluster
+from reconciler.model import Cluster, UserUsage
 from reconciler.publish import FileOutlet
 from reconciler.publish.digests import user_fingerprint
 from reconciler.publish.parallel import locality_order
@@ -186,6 +186,29 @@ def test_a_pass_split_with_a_worker_writes_what_one_process_writes(tmp_path, see
     two.write(snap)
     assert len(worker_takes_part) == 1 and worker_takes_part[0][0] > 0 and worker_takes_part[0][1] > 0  # both wrote
     assert tree(tmp_path / "two" / "subs") == tree(tmp_path / "one" / "subs") and two.published == one.published
+
+
+@pytest.mark.parametrize("seed", range(7, 40, 16))
+def test_a_restarted_outlet_split_with_a_worker_compares_what_was_published(tmp_path, seed, monkeypatch,
+                                                                            worker_takes_part):
+    # After a restart, a pass compares every user with what the manifest recorded: its worker gets that record too
+    # (a first pass's worker gets None and makes the empty columns itself).
+    from tests.test_loop import tree
+
+    first = snapshots(seed)
+    then = dataclasses.replace(first, usage={first.cluster.users[0].name: UserUsage(up=3 * 10**12)})  # (a new digest)
+    counts = []
+    for name, workers in (("one", 1), ("two", 2)):
+        FileOutlet(tmp_path / name / "subs", tmp_path / name / "state", SECRET, workers=1).write(first)
+        if workers == 2:
+            monkeypatch.setattr(FileOutlet, "PARALLEL_MIN", 2)
+        again = FileOutlet(tmp_path / name / "subs", tmp_path / name / "state", SECRET, workers=workers)
+        assert len(again.published) == len(first.cluster.users)
+        stats = again.write(then)
+        counts.append((stats.written, stats.unchanged, stats.removed))
+    assert len(worker_takes_part) == 1 and worker_takes_part[0][1] > 0
+    assert counts[0] == counts[1] and counts[0][1] > 0  # (given nothing, the worker wrote its users all again)
+    assert tree(tmp_path / "two" / "subs") == tree(tmp_path / "one" / "subs")
 
 
 @pytest.mark.parametrize("servers", [3, 5])

@@ -28,8 +28,7 @@ from reconciler.publish.manifest import MANIFEST, MAX_MANIFEST_BYTES, Published,
 from reconciler.publish.parallel import (
     SPILL_PREFIX,
     Ends,
-    SpillMac,
-    Tee,
+    Spill,
     locality_order,
     published_before,
     spilled,
@@ -155,7 +154,7 @@ class FileOutlet:
     def clean_temporaries(self) -> int:
         """Remove temporary files a killed writer left behind (never complete documents)."""
         removed = 0
-        for path in self.manifest_path.parent.glob(f"{SPILL_PREFIX}*.pickle"):  # a pass's snapshot for its workers
+        for path in self.manifest_path.parent.glob(f"{SPILL_PREFIX}*.pickle"):  # an earlier version's ``Spill``
             path.unlink(missing_ok=True)
             removed += 1
         name = self.directory.name
@@ -334,8 +333,8 @@ class FileOutlet:
     def _in_workers(self, snapshot: Snapshot, old: PublishedTable, which: np.ndarray,
                     headers_only: np.ndarray, where: str, unseen: bool) -> list[Part]:
         """Worker processes and this one render and write the users from one pickled snapshot, taken in blocks
-        from the two ends of one list (``parallel``): this process from the front as soon as the file is written,
-        the workers from the back once they have started and read it (~1 s later at 100k users), until the ends
+        from the two ends of one list (``parallel``): this process from the front as soon as the snapshot is pickled,
+        the workers from the back once they have started and read it (~0.1 s later at 100k users), until the ends
         meet. ``which`` is in the order of the users' assignments:
         each process renders the templates of its own end of it.
 
@@ -343,7 +342,6 @@ class FileOutlet:
         could inherit a lock some other thread held.
         """
         import multiprocessing
-        import pickle
         from concurrent.futures import ProcessPoolExecutor
 
         before = published_before(old, which)
@@ -352,22 +350,21 @@ class FileOutlet:
         # start in ~0.3 s, not ~0.55); it lives as long as this process.
         context.set_forkserver_preload(["reconciler.publish.parallel"])
         ends = Ends(context.Array("q", [0, len(which)]))
-        # The snapshot (with the pass's users) goes to the workers as a file in the state folder, pickled straight into
-        # it: as bytes it was in memory twice more (the pickle, and the executor's own pickle of the call), ~250 MB at a
-        # million users, the loop's peak. The secret travels with the call, never in the file; the call carries the file's HMAC
-        # too, and a worker unpickles only the bytes it checked (a file swapped in the folder is refused).
-        spill = self.manifest_path.parent / f"{SPILL_PREFIX}{os.getpid()}.{os.urandom(4).hex()}.pickle"
-        make_private_dirs(spill.parent)
+        # The snapshot (with the pass's users) goes to the workers pickled straight into an anonymous file they inherit
+        # (``Spill``): as bytes it was in memory twice more (the pickle, and the executor's own pickle of the call),
+        # ~250 MB at a million users, the loop's peak. The secret travels with the call, never in the file.
+        make_private_dirs(self.manifest_path.parent)
+        spill = Spill(str(self.manifest_path.parent))
         try:
             with ProcessPoolExecutor(self.workers - 1, mp_context=context, initializer=start_worker,
-                                     initargs=(ends.shared,)) as pool:
+                                     initargs=(ends.shared, spill)) as pool:
                 for _ in range(self.workers - 1):  # the workers start while the file is written (~0.3 s at 100k users)
                     pool.submit(os.getpid)
-                mac = SpillMac(self.secret)
-                with open(os.open(spill, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
-                    pickle.dump((spilled(snapshot), which, headers_only, before), Tee(f, mac.update), protocol=pickle.HIGHEST_PROTOCOL)
-                futures = [pool.submit(write_in_worker, str(spill), mac.hexdigest(), self.secret, where, self.formats,
-                                       unseen) for _ in range(self.workers - 1)]
+                # Nobody published yet (a first pass): the workers make the empty columns themselves.
+                fresh = not (before[0] != b"").any()
+                spill.dump((spilled(snapshot), which, headers_only, None if fresh else before))
+                futures = [pool.submit(write_in_worker, spill.size, self.secret, where, self.formats, unseen)
+                           for _ in range(self.workers - 1)]
                 try:
                     here = write_users(snapshot, self.secret, where, self.formats, before, which,
                                        headers_only, has_shadowsocks(snapshot), ends.blocks(front=True), unseen)
@@ -375,4 +372,4 @@ class FileOutlet:
                     ends.close()  # (a failure here: the workers stop after their block)
                 return [here] + [f.result() for f in futures]
         finally:
-            spill.unlink(missing_ok=True)
+            spill.close()

@@ -1,5 +1,5 @@
-"""A big pass in worker processes: the snapshot spilled to the state folder (0600, HMAC'd under a key from the master
-secret, never with the secret), the users handed out as they are taken, from both ends of one list.
+"""A big pass in worker processes: the snapshot pickled into an anonymous file in memory that the workers inherit as
+they start (``Spill``: never with the secret), the users handed out as they are taken, from both ends of one list.
 
 The pass's users are ordered by what they are assigned (users with the same entries share a document template, and a
 snapshot keeps a bounded number of templates, see ``subscriptions.document.TEMPLATES_KEPT``). The calling process takes
@@ -12,9 +12,15 @@ from __future__ import annotations
 
 import copy
 import gc
-from collections.abc import Callable, Iterator, Sequence
+import mmap
+import os
+import pickle
+import tempfile
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, BinaryIO, overload
+from multiprocessing import reduction
+from multiprocessing.context import get_spawning_popen
+from typing import Any, overload
 
 import numpy as np
 
@@ -24,33 +30,48 @@ from reconciler.model import User
 from reconciler.publish.digests import FINGERPRINT_CHARS
 from reconciler.publish.manifest import PublishedTable
 from reconciler.publish.userfiles import Before, Part, has_shadowsocks, write_users
-from reconciler.state.files import Mac, mac_matches
 
-SPILL_PREFIX = ".outlet-snapshot."  # the snapshot file of a pass in worker processes (state folder; see _in_workers)
+#: Earlier versions spilled a pass's snapshot to a file of this prefix in the state folder (HMAC'd, since a file with a
+#: name there could be swapped): one a killed pass left is removed at start-up (``FileOutlet.clean_temporaries``).
+SPILL_PREFIX = ".outlet-snapshot."
 BLOCK = 512  # users taken at a time (~30 ms of work): the two ends meet within one block of each other
 
 
-def _spill_key(secret: Secret) -> bytes:
-    """The HMAC key of a pass's snapshot file."""
-    return secret.derive("outlet-snapshot-file")
+class Spill:
+    """A pass's snapshot as its workers read it: an anonymous file in memory (``memfd``; where there is none, a file of
+    the state folder without a name), made before the workers start, which each inherits as it starts (its descriptor
+    goes along with the pool's initializer, ``start_worker``). Nothing in any folder: no file another process could
+    swap in under its name (the workers unpickle what they read), nothing written to the disk (~100 MB a pass at a
+    million users), nothing a killed pass leaves behind. Before, a file in the state folder, HMAC'd under a key from
+    the master secret and checked by each worker: ~25 ms of hashing on either side of a 100k-user pass."""
+
+    def __init__(self, folder: str) -> None:
+        if hasattr(os, "memfd_create"):
+            self.fd = os.memfd_create("reconciler-outlet-pass", os.MFD_CLOEXEC)
+        else:  # (no memfd: a file without a name, O_TMPFILE where the filesystem has it)
+            self.fd = os.dup((f := tempfile.TemporaryFile(dir=folder)).fileno())
+            f.close()
+        self.size = 0
+
+    def dump(self, value: object) -> None:
+        """``value`` pickled into the file (once, before the workers are called)."""
+        with open(self.fd, "wb", closefd=False) as f:
+            pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
+            self.size = f.tell()
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if get_spawning_popen() is None:  # (a descriptor goes to a process as it is started, never anywhere else)
+            raise TypeError("a pass's spill goes to its workers as they start, with the pool's initializer")
+        return _inherited, (reduction.DupFd(self.fd),)
 
 
-class SpillMac(Mac):
-    """The HMAC of a pass's snapshot file, keyed from the master secret (checked by ``mac_matches``)."""
-
-    def __init__(self, secret: Secret) -> None:
-        super().__init__(_spill_key(secret))
-
-
-class Tee:
-    """A writable file that also hands every piece written to ``also``."""
-
-    def __init__(self, f: BinaryIO, also: Callable[[bytes], object]) -> None:
-        self._f, self._also = f, also
-
-    def write(self, data: bytes) -> int:
-        self._also(data)
-        return self._f.write(data)
+def _inherited(fd: Any) -> int:
+    """In a worker: the spill's descriptor, as ``Spill.__reduce__`` sent it."""
+    got: int = fd.detach()
+    return got
 
 
 class Ends:
@@ -160,46 +181,48 @@ def spilled(snapshot: Snapshot) -> Snapshot:
 
 
 _ends: Ends | None = None  # in a worker process: the cursor of the pass its pool serves (``start_worker``)
+_spill: list[int] = []  # in a worker process: the descriptor of its pass's ``Spill``
 _kept: list[Snapshot] = []  # in a worker process: the snapshot of its last call (``write_in_worker``)
 
 
-def start_worker(shared: Any) -> None:
-    """A worker process's start (the pool's initializer): the pass's cursor, inherited as the process starts. A worker
-    lives for one pass and ends with ``os._exit``: its cyclic collector is off for good. (Back on after the pass, its
-    first collection walked the unpickled snapshot once more before the worker could answer: ~25 ms at 100k users,
-    the calling process waiting.)"""
+def start_worker(shared: Any, spill: Spill | int) -> None:
+    """A worker process's start (the pool's initializer): the pass's cursor and its spill (``Spill``, a descriptor
+    once here), inherited as the process starts. A worker lives for one pass and ends with ``os._exit``: its cyclic
+    collector is off for good. (Back on after the pass, its first collection walked the unpickled snapshot once more
+    before the worker could answer: ~25 ms at 100k users, the calling process waiting.)"""
     global _ends
     gc.disable()
     _ends = Ends(shared)
+    _spill[:] = [spill if isinstance(spill, int) else spill.fd]  # (a Spill given whole: a pool in this process)
 
 
-def write_in_worker(spill: str, mac: str, secret: Secret, directory: str, formats: tuple[str, ...],
-                    unseen: bool = False) -> Part:
+def write_in_worker(size: int, secret: Secret, directory: str, formats: tuple[str, ...], unseen: bool = False) -> Part:
     """The users this worker takes from the back of the pass's list until the ends meet (nothing when the calling
-    process took them all before this worker started). The file is checked before anything is made of it.
-    ``unseen``: as ``write_users``'."""
-    import pickle
-
-    assert _ends is not None, "a worker of a pass's pool (start_worker)"
-    with open(spill, "rb") as f:
-        data = f.read()
-    if not mac_matches(_spill_key(secret), data, mac):  # not the file the pass wrote: never unpickled
-        raise RuntimeError(f"the snapshot file {spill} is not the one this pass wrote")
-    if not _ends.left():  # taken by the calling process meanwhile: no snapshot to unpickle
+    process took them all before this worker started), from the ``size`` bytes of the pass's spill. ``unseen``: as
+    ``write_users``'."""
+    assert _ends is not None and _spill, "a worker of a pass's pool (start_worker)"
+    if not _ends.left() or not size:  # taken by the calling process meanwhile: no snapshot to unpickle
         return Part(np.zeros(0, np.int64), np.zeros(0, f"S{TOKEN_CHARS}"), np.zeros(0, f"S{FINGERPRINT_CHARS}"),
                     np.zeros(0, np.int64), 0, 0)
-    # (The collector is off in a worker, ``start_worker``: millions of long-lived objects are unpickled here.)
-    snapshot, which, headers_only, before = pickle.loads(data)
-    del data
+    # (The collector is off in a worker, ``start_worker``: millions of long-lived objects are unpickled here.) Read
+    # where it lies in memory: no copy of the bytes first.
+    with mmap.mmap(_spill[0], size, prot=mmap.PROT_READ) as data:
+        snapshot, which, headers_only, before = pickle.loads(data)
     # Kept past this call: freed as the call returned, the snapshot's objects one by one held its answer back (and
     # the calling process waiting for it) ~50 ms at 100k users; a pool's worker ends with ``os._exit``.
     _kept[:] = [snapshot]
-    return write_users(snapshot, secret, directory, formats, before, which, headers_only, has_shadowsocks(snapshot),
-                       _ends.blocks(front=False), unseen, backward=True)
+    return write_users(snapshot, secret, directory, formats, before or nothing_before(len(which)), which, headers_only,
+                       has_shadowsocks(snapshot), _ends.blocks(front=False), unseen, backward=True)
 
 
 def published_before(table: PublishedTable, which: np.ndarray) -> Before:
     return table.tokens[which], table.prints[which], table.sizes[which]
+
+
+def nothing_before(n: int) -> Before:
+    """``published_before`` of ``n`` users none of whom was published (a first pass: what its workers get as None,
+    not 11 MB of zeros pickled at 100k users)."""
+    return np.zeros(n, f"S{TOKEN_CHARS}"), np.zeros(n, f"S{FINGERPRINT_CHARS}"), np.zeros(n, np.int64)
 
 
 def locality_order(columns: list[np.ndarray], which: np.ndarray) -> np.ndarray:
