@@ -8,9 +8,12 @@ a skip-verification flag.
 from __future__ import annotations
 
 import base64
+import json
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from ruamel.yaml import YAML
 
 from reconciler.balance import Snapshot
@@ -125,3 +128,15 @@ def test_the_live_endpoint_serves_a_refusal_with_its_status_and_the_file_outlet_
     folder = tmp_path / "subs" / user_credentials(SECRET, "dave").token
     assert (folder / "clash.yaml").read_text().startswith("This subscription is disabled")
     assert '"status": "403"' in (folder / "headers.json").read_text()
+
+
+_LEAF = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text()
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.recursive(_LEAF, lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner), max_leaves=30))
+def test_the_compact_json_encoder_writes_what_json_dumps_writes(value):
+    # sing-box profiles are written with one C encoder made once (``formats._json``), not one a call: the same text.
+    from reconciler.subscriptions.formats import _json
+
+    assert _json(value) == json.dumps(value, ensure_ascii=False, separators=(",", ":"))

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
+import hashlib
 import ipaddress
 import math
 import re
@@ -238,9 +240,8 @@ HostKey = Annotated[
 ]
 
 
+@functools.lru_cache(maxsize=4096)  # (the same few inbounds in every failover order of a pass: thousands of templates)
 def order_id(inbound_id: str) -> str:
     """An inbound as an app's failover order names it in a health check's URL (no operator's name in a URL). The
     responder on the servers (``reconciler/engine/responder.py``, standard library only) computes the same."""
-    import hashlib
-
     return hashlib.blake2b(inbound_id.encode(), digest_size=4).hexdigest()
