@@ -536,8 +536,8 @@ def test_a_big_write_in_worker_processes_gives_the_same_files(tmp_path, monkeypa
         seen.append((sorted(os.listdir(tmp_path / "sb")), os.pread(spills[0].fd, spills[0].size, 0)))
         return real(*args, **kw)
 
-    def spill(folder):
-        spills.append(made(folder))
+    def spill():
+        spills.append(made())
         return spills[-1]
 
     monkeypatch.setattr(files, "write_users", looking)
@@ -548,8 +548,10 @@ def test_a_big_write_in_worker_processes_gives_the_same_files(tmp_path, monkeypa
     assert SECRET.value not in seen[0][1]
     with pytest.raises(OSError):  # closed with the pass
         os.fstat(spills[0].fd)
+    other = made()
     with pytest.raises(TypeError, match="as they start"):  # its descriptor goes nowhere but to a starting worker
-        pickle.dumps(made(str(tmp_path)))
+        pickle.dumps(other)
+    other.close()
     assert two.published == one.published
     for token in (p.token for p in one.published.values()):
         for name in ("links.txt", "sing-box.json", "clash.yaml", "headers.json"):

@@ -37,7 +37,7 @@ from reconciler.publish.parallel import (
 )
 from reconciler.publish.userfiles import DIR_MODE, STRETCH, Part, WriteStats, file_names, has_shadowsocks, write_users
 from reconciler.safe_read import read_regular_file
-from reconciler.state.files import make_private_dirs, write_atomic
+from reconciler.state.files import write_atomic
 from reconciler.subscriptions import FORMATS
 
 #: Raised when the same inputs give other files (the snapshot digest holds it: a pass after an upgrade compares every
@@ -353,8 +353,7 @@ class FileOutlet:
         # The snapshot (with the pass's users) goes to the workers pickled straight into an anonymous file they inherit
         # (``Spill``): as bytes it was in memory twice more (the pickle, and the executor's own pickle of the call),
         # ~250 MB at a million users, the loop's peak. The secret travels with the call, never in the file.
-        make_private_dirs(self.manifest_path.parent)
-        spill = Spill(str(self.manifest_path.parent))
+        spill = Spill()
         try:
             with ProcessPoolExecutor(self.workers - 1, mp_context=context, initializer=start_worker,
                                      initargs=(ends.shared, spill)) as pool:

@@ -38,6 +38,11 @@ class Published(NamedTuple):
     size: int  # bytes of all its files together
 
 
+def empty_columns(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What was published of ``n`` users none of whom was: (tokens, fingerprints, sizes), ``PublishedTable``'s columns."""
+    return np.zeros(n, f"S{TOKEN_CHARS}"), np.zeros(n, f"S{FINGERPRINT_CHARS}"), np.zeros(n, np.int64)
+
+
 class PublishedTable(Mapping[str, Published]):
     """user → what was published of its files, as columns over a cluster's users (a dict of a million named tuples
     of two strings was ~370 MB), and a small dict beside for users the columns do not hold (who left the file).
@@ -45,11 +50,8 @@ class PublishedTable(Mapping[str, Published]):
 
     def __init__(self, names: tuple[str, ...], position: Mapping[str, int],
                  others: dict[str, Published] | None = None) -> None:
-        n = len(names)
         self.names, self._at = names, position
-        self.tokens = np.zeros(n, f"S{TOKEN_CHARS}")
-        self.prints = np.zeros(n, f"S{FINGERPRINT_CHARS}")
-        self.sizes = np.zeros(n, np.int64)
+        self.tokens, self.prints, self.sizes = empty_columns(len(names))
         self.others: dict[str, Published] = others if others is not None else {}
 
     @classmethod

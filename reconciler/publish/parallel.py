@@ -15,7 +15,6 @@ import gc
 import mmap
 import os
 import pickle
-import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from multiprocessing import reduction
@@ -25,10 +24,9 @@ from typing import Any, overload
 import numpy as np
 
 from reconciler.balance import Snapshot
-from reconciler.credentials import TOKEN_CHARS, Secret
+from reconciler.credentials import Secret
 from reconciler.model import User
-from reconciler.publish.digests import FINGERPRINT_CHARS
-from reconciler.publish.manifest import PublishedTable
+from reconciler.publish.manifest import PublishedTable, empty_columns
 from reconciler.publish.userfiles import Before, Part, has_shadowsocks, write_users
 
 #: Earlier versions spilled a pass's snapshot to a file of this prefix in the state folder (HMAC'd, since a file with a
@@ -38,19 +36,15 @@ BLOCK = 512  # users taken at a time (~30 ms of work): the two ends meet within 
 
 
 class Spill:
-    """A pass's snapshot as its workers read it: an anonymous file in memory (``memfd``; where there is none, a file of
-    the state folder without a name), made before the workers start, which each inherits as it starts (its descriptor
-    goes along with the pool's initializer, ``start_worker``). Nothing in any folder: no file another process could
-    swap in under its name (the workers unpickle what they read), nothing written to the disk (~100 MB a pass at a
-    million users), nothing a killed pass leaves behind. Before, a file in the state folder, HMAC'd under a key from
-    the master secret and checked by each worker: ~25 ms of hashing on either side of a 100k-user pass."""
+    """A pass's snapshot as its workers read it: an anonymous file in memory (``memfd``), made before the workers start,
+    which each inherits as it starts (its descriptor goes along with the pool's initializer, ``start_worker``). Nothing
+    in any folder: no file another process could swap in under its name (the workers unpickle what they read), nothing
+    written to the disk (~100 MB a pass at a million users), nothing a killed pass leaves behind. Before, a file in the
+    state folder, HMAC'd under a key from the master secret and checked by each worker: ~25 ms of hashing on either
+    side of a 100k-user pass."""
 
-    def __init__(self, folder: str) -> None:
-        if hasattr(os, "memfd_create"):
-            self.fd = os.memfd_create("reconciler-outlet-pass", os.MFD_CLOEXEC)
-        else:  # (no memfd: a file without a name, O_TMPFILE where the filesystem has it)
-            self.fd = os.dup((f := tempfile.TemporaryFile(dir=folder)).fileno())
-            f.close()
+    def __init__(self, fd: int | None = None) -> None:
+        self.fd = os.memfd_create("reconciler-outlet-pass", os.MFD_CLOEXEC) if fd is None else fd
         self.size = 0
 
     def dump(self, value: object) -> None:
@@ -58,6 +52,11 @@ class Spill:
         with open(self.fd, "wb", closefd=False) as f:
             pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
             self.size = f.tell()
+
+    def load(self, size: int) -> Any:
+        """In a worker: what ``dump`` pickled (``size`` bytes), read where it lies in memory (no copy of the bytes)."""
+        with mmap.mmap(self.fd, size, prot=mmap.PROT_READ) as data:
+            return pickle.loads(data)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -68,10 +67,9 @@ class Spill:
         return _inherited, (reduction.DupFd(self.fd),)
 
 
-def _inherited(fd: Any) -> int:
-    """In a worker: the spill's descriptor, as ``Spill.__reduce__`` sent it."""
-    got: int = fd.detach()
-    return got
+def _inherited(fd: Any) -> Spill:
+    """In a worker: the pass's spill, on the descriptor ``Spill.__reduce__`` sent."""
+    return Spill(fd.detach())
 
 
 class Ends:
@@ -181,19 +179,19 @@ def spilled(snapshot: Snapshot) -> Snapshot:
 
 
 _ends: Ends | None = None  # in a worker process: the cursor of the pass its pool serves (``start_worker``)
-_spill: list[int] = []  # in a worker process: the descriptor of its pass's ``Spill``
+_spill: list[Spill] = []  # in a worker process: its pass's ``Spill``
 _kept: list[Snapshot] = []  # in a worker process: the snapshot of its last call (``write_in_worker``)
 
 
-def start_worker(shared: Any, spill: Spill | int) -> None:
-    """A worker process's start (the pool's initializer): the pass's cursor and its spill (``Spill``, a descriptor
-    once here), inherited as the process starts. A worker lives for one pass and ends with ``os._exit``: its cyclic
-    collector is off for good. (Back on after the pass, its first collection walked the unpickled snapshot once more
-    before the worker could answer: ~25 ms at 100k users, the calling process waiting.)"""
+def start_worker(shared: Any, spill: Spill) -> None:
+    """A worker process's start (the pool's initializer): the pass's cursor and its spill, inherited as the process
+    starts. A worker lives for one pass and ends with ``os._exit``: its cyclic collector is off for good. (Back on after
+    the pass, its first collection walked the unpickled snapshot once more before the worker could answer: ~25 ms at
+    100k users, the calling process waiting.)"""
     global _ends
     gc.disable()
     _ends = Ends(shared)
-    _spill[:] = [spill if isinstance(spill, int) else spill.fd]  # (a Spill given whole: a pool in this process)
+    _spill[:] = [spill]
 
 
 def write_in_worker(size: int, secret: Secret, directory: str, formats: tuple[str, ...], unseen: bool = False) -> Part:
@@ -201,28 +199,20 @@ def write_in_worker(size: int, secret: Secret, directory: str, formats: tuple[st
     process took them all before this worker started), from the ``size`` bytes of the pass's spill. ``unseen``: as
     ``write_users``'."""
     assert _ends is not None and _spill, "a worker of a pass's pool (start_worker)"
-    if not _ends.left() or not size:  # taken by the calling process meanwhile: no snapshot to unpickle
-        return Part(np.zeros(0, np.int64), np.zeros(0, f"S{TOKEN_CHARS}"), np.zeros(0, f"S{FINGERPRINT_CHARS}"),
-                    np.zeros(0, np.int64), 0, 0)
-    # (The collector is off in a worker, ``start_worker``: millions of long-lived objects are unpickled here.) Read
-    # where it lies in memory: no copy of the bytes first.
-    with mmap.mmap(_spill[0], size, prot=mmap.PROT_READ) as data:
-        snapshot, which, headers_only, before = pickle.loads(data)
+    if not _ends.left():  # taken by the calling process meanwhile: no snapshot to unpickle
+        return Part(np.zeros(0, np.int64), *empty_columns(0), 0, 0)
+    # (The collector is off in a worker, ``start_worker``: millions of long-lived objects are unpickled here.)
+    snapshot, which, headers_only, before = _spill[0].load(size)
     # Kept past this call: freed as the call returned, the snapshot's objects one by one held its answer back (and
     # the calling process waiting for it) ~50 ms at 100k users; a pool's worker ends with ``os._exit``.
     _kept[:] = [snapshot]
-    return write_users(snapshot, secret, directory, formats, before or nothing_before(len(which)), which, headers_only,
+    # (None: nobody was published before, a first pass; 11 MB of zeros at 100k users not pickled)
+    return write_users(snapshot, secret, directory, formats, before or empty_columns(len(which)), which, headers_only,
                        has_shadowsocks(snapshot), _ends.blocks(front=False), unseen, backward=True)
 
 
 def published_before(table: PublishedTable, which: np.ndarray) -> Before:
     return table.tokens[which], table.prints[which], table.sizes[which]
-
-
-def nothing_before(n: int) -> Before:
-    """``published_before`` of ``n`` users none of whom was published (a first pass: what its workers get as None,
-    not 11 MB of zeros pickled at 100k users)."""
-    return np.zeros(n, f"S{TOKEN_CHARS}"), np.zeros(n, f"S{FINGERPRINT_CHARS}"), np.zeros(n, np.int64)
 
 
 def locality_order(columns: list[np.ndarray], which: np.ndarray) -> np.ndarray:
